@@ -1,0 +1,111 @@
+"""Load a causal LM and its tokenizer from a catalog name, a directory, a GGUF
+file or a hub id, on the configured device and dtype."""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import pathlib
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from specdec.engine.config import EngineConfig
+from specdec.errors import NotFound
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass
+class LoadedModel:
+    model: PreTrainedModel
+    tokenizer: object | None  # a transformers tokenizer, or None for bare test models
+    name: str
+
+
+def cpu_has_native_bf16() -> bool:
+    """True when the CPU computes bf16 natively (AVX512-BF16 or AMX)."""
+    try:
+        flags = pathlib.Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(name: str, device: str) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    if device.startswith("cuda"):
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+
+
+def apply_threads(threads: int) -> None:
+    if threads > 0:
+        torch.set_num_threads(threads)
+
+
+def _locate(source: str) -> tuple[str, str | None]:
+    """(directory or hub id, gguf file name or None) for a model source."""
+    path = pathlib.Path(source).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return str(path.parent), path.name
+    if path.is_dir():
+        return str(path), None
+    try:
+        from specdec.models.cache import resolve_model
+    except ImportError:  # pragma: no cover - the cache module ships with the package
+        resolve_model = None
+    if resolve_model is not None and "/" not in source:
+        try:
+            return _locate(str(resolve_model(source)))
+        except LookupError as exc:
+            raise NotFound(str(exc)) from exc
+    return source, None  # a hub id; fails offline with transformers' own message
+
+
+def load_model(cfg: EngineConfig) -> LoadedModel:
+    """Load `cfg.model` for inference; raises NotFound for an unknown model."""
+    cfg.validate()
+    apply_threads(cfg.threads)
+    where, gguf_file = _locate(cfg.model)
+    dtype = resolve_dtype(cfg.dtype, cfg.device)
+    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            where, dtype=dtype, attn_implementation=cfg.attn_implementation, **kwargs
+        )
+    except OSError as exc:
+        raise NotFound(f"cannot load model {cfg.model!r}: {exc}") from exc
+    model.to(cfg.device).eval()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
+    except (OSError, ValueError) as exc:
+        log.warning("no tokenizer for %s: %s", cfg.model, exc)
+        tokenizer = None
+    return LoadedModel(model=model, tokenizer=tokenizer, name=cfg.model)
+
+
+def tokenizer_fingerprint(tokenizer, vocab_size: int) -> str:
+    """sha256 of the token-to-id map, so two services can check they agree."""
+    if tokenizer is None:
+        return f"untokenized-vocab-{vocab_size}"
+    items = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    digest = hashlib.sha256()
+    for token, idx in items:
+        digest.update(f"{idx}\t{token}\n".encode("utf-8", "surrogatepass"))
+    return digest.hexdigest()
+
+
+def free_device_memory(device: torch.device) -> int:
+    """Bytes free on the device now (CPU: available RAM)."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):  # pragma: no cover - non-POSIX
+        return 8 << 30

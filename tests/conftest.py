@@ -1,0 +1,47 @@
+"""Shared fixtures: tiny models built from configs (random weights, no download)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen2Config
+
+from specdec.engine.config import EngineConfig
+from specdec.engine.engine import ModelEngine
+
+TINY_VOCAB = 128
+
+
+def tiny_config(arch: str, vocab_size: int = TINY_VOCAB, layers: int = 2, init_range: float = 0.02):
+    common = dict(vocab_size=vocab_size, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if arch == "llama":
+        return LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                           initializer_range=init_range, **common)
+    if arch == "qwen2":
+        return Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                           initializer_range=init_range, **common)
+    if arch == "gpt2":
+        return GPT2Config(n_embd=64, n_layer=layers, n_head=4, n_positions=1024,
+                          initializer_range=init_range, **common)
+    raise ValueError(arch)
+
+
+def tiny_model(arch: str = "llama", seed: int = 0, **kwargs):
+    """A small random causal LM. init_range > 0.02 gives peaked (tie-free)
+    distributions, which greedy-equality tests want."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch, **kwargs), dtype=torch.float32,
+                                             attn_implementation="sdpa")
+    return model.eval()
+
+
+def tiny_engine(arch: str = "llama", seed: int = 0, model=None, **cfg) -> ModelEngine:
+    cfg.setdefault("dtype", "float32")
+    model = model if model is not None else tiny_model(arch, seed)
+    return ModelEngine(model, EngineConfig(**cfg), name=f"tiny-{arch}-{seed}")
+
+
+@pytest.fixture(params=["llama", "qwen2", "gpt2"])
+def arch(request):
+    return request.param

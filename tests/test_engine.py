@@ -1,0 +1,205 @@
+"""The model engine: KV rollback, batched forward, isolation and limits."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec.engine.engine import ExtendItem
+from specdec.errors import InvalidArgument, NotFound, OutOfRange, ResourceExhausted
+from tests.conftest import TINY_VOCAB, tiny_engine
+
+ATOL = 1e-4
+
+
+def reference_logits(engine, tokens):
+    """Logits of a fresh, cache-free forward over the whole sequence: [n, V]."""
+    with torch.inference_mode():
+        return engine.model(torch.tensor([tokens])).logits[0]
+
+
+def random_tokens(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, TINY_VOCAB, (n,), generator=g).tolist()
+
+
+def test_extend_returns_logits_of_the_last_positions(arch):
+    engine = tiny_engine(arch)
+    seq = random_tokens(30)
+    ref = reference_logits(engine, seq)
+    s = engine.open_session(seq[:10])
+    logits = engine.extend([ExtendItem(s.id, None, seq[10:30], num_logits=21)])[0]
+    assert logits.shape == (21, engine.vocab_size)
+    torch.testing.assert_close(logits, ref[9:30], atol=ATOL, rtol=0)
+    assert s.length == 30
+
+
+@pytest.mark.parametrize("keep", [0, 1, 7, 20, 29])
+def test_rollback_then_reextend_equals_a_fresh_run(arch, keep):
+    engine = tiny_engine(arch)
+    seq = random_tokens(30, seed=1)
+    other = random_tokens(12, seed=2)
+    s = engine.open_session(seq[:5])
+    engine.extend([ExtendItem(s.id, None, seq[5:30], 1)])
+    assert engine.rollback(s.id, keep) == keep
+    new = seq[:keep] + other if keep else other
+    logits = engine.extend([ExtendItem(s.id, None, other, num_logits=len(other))])[0]
+    ref = reference_logits(engine, new)
+    torch.testing.assert_close(logits, ref[-len(other):], atol=ATOL, rtol=0)
+
+
+def test_rollback_to_current_length_is_a_noop_and_past_the_end_is_an_error():
+    engine = tiny_engine()
+    seq = random_tokens(12)
+    s = engine.open_session(seq)
+    engine.extend([ExtendItem(s.id, None, [5, 6], 1)])
+    kv_before = s.kv.length
+    assert engine.rollback(s.id, 14) == 14
+    assert s.kv.length == kv_before and s.tokens == seq + [5, 6]
+    with pytest.raises(OutOfRange, match="holds only 14"):
+        engine.rollback(s.id, 15)
+    with pytest.raises(InvalidArgument):
+        engine.rollback(s.id, -1)
+    assert s.tokens == seq + [5, 6]
+
+
+def test_keep_length_rides_on_extend():
+    engine = tiny_engine()
+    seq = random_tokens(20, seed=3)
+    s = engine.open_session(seq[:10])
+    engine.extend([ExtendItem(s.id, None, [7, 8, 9], 1)])  # drafted, to be rejected
+    logits = engine.extend([ExtendItem(s.id, 10, seq[10:20], 10)])[0]
+    torch.testing.assert_close(logits, reference_logits(engine, seq)[10:20], atol=ATOL, rtol=0)
+
+
+def test_rollback_is_constant_time_in_context_length():
+    # A rollback moves a pointer; the buffers are not touched.
+    engine = tiny_engine(max_context=1024)
+    s = engine.open_session(random_tokens(1000))
+    keys_ptr = s.kv.keys.data_ptr()
+    engine.rollback(s.id, 3)
+    assert s.kv.keys.data_ptr() == keys_ptr and s.kv.capacity >= 1000
+
+
+def test_batched_forward_equals_per_session_forward_with_mixed_lengths(arch):
+    engine = tiny_engine(arch)
+    seqs = [random_tokens(n, seed=10 + n) for n in (3, 17, 40, 9)]
+    splits = [1, 12, 33, 8]  # prompt lengths; the rest is appended in the batch
+    sessions = [engine.open_session(seq[:k]) for seq, k in zip(seqs, splits)]
+    items = [ExtendItem(s.id, None, seq[k:], len(seq) - k + 1) for s, seq, k in zip(sessions, seqs, splits)]
+    batched = engine.extend(items)
+    for seq, k, logits in zip(seqs, splits, batched):
+        torch.testing.assert_close(logits, reference_logits(engine, seq)[k - 1:], atol=ATOL, rtol=0)
+
+
+def test_sessions_are_isolated():
+    engine = tiny_engine()
+    a_seq, b_seq = random_tokens(20, seed=4), random_tokens(20, seed=5)
+    a = engine.open_session(a_seq[:10])
+    b = engine.open_session(b_seq[:10])
+    engine.extend([ExtendItem(a.id, None, a_seq[10:], 1)])
+    engine.rollback(a.id, 2)
+    engine.close(a.id)
+    logits = engine.extend([ExtendItem(b.id, None, b_seq[10:], 10)])[0]
+    torch.testing.assert_close(logits, reference_logits(engine, b_seq)[10:], atol=ATOL, rtol=0)
+
+
+def test_a_bad_item_leaves_every_session_untouched():
+    engine = tiny_engine()
+    a = engine.open_session(random_tokens(8, seed=6))
+    b = engine.open_session(random_tokens(8, seed=7))
+    before = (list(a.tokens), a.kv.length, list(b.tokens), b.kv.length)
+    with pytest.raises(InvalidArgument, match="outside the vocabulary"):
+        engine.extend([ExtendItem(a.id, 4, [5], 1), ExtendItem(b.id, None, [TINY_VOCAB], 1)])
+    with pytest.raises(OutOfRange):
+        engine.extend([ExtendItem(a.id, 4, [5], 1), ExtendItem(b.id, 9, [5], 1)])
+    assert (list(a.tokens), a.kv.length, list(b.tokens), b.kv.length) == before
+
+
+def test_prefill_in_chunks_equals_one_pass():
+    engine = tiny_engine(prefill_chunk=7)
+    seq = random_tokens(50, seed=8)
+    s = engine.open_session(seq[:45])
+    logits = engine.extend([ExtendItem(s.id, None, seq[45:], 6)])[0]
+    torch.testing.assert_close(logits, reference_logits(engine, seq)[44:], atol=ATOL, rtol=0)
+
+
+def test_long_append_is_prefed_in_chunks():
+    engine = tiny_engine(prefill_chunk=8)
+    seq = random_tokens(60, seed=9)
+    s = engine.open_session(seq[:2])
+    logits = engine.extend([ExtendItem(s.id, None, seq[2:], 3)])[0]
+    torch.testing.assert_close(logits, reference_logits(engine, seq)[-3:], atol=ATOL, rtol=0)
+
+
+def test_kv_grows_beyond_initial_capacity():
+    engine = tiny_engine(initial_capacity=4)
+    seq = random_tokens(80, seed=11)
+    s = engine.open_session(seq[:3])
+    cap0 = s.kv.capacity
+    for i in range(3, 80, 5):
+        engine.extend([ExtendItem(s.id, None, seq[i:i + 5], 1)])
+    assert s.kv.capacity > cap0
+    logits = engine.extend([ExtendItem(s.id, 70, seq[70:80], 10)])[0]
+    torch.testing.assert_close(logits, reference_logits(engine, seq)[70:80], atol=ATOL, rtol=0)
+
+
+def test_kv_accounting_per_session():
+    engine = tiny_engine()
+    per_token = engine.kv_shape.bytes_per_token
+    assert per_token == 2 * 2 * 2 * 16 * 4  # layers * (k+v) * kv_heads * head_dim * fp32
+    s = engine.open_session(random_tokens(10), max_new_tokens=50)
+    assert s.kv.nbytes == s.kv.capacity * per_token
+    assert s.kv.capacity >= 60
+    assert engine.kv_bytes_reserved == s.kv.nbytes
+    engine.close(s.id)
+    assert engine.kv_bytes_reserved == 0
+
+
+def test_limits_give_clear_errors():
+    engine = tiny_engine(max_sessions=2, max_context=64)
+    with pytest.raises(InvalidArgument, match="empty"):
+        engine.open_session([])
+    with pytest.raises(InvalidArgument, match="exceeds the context limit"):
+        engine.open_session(random_tokens(10), max_new_tokens=60)
+    a = engine.open_session(random_tokens(60))
+    engine.open_session(random_tokens(3))
+    with pytest.raises(ResourceExhausted, match="too many open sessions"):
+        engine.open_session(random_tokens(3))
+    with pytest.raises(OutOfRange, match="context limit"):
+        engine.extend([ExtendItem(a.id, None, random_tokens(5), 1)])
+    with pytest.raises(NotFound):
+        engine.extend([ExtendItem("nope", None, [3], 1)])
+    with pytest.raises(InvalidArgument, match="twice"):
+        engine.extend([ExtendItem(a.id, None, [3], 1), ExtendItem(a.id, None, [4], 1)])
+
+
+def test_kv_byte_budget_is_enforced():
+    engine = tiny_engine()
+    engine.max_kv_bytes = 100 * engine.kv_shape.bytes_per_token
+    engine.open_session(random_tokens(10), max_new_tokens=50)
+    with pytest.raises(ResourceExhausted, match="KV cache budget"):
+        engine.open_session(random_tokens(10), max_new_tokens=50)
+
+
+def test_close_twice_is_harmless_and_idle_sessions_expire():
+    engine = tiny_engine()
+    s = engine.open_session(random_tokens(4))
+    assert engine.close(s.id) is True
+    assert engine.close(s.id) is False
+    t = engine.open_session(random_tokens(4))
+    t.last_used -= 100
+    assert engine.expire_idle(ttl_s=10) == [t.id]
+    assert engine.num_sessions == 0
+
+
+def test_session_ids_are_unguessable():
+    engine = tiny_engine()
+    ids = {engine.open_session([3]).id for _ in range(20)}
+    assert len(ids) == 20 and all(len(i) >= 24 for i in ids)
+
+
+def test_model_info():
+    engine = tiny_engine("qwen2")
+    info = engine.info
+    assert info.vocab_size == TINY_VOCAB and info.eos_token_ids == (2,)
+    assert info.kv_bytes_per_token == engine.kv_shape.bytes_per_token
