@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from specdec.config import opt
+
 
 @dataclass
 class EngineConfig:
@@ -11,28 +13,28 @@ class EngineConfig:
 
     # Model to load: a catalog name (see `specd models list`), a local HF
     # directory, a .gguf file, or a hub id where a hub is reachable.
-    model: str = ""
+    model: str = opt("", "model: catalog name, HF directory, .gguf file or hub id")
     # "cpu", "cuda" or "cuda:N".
-    device: str = "cpu"
+    device: str = opt("cpu", "cpu, cuda or cuda:N")
     # "auto", "bfloat16", "float16" or "float32". auto: bf16 on a GPU that
     # supports it (else fp16); bf16 on a CPU with native bf16 (else fp32).
-    dtype: str = "auto"
+    dtype: str = opt("auto", "weights and KV dtype", choices=("auto", "bfloat16", "float16", "float32"))
     # Intra-op threads for CPU forward passes; 0 leaves torch's default.
-    threads: int = 0
+    threads: int = opt(0, "CPU threads for forward passes (0: torch default)")
     # "sdpa" or "eager".
-    attn_implementation: str = "sdpa"
+    attn_implementation: str = opt("sdpa", "attention kernel", choices=("sdpa", "eager"))
     # Open sessions at most (>= 1).
-    max_sessions: int = 64
+    max_sessions: int = opt(64, "open sessions at most")
     # Tokens one session may hold (prompt + generated + drafted), >= 2.
-    max_context: int = 4096
+    max_context: int = opt(4096, "tokens one session may hold")
     # Bytes of KV cache all sessions may reserve together; 0: automatic
     # (half of the free memory of the device after loading).
-    max_kv_bytes: int = 0
+    max_kv_bytes: int = opt(0, "KV cache bytes for all sessions (0: half the free device memory)")
     # Prompt tokens per forward pass during prefill (bounds activation memory).
-    prefill_chunk: int = 512
+    prefill_chunk: int = opt(512, "prompt tokens per prefill forward pass")
     # KV capacity reserved when a session opens without a token budget; the
     # buffer grows geometrically up to max_context.
-    initial_capacity: int = 256
+    initial_capacity: int = opt(256, "KV tokens reserved when a session opens without a budget")
 
     def validate(self) -> None:
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):

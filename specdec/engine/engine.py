@@ -41,6 +41,8 @@ class Session:
     tokens: list[int]
     kv: SessionKV
     last_used: float = field(default_factory=time.monotonic)
+    # The service's own per-session state (sampling parameters, seed, ...).
+    meta: object = None
 
     @property
     def length(self) -> int:
@@ -150,6 +152,18 @@ class ModelEngine:
                 ids.update(int(v) for v in value)
         return tuple(sorted(i for i in ids if 0 <= i < self.vocab_size))
 
+    def warmup(self) -> None:
+        """Run the prefill, batched and single-token paths once, so the first
+        real request does not pay for lazy initialization."""
+        a = self.open_session([0] * 8)
+        b = self.open_session([0] * 3)
+        try:
+            self.extend([ExtendItem(a.id, None, [0] * 4, 5), ExtendItem(b.id, None, [0], 2)])
+            self.extend([ExtendItem(a.id, 6, [0], 1)])
+        finally:
+            self.close(a.id)
+            self.close(b.id)
+
     # -------------------------------------------------------------- sessions
 
     @property
@@ -200,6 +214,17 @@ class ModelEngine:
         session.tokens = prompt
         return session
 
+    def append_tokens(self, session_id: str, tokens: Sequence[int]) -> int:
+        """Append to the context without a forward pass (the next extend
+        computes them); returns the new length."""
+        session = self.session(session_id)
+        self._check_tokens(tokens, "appended tokens")
+        if session.length + len(tokens) > self.max_context:
+            raise OutOfRange(f"session {session_id!r} would exceed the context limit of {self.max_context}")
+        session.tokens.extend(int(t) for t in tokens)
+        self._ensure_capacity(session, session.length)
+        return session.length
+
     def rollback(self, session_id: str, length: int) -> int:
         """Keep the first `length` tokens of the context: O(1)."""
         session = self.session(session_id)
@@ -229,14 +254,15 @@ class ModelEngine:
         Every item is validated before any session changes, so a bad item
         leaves all sessions as they were.
         """
-        sessions = self._validate(items)
+        sessions = self.validate(items)
         for item, session in zip(items, sessions):
             self._apply_cut_and_append(session, item)
         for item, session in zip(items, sessions):
             self._prefeed_long(session, item.num_logits)
         return self._forward(sessions, [item.num_logits for item in items])
 
-    def _validate(self, items: Sequence[ExtendItem]) -> list[Session]:
+    def validate(self, items: Sequence[ExtendItem]) -> list[Session]:
+        """Check a batch without changing anything; raises the first problem."""
         if not items:
             raise InvalidArgument("empty batch")
         ids = [item.session_id for item in items]

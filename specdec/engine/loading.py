@@ -48,7 +48,7 @@ def apply_threads(threads: int) -> None:
         torch.set_num_threads(threads)
 
 
-def _locate(source: str) -> tuple[str, str | None]:
+def locate(source: str) -> tuple[str, str | None]:
     """(directory or hub id, gguf file name or None) for a model source."""
     path = pathlib.Path(source).expanduser()
     if path.is_file() and path.suffix == ".gguf":
@@ -61,7 +61,7 @@ def _locate(source: str) -> tuple[str, str | None]:
         resolve_model = None
     if resolve_model is not None and "/" not in source:
         try:
-            return _locate(str(resolve_model(source)))
+            return locate(str(resolve_model(source)))
         except LookupError as exc:
             raise NotFound(str(exc)) from exc
     return source, None  # a hub id; fails offline with transformers' own message
@@ -71,7 +71,7 @@ def load_model(cfg: EngineConfig) -> LoadedModel:
     """Load `cfg.model` for inference; raises NotFound for an unknown model."""
     cfg.validate()
     apply_threads(cfg.threads)
-    where, gguf_file = _locate(cfg.model)
+    where, gguf_file = locate(cfg.model)
     dtype = resolve_dtype(cfg.dtype, cfg.device)
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
     try:

@@ -1,0 +1,203 @@
+"""Drafters: what proposes the k tokens of a speculative round.
+
+Two kinds behind one interface: `ModelDrafter` runs a small causal LM through
+the shared engine; `NgramDrafter` (prompt lookup) needs no model and copies
+what followed the latest earlier occurrence of the context's last n tokens.
+
+Every drafted token comes with its exact proposal distribution q: the draft
+model's distribution after the request's sampling transform, truncated to its
+top `max_q_tokens` tokens and renormalized. Rejection sampling is exact for
+any q sent exactly, so truncation costs acceptance, never correctness. Under
+greedy decoding no q is sent.
+"""
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Protocol, Sequence
+
+from specdec.engine.engine import EngineInfo, ExtendItem, ModelEngine
+from specdec.errors import InvalidArgument, NotFound, OutOfRange, ResourceExhausted
+from specdec.model_service import SessionMeta
+from specdec.sampling.rejection import draw_draft
+from specdec.sampling.sparse import SparseDist, truncate
+from specdec.sampling.transform import argmax_tokens, logits_to_probs
+
+
+@dataclass(frozen=True)
+class DraftToken:
+    index: int  # position among this call's drafts, 0-based
+    token_id: int
+    q: SparseDist | None  # None under greedy decoding
+    length: int  # session context length after this token
+
+
+class Drafter(Protocol):
+    info: EngineInfo
+
+    def open(self, prompt: list[int], meta: SessionMeta, max_new_tokens: int) -> tuple[str, int, int]: ...
+    def propose(self, session_id: str, keep_length: int, append: Sequence[int], k: int) -> Iterator[DraftToken]: ...
+    def rollback(self, session_id: str, length: int) -> int: ...
+    def close(self, session_id: str) -> bool: ...
+    def expire_idle(self, ttl_s: float) -> list[str]: ...
+
+
+def check_num_tokens(k: int, limit: int) -> None:
+    if not 1 <= k <= limit:
+        raise InvalidArgument(f"num_tokens must be in [1, {limit}], got {k}")
+
+
+class ModelDrafter:
+    """Drafts with a causal LM; one forward pass per drafted token."""
+
+    def __init__(self, engine: ModelEngine, max_draft_tokens: int = 16, max_q_tokens: int = 32):
+        self.engine = engine
+        self.info = engine.info
+        self.max_draft_tokens = max_draft_tokens
+        self.max_q_tokens = max_q_tokens
+
+    def open(self, prompt, meta, max_new_tokens):
+        session = self.engine.open_session(prompt, max_new_tokens)
+        session.meta = meta
+        return session.id, session.length, session.kv.nbytes
+
+    def propose(self, session_id, keep_length, append, k):
+        """Validate now, then yield the k drafts one by one as they are made
+        (each `next()` runs one forward pass)."""
+        check_num_tokens(k, self.max_draft_tokens)
+        session = self.engine.session(session_id)
+        first = ExtendItem(session_id, keep_length, list(append), num_logits=1)
+        self.engine.validate([first])
+        return self._drafts(session, first, k)
+
+    def _drafts(self, session, first: ExtendItem, k: int) -> Iterator[DraftToken]:
+        meta: SessionMeta = session.meta
+        logits = self.engine.extend([first])[0]
+        for i in range(k):
+            if i:
+                logits = self.engine.extend([ExtendItem(session.id, None, (), num_logits=1)])[0]
+            position = session.length
+            if meta.params.greedy:
+                token, q = int(argmax_tokens(logits[-1:])[0]), None
+            else:
+                q = truncate(logits_to_probs(logits[-1:], meta.params)[0], self.max_q_tokens)
+                token = draw_draft(q, meta.seed, position)
+            self.engine.append_tokens(session.id, [token])
+            yield DraftToken(index=i, token_id=token, q=q, length=session.length)
+
+    def rollback(self, session_id, length):
+        return self.engine.rollback(session_id, length)
+
+    def close(self, session_id):
+        return self.engine.close(session_id)
+
+    def expire_idle(self, ttl_s):
+        return self.engine.expire_idle(ttl_s)
+
+
+@dataclass
+class _NgramSession:
+    tokens: list[int]
+    meta: SessionMeta
+    last_used: float = field(default_factory=time.monotonic)
+
+
+class NgramDrafter:
+    """Prompt lookup: propose the continuation of the latest earlier match of
+    the context's last n tokens (n from max_ngram down to min_ngram).
+
+    Its proposal is deterministic, so q is a point mass on each drafted token:
+    acceptance is then p(x), and a rejection resamples from norm(max(0, p - q)).
+    It may propose fewer than k tokens, or none when nothing matches.
+    Limitation: the search is a linear scan of the context per round.
+    """
+
+    def __init__(self, vocab_size: int, max_context: int = 4096, max_sessions: int = 256,
+                 max_draft_tokens: int = 16, min_ngram: int = 1, max_ngram: int = 3):
+        self.info = EngineInfo(
+            model_name="ngram", vocab_size=vocab_size, max_context=max_context, eos_token_ids=(),
+            tokenizer_fingerprint="", device="cpu", dtype="none", kv_bytes_per_token=0,
+        )
+        self.max_sessions = max_sessions
+        self.max_draft_tokens = max_draft_tokens
+        self.min_ngram, self.max_ngram = min_ngram, max_ngram
+        self._sessions: dict[str, _NgramSession] = {}
+
+    def _session(self, session_id: str) -> _NgramSession:
+        try:
+            s = self._sessions[session_id]
+        except KeyError:
+            raise NotFound(f"unknown or expired session {session_id!r}") from None
+        s.last_used = time.monotonic()
+        return s
+
+    def _check_tokens(self, tokens: Sequence[int]) -> None:
+        for t in tokens:
+            if not 0 <= t < self.info.vocab_size:
+                raise InvalidArgument(f"token id {t} outside the vocabulary [0, {self.info.vocab_size})")
+
+    def open(self, prompt, meta, max_new_tokens):
+        if not prompt:
+            raise InvalidArgument("the prompt is empty: at least one token is needed")
+        self._check_tokens(prompt)
+        if len(prompt) + max_new_tokens > self.info.max_context:
+            raise InvalidArgument(f"prompt plus max_new_tokens exceeds the context limit of {self.info.max_context}")
+        if len(self._sessions) >= self.max_sessions:
+            raise ResourceExhausted(f"too many open sessions (limit {self.max_sessions})")
+        session_id = secrets.token_urlsafe(18)
+        self._sessions[session_id] = _NgramSession(tokens=list(prompt), meta=meta)
+        return session_id, len(prompt), 0
+
+    def propose(self, session_id, keep_length, append, k):
+        check_num_tokens(k, self.max_draft_tokens)
+        session = self._session(session_id)
+        if keep_length is None:
+            keep_length = len(session.tokens)
+        self._check_keep(session, keep_length)
+        self._check_tokens(append)
+        if keep_length + len(append) + k > self.info.max_context:
+            raise OutOfRange(f"the context would exceed its limit of {self.info.max_context} tokens")
+        del session.tokens[keep_length:]
+        session.tokens.extend(append)
+        drafts = self.lookup(session.tokens, k)
+        return self._drafts(session, drafts)
+
+    def _drafts(self, session: _NgramSession, drafts: list[int]) -> Iterator[DraftToken]:
+        greedy = session.meta.params.greedy
+        for i, token in enumerate(drafts):
+            session.tokens.append(token)
+            q = None if greedy else SparseDist.from_lists([token], [1.0])
+            yield DraftToken(index=i, token_id=token, q=q, length=len(session.tokens))
+
+    def lookup(self, tokens: list[int], k: int) -> list[int]:
+        """The up-to-k tokens that followed the latest earlier occurrence of
+        the longest matching suffix n-gram."""
+        for n in range(min(self.max_ngram, len(tokens) - 1), self.min_ngram - 1, -1):
+            suffix = tokens[-n:]
+            for start in range(len(tokens) - n - 1, -1, -1):
+                if tokens[start : start + n] == suffix:
+                    return tokens[start + n : start + n + k]
+        return []
+
+    def _check_keep(self, session: _NgramSession, length: int) -> None:
+        if length < 0:
+            raise InvalidArgument(f"length must be >= 0, got {length}")
+        if length > len(session.tokens):
+            raise OutOfRange(f"cannot keep {length} tokens: the session holds only {len(session.tokens)}")
+
+    def rollback(self, session_id, length):
+        session = self._session(session_id)
+        self._check_keep(session, length)
+        del session.tokens[length:]
+        return len(session.tokens)
+
+    def close(self, session_id):
+        return self._sessions.pop(session_id, None) is not None
+
+    def expire_idle(self, ttl_s):
+        now = time.monotonic()
+        stale = [sid for sid, s in self._sessions.items() if now - s.last_used > ttl_s]
+        for sid in stale:
+            del self._sessions[sid]
+        return stale

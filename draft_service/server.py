@@ -1,0 +1,61 @@
+"""`specd serve draft`: the draft service process."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from draft_service.drafters import ModelDrafter, NgramDrafter
+from draft_service.servicer import DraftServicer
+from specdec.config import opt
+from specdec.engine.config import EngineConfig
+from specdec.engine.engine import ModelEngine
+from specdec.model_server import ModelService, start_model_service
+from specdec.model_service import SessionLimits
+from specdec.serving import ServerConfig
+from specdec.v1 import draft_pb2_grpc
+
+SERVICE_NAME = "specdec.v1.DraftService"
+DEFAULT_PORT = 50052
+
+
+@dataclass
+class DrafterConfig:
+    drafter: str = opt("model", "model: a draft LM; ngram: prompt lookup, no model", choices=("model", "ngram"))
+    max_q_tokens: int = opt(32, "tokens kept in each sent proposal distribution q")
+    ngram_min: int = opt(1, "ngram drafter: shortest suffix to match")
+    ngram_max: int = opt(3, "ngram drafter: longest suffix to match")
+
+
+def build_drafter(engine_cfg: EngineConfig, drafter_cfg: DrafterConfig, limits: SessionLimits,
+                  engine: ModelEngine | None = None):
+    """A drafter from settings; `engine` may be passed pre-built (tests)."""
+    if drafter_cfg.drafter == "ngram":
+        vocab = engine.vocab_size if engine is not None else _vocab_size(engine_cfg.model)
+        return NgramDrafter(vocab, max_context=engine_cfg.max_context, max_sessions=engine_cfg.max_sessions,
+                            max_draft_tokens=limits.max_draft_tokens, min_ngram=drafter_cfg.ngram_min,
+                            max_ngram=drafter_cfg.ngram_max)
+    if engine is None:
+        engine = ModelEngine.load(engine_cfg)
+        engine.warmup()
+    return ModelDrafter(engine, max_draft_tokens=limits.max_draft_tokens, max_q_tokens=drafter_cfg.max_q_tokens)
+
+
+def _vocab_size(model: str) -> int:
+    """The vocabulary size of a model, from its config alone (no weights)."""
+    from transformers import AutoConfig
+
+    from specdec.engine.loading import locate
+
+    where, gguf_file = locate(model)
+    config = AutoConfig.from_pretrained(where, **({"gguf_file": gguf_file} if gguf_file else {}))
+    return int(config.vocab_size)
+
+
+async def start_draft_service(server_cfg: ServerConfig, limits: SessionLimits, build_backend,
+                              backend_kind: str = "model", interceptors=()) -> ModelService:
+    return await start_model_service(
+        server_cfg, limits, build_backend,
+        make_servicer=lambda worker, lim: DraftServicer(worker, lim, backend_kind=backend_kind),
+        add_to_server=draft_pb2_grpc.add_DraftServiceServicer_to_server,
+        service_name=SERVICE_NAME,
+        interceptors=interceptors,
+    )

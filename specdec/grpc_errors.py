@@ -1,0 +1,79 @@
+"""Map the core's errors to gRPC statuses, at the edge of each servicer.
+
+A user-caused error (`specdec.errors`) becomes its status with the same clear
+message; anything else is our bug: it is logged with its traceback here and
+the caller sees INTERNAL without one.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+
+import grpc
+
+from specdec import errors
+
+log = logging.getLogger(__name__)
+
+_CODES: dict[type, grpc.StatusCode] = {
+    errors.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    errors.NotFound: grpc.StatusCode.NOT_FOUND,
+    errors.OutOfRange: grpc.StatusCode.OUT_OF_RANGE,
+    errors.ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    errors.FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
+}
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    for kind, code in _CODES.items():
+        if isinstance(exc, kind):
+            return code, str(exc)
+    return grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}); see the server log"
+
+
+def _report(exc: BaseException, method: str) -> tuple[grpc.StatusCode, str]:
+    code, message = status_for(exc)
+    if code is grpc.StatusCode.INTERNAL:
+        log.error("%s failed", method, exc_info=exc)
+    return code, message
+
+
+def unary(method):
+    """Decorate an async unary servicer method."""
+
+    @functools.wraps(method)
+    async def wrapper(self, request, context):
+        try:
+            return await method(self, request, context)
+        except Exception as exc:  # noqa: BLE001 - the edge: everything becomes a status
+            if isinstance(exc, grpc.aio.AbortError):
+                raise
+            code, message = _report(exc, method.__qualname__)
+        await context.abort(code, message)
+
+    return wrapper
+
+
+def stream(method):
+    """Decorate an async-generator (server-streaming) servicer method."""
+
+    @functools.wraps(method)
+    async def wrapper(self, request, context):
+        try:
+            async for item in method(self, request, context):
+                yield item
+            return
+        except Exception as exc:  # noqa: BLE001
+            if isinstance(exc, grpc.aio.AbortError):
+                raise
+            code, message = _report(exc, method.__qualname__)
+        await context.abort(code, message)
+
+    return wrapper
+
+
+def code_number(exc: BaseException) -> int:
+    """The google.rpc.Code number for a per-item error inside a batch reply."""
+    code, _ = status_for(exc)
+    return code.value[0]

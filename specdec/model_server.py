@@ -1,0 +1,67 @@
+"""Start a model service (draft or target): bind, load, warm up, serve, drain.
+
+The server binds first and answers health checks with NOT_SERVING while the
+model loads on the engine thread; it turns SERVING only once the model is
+loaded and warmed up, so a Kubernetes startup probe sees the truth.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+import grpc
+
+from specdec.model_service import SessionLimits, SessionServicer
+from specdec.serving import EngineWorker, RunningServer, ServerConfig, install_drain_on_signals, start_server
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ModelService:
+    running: RunningServer
+    servicer: SessionServicer
+    worker: EngineWorker
+
+    @property
+    def port(self) -> int:
+        return self.running.port
+
+    async def stop(self, grace_s: float = 0.0) -> None:
+        self.servicer.stop_reaper()
+        await self.running.drain(grace_s)
+        self.worker.shutdown()
+
+
+async def start_model_service(
+    server_cfg: ServerConfig,
+    limits: SessionLimits,
+    build_backend: Callable[[], object],
+    make_servicer: Callable[[EngineWorker, SessionLimits], SessionServicer],
+    add_to_server: Callable[[object, grpc.aio.Server], None],
+    service_name: str,
+    interceptors=(),
+) -> ModelService:
+    """Bind, then build the backend (load + warm-up) on the engine thread, then
+    mark SERVING. Raises whatever loading raises (after stopping the server)."""
+    worker = EngineWorker()
+    servicer = make_servicer(worker, limits)
+    running = await start_server(server_cfg, lambda server: add_to_server(servicer, server),
+                                 [service_name], interceptors=interceptors)
+    try:
+        backend = await worker.run(build_backend)
+    except BaseException:
+        await running.drain(0)
+        worker.shutdown()
+        raise
+    servicer.attach(backend)
+    await running.set_serving()
+    return ModelService(running=running, servicer=servicer, worker=worker)
+
+
+async def serve_until_drained(service: ModelService, grace_s: float) -> None:
+    install_drain_on_signals(service.running, grace_s)
+    await service.running.wait()
+    service.servicer.stop_reaper()
+    service.worker.shutdown()

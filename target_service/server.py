@@ -1,0 +1,32 @@
+"""`specd serve target`: the target service process."""
+from __future__ import annotations
+
+from specdec.engine.config import EngineConfig
+from specdec.engine.engine import ModelEngine
+from specdec.model_server import ModelService, start_model_service
+from specdec.model_service import SessionLimits
+from specdec.serving import ServerConfig
+from specdec.v1 import target_pb2_grpc
+from target_service.servicer import TargetServicer
+from target_service.verifier import Verifier
+
+SERVICE_NAME = "specdec.v1.TargetService"
+DEFAULT_PORT = 50053
+
+
+def build_verifier(engine_cfg: EngineConfig, limits: SessionLimits, engine: ModelEngine | None = None) -> Verifier:
+    if engine is None:
+        engine = ModelEngine.load(engine_cfg)
+        engine.warmup()
+    return Verifier(engine, max_draft_tokens=limits.max_draft_tokens, max_verify_batch=limits.max_verify_batch)
+
+
+async def start_target_service(server_cfg: ServerConfig, limits: SessionLimits, build_backend,
+                               interceptors=()) -> ModelService:
+    return await start_model_service(
+        server_cfg, limits, build_backend,
+        make_servicer=lambda worker, lim: TargetServicer(worker, lim),
+        add_to_server=target_pb2_grpc.add_TargetServiceServicer_to_server,
+        service_name=SERVICE_NAME,
+        interceptors=interceptors,
+    )

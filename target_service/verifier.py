@@ -1,0 +1,157 @@
+"""The target's work: batched verification of drafts, and plain decoding.
+
+`verify()` runs ONE forward pass over every valid item of a batch (sessions of
+different lengths and different k), then the target's half of rejection
+sampling per item (`specdec.sampling.rejection.score_drafts`). What goes back
+is O(k) numbers per item, never a distribution. A bad item (expired session,
+malformed q, ...) gets its own error and does not fail the others.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from specdec.engine.engine import ExtendItem, ModelEngine
+from specdec.errors import InvalidArgument, SpecdecError
+from specdec.model_service import SessionMeta
+from specdec.sampling.rejection import VerifyOutcome, sample_token, score_drafts
+from specdec.sampling.sparse import SparseDist, validate_sparse
+from specdec.sampling.transform import argmax_tokens, logits_to_probs
+
+
+@dataclass(frozen=True)
+class VerifyRequestItem:
+    session_id: str
+    keep_length: int | None  # None: keep the whole context
+    append: Sequence[int]
+    drafts: Sequence[int]  # x_1..x_k
+    # q_1..q_k as received: (token_ids, probs) pairs; empty under greedy.
+    draft_q: Sequence[tuple[Sequence[int], Sequence[float]]] = ()
+
+
+@dataclass
+class VerifyItemResult:
+    outcome: VerifyOutcome | None = None
+    length: int = 0
+    error: SpecdecError | None = None
+
+
+@dataclass
+class VerifyBatchResult:
+    items: list[VerifyItemResult] = field(default_factory=list)
+    batch_size: int = 0  # sessions in the forward pass
+
+
+class Verifier:
+    """Sessions of the target model, with batched Verify and plain Decode."""
+
+    def __init__(self, engine: ModelEngine, max_draft_tokens: int = 16, max_verify_batch: int = 64):
+        self.engine = engine
+        self.info = engine.info
+        self.max_draft_tokens = max_draft_tokens
+        self.max_verify_batch = max_verify_batch
+
+    # session RPCs -----------------------------------------------------------
+
+    def open(self, prompt, meta: SessionMeta, max_new_tokens: int):
+        session = self.engine.open_session(prompt, max_new_tokens)
+        session.meta = meta
+        return session.id, session.length, session.kv.nbytes
+
+    def rollback(self, session_id, length):
+        return self.engine.rollback(session_id, length)
+
+    def close(self, session_id):
+        return self.engine.close(session_id)
+
+    def expire_idle(self, ttl_s):
+        return self.engine.expire_idle(ttl_s)
+
+    # verify -------------------------------------------------------------------
+
+    def verify(self, items: Sequence[VerifyRequestItem]) -> VerifyBatchResult:
+        if not items:
+            raise InvalidArgument("Verify needs at least one item")
+        if len(items) > self.max_verify_batch:
+            raise InvalidArgument(f"Verify carries {len(items)} items; the limit is {self.max_verify_batch}")
+        results = [VerifyItemResult() for _ in items]
+        valid: list[tuple[int, ExtendItem, list[SparseDist]]] = []
+        seen: set[str] = set()
+        for i, item in enumerate(items):
+            try:
+                if item.session_id in seen:
+                    raise InvalidArgument(f"session {item.session_id!r} appears twice in one Verify")
+                seen.add(item.session_id)
+                valid.append((i, *self._check_item(item)))
+            except SpecdecError as exc:
+                results[i].error = exc
+        if valid:
+            logits = self.engine.extend([extend for _, extend, _ in valid])
+            for (i, extend, q), rows in zip(valid, logits):
+                results[i] = self._score(items[i], extend, q, rows)
+        return VerifyBatchResult(items=results, batch_size=len(valid))
+
+    def _check_item(self, item: VerifyRequestItem) -> tuple[ExtendItem, list[SparseDist]]:
+        k = len(item.drafts)
+        if k > self.max_draft_tokens:
+            raise InvalidArgument(f"{k} drafted tokens; the limit is {self.max_draft_tokens}")
+        session = self.engine.session(item.session_id)
+        meta: SessionMeta = session.meta
+        q = [] if meta.params.greedy else self._check_q(item)
+        extend = ExtendItem(item.session_id, item.keep_length, [*item.append, *item.drafts], num_logits=k + 1)
+        self.engine.validate([extend])
+        kept = session.length if item.keep_length is None else item.keep_length
+        if kept + len(item.append) < 1:
+            raise InvalidArgument("nothing precedes the drafts: keep or append at least one token")
+        return extend, q
+
+    def _check_q(self, item: VerifyRequestItem) -> list[SparseDist]:
+        if len(item.draft_q) != len(item.drafts):
+            raise InvalidArgument(
+                f"{len(item.drafts)} drafted tokens but {len(item.draft_q)} proposal distributions"
+            )
+        dists = []
+        for i, ((ids, probs), x) in enumerate(zip(item.draft_q, item.drafts)):
+            try:
+                dists.append(validate_sparse(ids, probs, self.info.vocab_size, drafted_id=x))
+            except ValueError as exc:
+                raise InvalidArgument(f"draft_q[{i}]: {exc}") from None
+        return dists
+
+    def _score(self, item, extend: ExtendItem, q: list[SparseDist], rows: torch.Tensor) -> VerifyItemResult:
+        session = self.engine.session(item.session_id)
+        meta: SessionMeta = session.meta
+        first_position = session.length - len(item.drafts)  # x_1's index in the context
+        outcome = score_drafts(rows, list(item.drafts), q, meta.params, meta.seed, first_position)
+        return VerifyItemResult(outcome=outcome, length=session.length)
+
+    # decode -------------------------------------------------------------------
+
+    def decode(self, session_id: str, keep_length: int | None, append: Sequence[int], num_tokens: int,
+               stop_ids: Sequence[int] = ()) -> tuple[list[int], int]:
+        """Plain autoregressive decoding of up to num_tokens tokens. Every
+        generated token but the last is appended to the context."""
+        if num_tokens < 1:
+            raise InvalidArgument(f"num_tokens must be >= 1, got {num_tokens}")
+        session = self.engine.session(session_id)
+        first = ExtendItem(session_id, keep_length, list(append), num_logits=1)
+        self.engine.validate([first])
+        kept = session.length if keep_length is None else keep_length
+        if kept + len(append) + num_tokens - 1 > self.info.max_context:
+            raise InvalidArgument(f"decoding {num_tokens} tokens would exceed the context limit")
+        meta: SessionMeta = session.meta
+        stops = set(stop_ids)
+        tokens: list[int] = []
+        logits = self.engine.extend([first])[0]
+        while True:
+            position = session.length
+            if meta.params.greedy:
+                token = int(argmax_tokens(logits)[0])
+            else:
+                token = sample_token(logits_to_probs(logits, meta.params)[0], meta.seed, position)
+            tokens.append(token)
+            if len(tokens) == num_tokens or token in stops:
+                return tokens, session.length
+            logits = self.engine.extend([ExtendItem(session_id, None, [token], num_logits=1)])[0]

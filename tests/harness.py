@@ -1,0 +1,74 @@
+"""Run in-process services on 127.0.0.1:0 in a background event loop, and talk
+to them with ordinary (sync) gRPC clients, as a user's program would."""
+from __future__ import annotations
+
+import asyncio
+import threading
+from contextlib import contextmanager
+
+import grpc
+
+from draft_service.drafters import ModelDrafter, NgramDrafter
+from draft_service.server import start_draft_service
+from specdec.model_service import SessionLimits
+from specdec.serving import ServerConfig
+from specdec.v1 import draft_pb2_grpc, target_pb2_grpc
+from target_service.server import start_target_service
+from target_service.verifier import Verifier
+
+DEADLINE_S = 30.0
+
+
+class BackgroundLoop:
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro, timeout: float = 120.0):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self):
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+def local_config(**kwargs) -> ServerConfig:
+    return ServerConfig(host="127.0.0.1", port=0, **kwargs)
+
+
+@contextmanager
+def running_target(engine, limits: SessionLimits | None = None, server_cfg: ServerConfig | None = None):
+    """A target service over `engine`; yields (service, stub, loop)."""
+    limits = limits or SessionLimits()
+    loop = BackgroundLoop()
+    service = loop.run(start_target_service(
+        server_cfg or local_config(), limits,
+        lambda: Verifier(engine, limits.max_draft_tokens, limits.max_verify_batch)))
+    channel = grpc.insecure_channel(f"127.0.0.1:{service.port}")
+    try:
+        yield service, target_pb2_grpc.TargetServiceStub(channel), loop
+    finally:
+        channel.close()
+        loop.run(service.stop(0))
+        loop.close()
+
+
+@contextmanager
+def running_draft(engine=None, limits: SessionLimits | None = None, ngram_vocab: int = 0,
+                  server_cfg: ServerConfig | None = None, max_q_tokens: int = 32):
+    """A draft service over `engine` (or an n-gram drafter when ngram_vocab > 0)."""
+    limits = limits or SessionLimits()
+    loop = BackgroundLoop()
+    if ngram_vocab:
+        build, kind = (lambda: NgramDrafter(ngram_vocab, max_draft_tokens=limits.max_draft_tokens)), "ngram"
+    else:
+        build, kind = (lambda: ModelDrafter(engine, limits.max_draft_tokens, max_q_tokens)), "model"
+    service = loop.run(start_draft_service(server_cfg or local_config(), limits, build, backend_kind=kind))
+    channel = grpc.insecure_channel(f"127.0.0.1:{service.port}")
+    try:
+        yield service, draft_pb2_grpc.DraftServiceStub(channel), loop
+    finally:
+        channel.close()
+        loop.run(service.stop(0))
+        loop.close()
