@@ -32,3 +32,7 @@ class FailedPrecondition(SpecdecError):
 
 class Unavailable(SpecdecError):
     """A downstream service cannot be reached (UNAVAILABLE)."""
+
+
+class DeadlineExceeded(SpecdecError):
+    """The request's deadline passed (DEADLINE_EXCEEDED)."""

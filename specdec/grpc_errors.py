@@ -22,6 +22,7 @@ _CODES: dict[type, grpc.StatusCode] = {
     errors.ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
     errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
+    errors.DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
 
 
@@ -77,3 +78,15 @@ def code_number(exc: BaseException) -> int:
     """The google.rpc.Code number for a per-item error inside a batch reply."""
     code, _ = status_for(exc)
     return code.value[0]
+
+
+_FROM_CODES: dict[grpc.StatusCode, type] = {code: kind for kind, code in _CODES.items()}
+
+
+def from_rpc_error(exc: grpc.aio.AioRpcError, service: str) -> errors.SpecdecError:
+    """A downstream service's status as the core's error, keeping what the
+    caller can fix (bad argument, limits) and calling the rest UNAVAILABLE."""
+    kind = _FROM_CODES.get(exc.code())
+    if kind is None or kind is errors.NotFound:
+        return errors.Unavailable(f"the {service} service failed: {exc.code().name}: {exc.details()}")
+    return kind(f"{service} service: {exc.details()}")

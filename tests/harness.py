@@ -72,3 +72,39 @@ def running_draft(engine=None, limits: SessionLimits | None = None, ngram_vocab:
         channel.close()
         loop.run(service.stop(0))
         loop.close()
+
+
+@contextmanager
+def running_system(target_engine, draft_engine=None, ngram: bool = False, tokenizer=None,
+                   limits: SessionLimits | None = None, **orch_kwargs):
+    """Target + draft (model, ngram, or none) + orchestrator, all on port 0.
+    Yields a namespace with .client (orchestrator.client.Client), .target, .draft,
+    .orchestrator, .loop."""
+    import types
+
+    from orchestrator.client import Client
+    from orchestrator.config import OrchestratorConfig
+    from orchestrator.server import start_orchestrator
+
+    with running_target(target_engine, limits) as (target, _, _tl):
+        draft_cm = (running_draft(limits=limits, ngram_vocab=target_engine.vocab_size) if ngram
+                    else running_draft(draft_engine, limits) if draft_engine is not None else None)
+        draft = draft_cm.__enter__() if draft_cm else None
+        loop = BackgroundLoop()
+        try:
+            cfg = OrchestratorConfig(target=f"127.0.0.1:{target.port}",
+                                     draft=f"127.0.0.1:{draft[0].port}" if draft else "",
+                                     connect_timeout_s=10, **orch_kwargs)
+            orch = loop.run(start_orchestrator(local_config(), cfg, tokenizer=tokenizer))
+            client = Client(f"127.0.0.1:{orch.port}", timeout_s=120)
+            try:
+                yield types.SimpleNamespace(client=client, target=target, draft=draft[0] if draft else None,
+                                            orchestrator=orch, loop=loop, draft_loop=draft[2] if draft else None,
+                                            target_loop=_tl)
+            finally:
+                client.close()
+                loop.run(orch.stop(0))
+        finally:
+            loop.close()
+            if draft_cm:
+                draft_cm.__exit__(None, None, None)

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from specdec.sampling.transform import top_indices
@@ -65,10 +66,10 @@ class SparseDist:
 
         The orchestrator's q_i(x_i) for the accept test comes from here.
         """
-        hits = (self.token_ids == token_id).nonzero()
-        if hits.numel() == 0:
+        ids = self.token_ids.tolist()
+        if token_id not in ids:
             return 0.0
-        return self.normalized()[hits[0, 0]].item()
+        return self.normalized()[ids.index(token_id)].item()
 
 
 def truncate(probs_row: torch.Tensor, max_tokens: int) -> SparseDist:
@@ -96,22 +97,24 @@ def sample_rows(rows: torch.Tensor, us: Sequence[float]) -> list[int]:
     """For each row of weights rows [R, V] (any device), the index its uniform selects.
 
     Row r is treated as the distribution rows[r] / rows[r].sum(). Done on the CPU in
-    float64 so that the same weights and uniform give the same index everywhere.
-    Never returns an index of weight 0: the first index whose cumulative weight
-    exceeds u * total cannot be one (its cumulative weight equals its
-    predecessor's), and when u * total rounds up to the total (u within 2**-53 of
-    1) no index qualifies, so the last index of positive weight is used.
+    float64 (a sequential cumulative sum) so that the same weights and uniform give
+    the same index everywhere. Never returns an index of weight 0: the first index
+    whose cumulative weight exceeds u * total cannot be one (its cumulative weight
+    equals its predecessor's), and when u * total rounds up to the total (u within
+    2**-53 of 1) no index qualifies, so the last index of positive weight is used.
     """
     assert rows.dim() == 2 and rows.shape[0] == len(us), (tuple(rows.shape), len(us))
-    weights = rows.detach().to("cpu", torch.float64)  # [R, V]
-    cumulative = weights.cumsum(dim=-1)  # [R, V]
-    totals = cumulative[:, -1:]  # [R, 1]
-    assert bool((totals > 0).all()), "cannot sample from a row with no mass"
-    targets = torch.tensor(us, dtype=torch.float64)[:, None] * totals  # [R, 1]
-    picked = torch.searchsorted(cumulative, targets, right=True)[:, 0]  # [R]
-    vocab = weights.shape[-1]
-    last_positive = vocab - 1 - (weights > 0).flip(-1).int().argmax(dim=-1)  # [R]
-    return torch.minimum(picked, last_positive).tolist()
+    weights = rows.detach().to("cpu", torch.float64).numpy()  # [R, V]
+    cumulative = np.cumsum(weights, axis=-1)  # [R, V]
+    totals = cumulative[:, -1]  # [R]
+    assert ((totals > 0) & np.isfinite(totals)).all(), f"rows without finite mass: {totals}"
+    picked = []
+    for row, cum, total, u in zip(weights, cumulative, totals, us):
+        index = int(np.searchsorted(cum, u * total, side="right"))
+        if index == len(cum):
+            index = int(np.flatnonzero(row)[-1])
+        picked.append(index)
+    return picked
 
 
 def sample(dist: SparseDist, u: float) -> int:

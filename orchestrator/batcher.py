@@ -1,0 +1,98 @@
+"""The verification batcher: one Verify RPC for the rounds of many requests.
+
+Each request in a round hands its VerifyItem to `verify()` and awaits its own
+result. Items are sent together when the batch is full, when every active
+request has an item waiting (nothing more can come, so waiting would only add
+latency), or when the oldest item has waited `window_s`. Batches do not wait
+for each other: a slow batch never holds back the next one, and a request
+waits only for the batch that carries its item, within its own deadline.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from orchestrator.downstream import TargetClient, unavailable
+from specdec.errors import NotFound, SpecdecError
+from specdec.v1 import target_pb2
+
+
+@dataclass(frozen=True)
+class VerifyReply:
+    result: target_pb2.VerifyResult
+    batch_size: int
+    compute_s: float  # server-side compute of the whole batch
+    rtt_s: float  # orchestrator-side time of the whole RPC
+    wire_bytes: int  # this item's share of the request and reply bytes
+
+
+class VerifyBatcher:
+    def __init__(self, target: TargetClient, max_batch: int = 16, window_s: float = 0.002,
+                 rpc_timeout_s: float = 120.0, enabled: bool = True):
+        self.target = target
+        self.max_batch = max_batch if enabled else 1
+        self.window_s = window_s
+        self.rpc_timeout_s = rpc_timeout_s
+        self._pending: list[tuple[target_pb2.VerifyItem, asyncio.Future]] = []
+        self._timer: asyncio.TimerHandle | None = None
+        self._active = 0  # requests currently generating
+        self.batches_sent = 0
+
+    def request_started(self) -> None:
+        self._active += 1
+
+    def request_finished(self) -> None:
+        self._active -= 1
+        self._maybe_flush()
+
+    async def verify(self, item: target_pb2.VerifyItem) -> VerifyReply:
+        future = asyncio.get_running_loop().create_future()
+        self._pending.append((item, future))
+        self._maybe_flush()
+        if self._pending and self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(self.window_s, self._flush)
+        return await future
+
+    def _maybe_flush(self) -> None:
+        if self._pending and (len(self._pending) >= self.max_batch or len(self._pending) >= self._active):
+            self._flush()
+
+    def _flush(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        while self._pending:
+            batch, self._pending = self._pending[: self.max_batch], self._pending[self.max_batch :]
+            asyncio.ensure_future(self._send(batch))
+
+    async def _send(self, batch: list[tuple[target_pb2.VerifyItem, asyncio.Future]]) -> None:
+        self.batches_sent += 1
+        items = [item for item, _ in batch]
+        start = time.perf_counter()
+        try:
+            reply = await self.target.verify(items, timeout=self.rpc_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            error = unavailable("target", exc)
+            for _, future in batch:
+                if not future.done():
+                    future.set_exception(error)
+            return
+        rtt = time.perf_counter() - start
+        request_bytes = target_pb2.VerifyRequest(items=items).ByteSize()
+        share = (request_bytes + reply.ByteSize()) // len(batch)
+        for (_, future), result in zip(batch, reply.results):
+            if future.done():  # the request was cancelled meanwhile
+                continue
+            if result.HasField("error"):
+                future.set_exception(_item_error(result.error))
+            else:
+                future.set_result(VerifyReply(result, reply.batch_size, reply.compute_micros / 1e6, rtt, share))
+
+
+def _item_error(error: target_pb2.ItemError) -> SpecdecError:
+    if error.code == grpc.StatusCode.NOT_FOUND.value[0]:
+        return NotFound(f"target session lost: {error.message}")
+    return SpecdecError(f"target rejected the round: {error.message}")

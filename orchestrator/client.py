@@ -1,0 +1,89 @@
+"""The Python client of the orchestrator.
+
+    from orchestrator.client import Client
+    with Client("127.0.0.1:50051") as client:
+        for chunk in client.generate("def fib(n):", max_tokens=64, temperature=0):
+            print(chunk.text, end="", flush=True)
+        print(client.last_stats)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import grpc
+
+from specdec.v1 import orchestrator_pb2 as pb
+from specdec.v1 import orchestrator_pb2_grpc
+
+
+@dataclass(frozen=True)
+class Chunk:
+    text: str
+    token_ids: list[int]
+
+
+@dataclass
+class Result:
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    stats: pb.GenerateStats | None = None
+
+
+def build_request(prompt: str | Sequence[int] | Sequence[dict] | None = None, *, max_tokens: int = 0,
+                  temperature: float | None = None, top_k: int = 0, top_p: float | None = None,
+                  seed: int | None = None, stop: Sequence[str] = (), policy: str = "",
+                  num_draft_tokens: int = 0, speculate: bool = True, request_id: str = "") -> pb.GenerateRequest:
+    """A GenerateRequest: prompt is text, token ids, or chat messages
+    ([{"role": "user", "content": "..."}])."""
+    request = pb.GenerateRequest(max_tokens=max_tokens, top_k=top_k, stop=list(stop), request_id=request_id,
+                                 speculation=pb.SpeculationOptions(policy=policy, num_draft_tokens=num_draft_tokens,
+                                                                   disable=not speculate))
+    if isinstance(prompt, str):
+        request.prompt = prompt
+    elif prompt and isinstance(prompt[0], dict):
+        request.messages.CopyFrom(pb.ChatMessages(messages=[pb.ChatMessage(**m) for m in prompt]))
+    elif prompt:
+        request.prompt_token_ids.CopyFrom(pb.TokenIds(token_ids=list(prompt)))
+    if temperature is not None:
+        request.temperature = temperature
+    if top_p is not None:
+        request.top_p = top_p
+    if seed is not None:
+        request.seed = seed
+    return request
+
+
+class Client:
+    def __init__(self, address: str = "127.0.0.1:50051", timeout_s: float = 600.0):
+        self.channel = grpc.insecure_channel(address)
+        self.stub = orchestrator_pb2_grpc.OrchestratorServiceStub(self.channel)
+        self.timeout_s = timeout_s
+        self.last_stats: pb.GenerateStats | None = None
+
+    def generate(self, prompt, **kwargs) -> Iterator[Chunk]:
+        """Stream chunks as tokens are accepted; `last_stats` is set at the end."""
+        self.last_stats = None
+        for reply in self.stub.Generate(build_request(prompt, **kwargs), timeout=self.timeout_s):
+            if reply.HasField("stats"):
+                self.last_stats = reply.stats
+            else:
+                yield Chunk(reply.chunk.text, list(reply.chunk.token_ids))
+
+    def complete(self, prompt, **kwargs) -> Result:
+        """Generate to the end and return the text, tokens and statistics."""
+        result = Result()
+        for chunk in self.generate(prompt, **kwargs):
+            result.text += chunk.text
+            result.token_ids.extend(chunk.token_ids)
+        result.stats = self.last_stats
+        return result
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,27 @@
+"""Settings of the orchestrator role (flags / SPECD_* environment)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specdec.config import opt
+
+DEFAULT_PORT = 50051
+
+
+@dataclass
+class OrchestratorConfig:
+    draft: str = opt("127.0.0.1:50052", "draft service address host:port ('' runs without a draft)")
+    target: str = opt("127.0.0.1:50053", "target service address host:port")
+    tokenizer: str = opt("", "tokenizer: catalog name or directory (default: the target's model)")
+    policy: str = opt("fixed", "default γ policy", choices=("fixed", "adaptive"))
+    num_draft_tokens: int = opt(4, "default k (fixed) or starting k (adaptive)")
+    min_draft_tokens: int = opt(1, "adaptive policy: smallest k")
+    max_draft_tokens: int = opt(8, "adaptive policy: largest k")
+    batching: bool = opt(True, "batch verification across concurrent requests")
+    max_batch: int = opt(16, "verify items per Verify RPC at most")
+    batch_window_ms: float = opt(2.0, "longest wait for more verify items, ms")
+    default_max_tokens: int = opt(256, "max_tokens when a request leaves it 0")
+    max_tokens_limit: int = opt(8192, "largest max_tokens a request may ask for")
+    rpc_timeout_s: float = opt(60.0, "deadline of each downstream call, seconds")
+    draft_retry_s: float = opt(2.0, "after a draft failure, retry it after this long, seconds")
+    connect_timeout_s: float = opt(600.0, "at start-up, wait this long for the target service, seconds")

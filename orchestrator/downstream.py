@@ -1,0 +1,93 @@
+"""Async clients of the draft and target services, as the orchestrator uses
+them: every call has a deadline, and bytes on the wire are counted."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from specdec.errors import Unavailable
+from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+
+
+@dataclass
+class CallCost:
+    """What one downstream call cost the request."""
+
+    seconds: float = 0.0
+    wire_bytes: int = 0
+
+
+def open_request(prompt: list[int], temperature: float, top_k: int, top_p: float, seed: int,
+                 max_new_tokens: int, request_id: str) -> common_pb2.OpenSessionRequest:
+    return common_pb2.OpenSessionRequest(
+        prompt_token_ids=prompt,
+        sampling=common_pb2.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p),
+        seed=seed, max_new_tokens=max_new_tokens, request_id=request_id,
+    )
+
+
+class ModelClient:
+    """The session RPCs both services share."""
+
+    def __init__(self, channel: grpc.aio.Channel, stub, name: str):
+        self.channel = channel
+        self.stub = stub
+        self.name = name
+        self.info: common_pb2.ModelInfo | None = None
+
+    async def fetch_info(self, timeout: float) -> common_pb2.ModelInfo:
+        reply = await self.stub.GetModelInfo(common_pb2.GetModelInfoRequest(), timeout=timeout)
+        self.info = reply.info
+        return self.info
+
+    async def open(self, request: common_pb2.OpenSessionRequest, timeout: float) -> tuple[str, CallCost]:
+        start = time.perf_counter()
+        reply = await self.stub.OpenSession(request, timeout=timeout)
+        return reply.session_id, CallCost(time.perf_counter() - start, request.ByteSize() + reply.ByteSize())
+
+    async def close(self, session_id: str, timeout: float) -> None:
+        """Best effort: a failure to close is logged by the caller, never raised
+        into a request that is already ending."""
+        await self.stub.CloseSession(common_pb2.CloseSessionRequest(session_id=session_id), timeout=timeout)
+
+
+class DraftClient(ModelClient):
+    def __init__(self, channel: grpc.aio.Channel):
+        super().__init__(channel, draft_pb2_grpc.DraftServiceStub(channel), "draft")
+
+    async def propose(self, session_id: str, keep_length: int, append: list[int], k: int,
+                      timeout: float) -> tuple[list[draft_pb2.ProposeResponse], CallCost]:
+        request = draft_pb2.ProposeRequest(session_id=session_id, keep_length=keep_length,
+                                           append_token_ids=append, num_tokens=k)
+        start = time.perf_counter()
+        drafts = [d async for d in self.stub.Propose(request, timeout=timeout)]
+        size = request.ByteSize() + sum(d.ByteSize() for d in drafts)
+        return drafts, CallCost(time.perf_counter() - start, size)
+
+
+class TargetClient(ModelClient):
+    def __init__(self, channel: grpc.aio.Channel):
+        super().__init__(channel, target_pb2_grpc.TargetServiceStub(channel), "target")
+
+    async def verify(self, items: list[target_pb2.VerifyItem], timeout: float) -> target_pb2.VerifyResponse:
+        return await self.stub.Verify(target_pb2.VerifyRequest(items=items), timeout=timeout)
+
+
+def channel_to(address: str, max_message_bytes: int = 16 << 20) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(address, options=[
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.enable_retries", 1),
+        ("grpc.keepalive_time_ms", 30000),
+        # A service that comes back is found within seconds, not after
+        # gRPC's default backoff of up to two minutes.
+        ("grpc.initial_reconnect_backoff_ms", 200),
+        ("grpc.min_reconnect_backoff_ms", 200),
+        ("grpc.max_reconnect_backoff_ms", 2000),
+    ])
+
+
+def unavailable(service: str, exc: grpc.aio.AioRpcError) -> Unavailable:
+    return Unavailable(f"the {service} service failed: {exc.code().name}: {exc.details()}")

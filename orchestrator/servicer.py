@@ -1,0 +1,173 @@
+"""OrchestratorService.Generate: parse the request, run the speculative loop,
+stream text as soon as tokens are accepted, end with the request's statistics."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from orchestrator.batcher import VerifyBatcher
+from orchestrator.config import OrchestratorConfig
+from orchestrator.detokenizer import IncrementalDetokenizer
+from orchestrator.downstream import DraftClient, TargetClient
+from orchestrator.gamma_policy import make_policy
+from orchestrator.speculation import LoopSettings, RequestSpec, SpeculativeRequest
+from orchestrator.stop import StopMatcher, validate_stops
+from specdec import grpc_errors
+from specdec.errors import InvalidArgument
+from specdec.sampling.params import SamplingParams
+from specdec.sampling.rng import random_seed
+from specdec.v1 import orchestrator_pb2 as pb
+from specdec.v1 import orchestrator_pb2_grpc
+
+_FINISH = {"length": pb.FINISH_REASON_LENGTH, "stop": pb.FINISH_REASON_STOP, "eos": pb.FINISH_REASON_EOS}
+
+
+@dataclass
+class Backends:
+    target: TargetClient
+    draft: DraftClient | None
+    batcher: VerifyBatcher
+    tokenizer: object | None
+    settings: LoopSettings
+    eos_ids: frozenset[int]
+    vocab_size: int
+
+
+class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
+    def __init__(self, cfg: OrchestratorConfig, backends: Backends):
+        self.cfg = cfg
+        self.b = backends
+
+    @grpc_errors.stream
+    async def Generate(self, request, context):
+        start = time.perf_counter()
+        prompt = self._prompt_tokens(request)
+        spec, policy, stops = self._parse(request, prompt, context.time_remaining())
+        loop = SpeculativeRequest(spec, policy, self.b.target, self.b.batcher,
+                                  self.b.draft if spec.speculate else None, self.b.settings)
+        detok = IncrementalDetokenizer(self.b.tokenizer, prompt) if self.b.tokenizer else None
+        stop = StopMatcher(stops)
+        first_token_s = None
+        self.b.batcher.request_started()
+        try:
+            async for tokens in loop.run():
+                if first_token_s is None:
+                    first_token_s = time.perf_counter() - start
+                text, stopped = stop.feed(detok.add(tokens)) if detok else ("", False)
+                yield pb.GenerateResponse(chunk=pb.TextChunk(text=text, token_ids=tokens))
+                if stopped:
+                    loop.finish_reason = "stop"
+                    break
+            else:
+                tail = ""
+                if detok is not None:
+                    tail, _ = stop.feed(detok.flush())
+                    tail += stop.flush()
+                    if stop.stopped:
+                        loop.finish_reason = "stop"
+                if tail:
+                    yield pb.GenerateResponse(chunk=pb.TextChunk(text=tail))
+        finally:
+            self.b.batcher.request_finished()
+            loop.close()
+        yield pb.GenerateResponse(stats=self._stats(loop, policy, start, first_token_s))
+
+    # --------------------------------------------------------------- parsing
+
+    def _prompt_tokens(self, request) -> list[int]:
+        which = request.WhichOneof("input")
+        if which == "prompt_token_ids":
+            tokens = list(request.prompt_token_ids.token_ids)
+        elif which in ("prompt", "messages"):
+            if self.b.tokenizer is None:
+                raise InvalidArgument("this server has no tokenizer: send prompt_token_ids")
+            tokens = self._tokenize(request, which)
+        else:
+            raise InvalidArgument("the request has no input: set prompt, messages or prompt_token_ids")
+        if not tokens:
+            raise InvalidArgument("the prompt is empty")
+        bad = [t for t in tokens if not 0 <= t < self.b.vocab_size]
+        if bad:
+            raise InvalidArgument(f"prompt token id {bad[0]} outside the vocabulary [0, {self.b.vocab_size})")
+        return tokens
+
+    def _tokenize(self, request, which: str) -> list[int]:
+        tok = self.b.tokenizer
+        if which == "prompt":
+            return list(tok(request.prompt, add_special_tokens=True)["input_ids"])
+        messages = [{"role": m.role, "content": m.content} for m in request.messages.messages]
+        if not messages:
+            raise InvalidArgument("messages is empty")
+        if any(m["role"] not in ("system", "user", "assistant") for m in messages):
+            raise InvalidArgument("message roles must be system, user or assistant")
+        if not getattr(tok, "chat_template", None):
+            raise InvalidArgument("the target's tokenizer has no chat template: send a plain prompt")
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def _parse(self, request, prompt: list[int], time_remaining: float | None):
+        cfg = self.cfg
+        max_tokens = request.max_tokens or cfg.default_max_tokens
+        if not 1 <= max_tokens <= cfg.max_tokens_limit:
+            raise InvalidArgument(f"max_tokens must be in [1, {cfg.max_tokens_limit}], got {request.max_tokens}")
+        if len(prompt) + max_tokens > self.b.settings.max_context:
+            raise InvalidArgument(
+                f"prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) exceeds the context "
+                f"limit of {self.b.settings.max_context} tokens"
+            )
+        temperature = request.temperature if request.HasField("temperature") else 1.0
+        top_p = request.top_p if request.HasField("top_p") else 1.0
+        try:
+            params = SamplingParams(temperature=temperature, top_k=request.top_k, top_p=top_p).validate()
+            stops = validate_stops(list(request.stop))
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from None
+        opts = request.speculation
+        try:
+            policy = make_policy(opts.policy or cfg.policy, opts.num_draft_tokens or cfg.num_draft_tokens,
+                                 opts.min_draft_tokens or cfg.min_draft_tokens,
+                                 opts.max_draft_tokens or max(cfg.max_draft_tokens, opts.num_draft_tokens))
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from None
+        spec = RequestSpec(
+            prompt=prompt, max_tokens=max_tokens, temperature=params.temperature, top_k=params.top_k,
+            top_p=params.top_p, seed=request.seed if request.HasField("seed") else random_seed(),
+            eos_ids=self.b.eos_ids, speculate=not opts.disable and self.b.draft is not None,
+            request_id=request.request_id,
+            deadline=None if time_remaining is None else time.monotonic() + time_remaining,
+        )
+        return spec, policy, stops
+
+    # ------------------------------------------------------------ statistics
+
+    def _stats(self, loop: SpeculativeRequest, policy, start: float, first_token_s: float | None) -> pb.GenerateResponse:
+        s = loop.stats
+        duration = time.perf_counter() - start
+        ks = [k for k, n in enumerate(s.k_histogram) for _ in range(n)]
+        return pb.GenerateStats(
+            prompt_tokens=len(loop.spec.prompt),
+            completion_tokens=s.completion_tokens,
+            rounds=s.rounds,
+            proposed_tokens=s.proposed,
+            accepted_tokens=s.accepted,
+            acceptance_rate=s.accepted / s.proposed if s.proposed else 0.0,
+            mean_tokens_per_round=s.completion_tokens / s.rounds if s.rounds else 0.0,
+            k=pb.KSummary(min=min(ks, default=0), max=max(ks, default=0),
+                          mean=sum(ks) / len(ks) if ks else 0.0, histogram=s.k_histogram),
+            time_to_first_token_s=first_token_s or 0.0,
+            tokens_per_second=s.completion_tokens / duration if duration > 0 else 0.0,
+            duration_s=duration,
+            finish_reason=_FINISH[loop.finish_reason],
+            seed=loop.spec.seed,
+            accepted_per_position=s.accepted_per_position,
+            fallback_rounds=s.fallback_rounds,
+            draft_time_s=s.draft_time_s,
+            verify_time_s=s.verify_time_s,
+            target_compute_time_s=s.target_compute_s,
+            wire_bytes=s.wire_bytes,
+            draft_model=self.b.draft.info.model_name if self.b.draft and self.b.draft.info else "",
+            target_model=self.b.target.info.model_name if self.b.target.info else "",
+            policy=policy.name if loop.spec.speculate else "none",
+        )

@@ -1,0 +1,323 @@
+"""The orchestrator end to end: exactness (greedy identity, sampled
+distribution), batching, seeding, fallback, cancellation and bad requests.
+All three services run in-process on 127.0.0.1:0 with tiny models."""
+from __future__ import annotations
+
+import concurrent.futures
+import copy
+import time
+
+import grpc
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from orchestrator.client import build_request
+from specdec.sampling.params import SamplingParams
+from specdec.sampling.transform import logits_to_probs
+from specdec.v1 import orchestrator_pb2 as pb
+from tests.conftest import tiny_engine, tiny_model
+from tests.harness import running_draft, running_system
+
+GREEDY_PROMPTS = [[3 + (7 * i + j * j) % 120 for j in range(2 + i % 9)] for i in range(24)]
+
+
+def perturbed(model, scale: float, seed: int):
+    """A draft that mostly agrees with the target: its weights plus noise."""
+    draft = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale * p.std())
+    return draft
+
+
+def greedy_reference(model, prompt, n):
+    """Target-only greedy decoding, recomputing the whole sequence each step."""
+    ids = list(prompt)
+    with torch.inference_mode():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+@pytest.fixture(scope="module")
+def greedy_system():
+    target = tiny_model(seed=0, init_range=0.3)
+    draft = perturbed(target, 0.15, seed=1)
+    with running_system(tiny_engine(model=target), tiny_engine(model=draft)) as system:
+        system.target_model = target
+        yield system
+
+
+def test_greedy_output_is_identical_to_target_only_under_concurrency(greedy_system):
+    s = greedy_system
+    n = 24
+    refs = [greedy_reference(s.target_model, p, n) for p in GREEDY_PROMPTS]
+    batches_before = s.orchestrator.backends.batcher.batches_sent
+
+    def run(i):
+        kwargs = dict(max_tokens=n, temperature=0, num_draft_tokens=1 + i % 8)
+        if i % 6 == 5:
+            kwargs["policy"] = "adaptive"
+        return s.client.__class__(f"127.0.0.1:{s.orchestrator.port}").complete(GREEDY_PROMPTS[i], **kwargs)
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(run, range(len(GREEDY_PROMPTS))))
+    for i, (result, ref) in enumerate(zip(results, refs)):
+        assert result.token_ids == ref[: len(result.token_ids)], f"prompt {i}"
+        if result.stats.finish_reason == pb.FINISH_REASON_LENGTH:
+            assert len(result.token_ids) == n
+    rounds = sum(r.stats.rounds for r in results)
+    assert sum(r.stats.accepted_tokens for r in results) > 0, "the draft should agree sometimes"
+    assert sum(r.stats.accepted_tokens for r in results) < sum(r.stats.proposed_tokens for r in results)
+    assert s.orchestrator.backends.batcher.batches_sent - batches_before < rounds, "no verify was batched"
+
+
+def test_greedy_without_speculation_equals_reference(greedy_system):
+    s = greedy_system
+    result = s.client.complete(GREEDY_PROMPTS[0], max_tokens=12, temperature=0, speculate=False)
+    assert result.token_ids == greedy_reference(s.target_model, GREEDY_PROMPTS[0], 12)[: len(result.token_ids)]
+    assert result.stats.proposed_tokens == 0 and result.stats.policy == "none"
+
+
+def test_final_statistics_are_consistent(greedy_system):
+    result = greedy_system.client.complete(GREEDY_PROMPTS[3], max_tokens=20, temperature=0, num_draft_tokens=3)
+    st = result.stats
+    assert st.completion_tokens == len(result.token_ids) == 20
+    assert st.prompt_tokens == len(GREEDY_PROMPTS[3])
+    assert st.rounds == sum(st.k.histogram)
+    assert st.proposed_tokens == sum(k * n for k, n in enumerate(st.k.histogram))
+    assert st.accepted_tokens == sum(st.accepted_per_position)
+    assert st.completion_tokens == st.accepted_tokens + st.rounds
+    assert st.acceptance_rate == pytest.approx(st.accepted_tokens / st.proposed_tokens)
+    assert st.time_to_first_token_s > 0 and st.tokens_per_second > 0 and st.wire_bytes > 0
+    assert st.k.max <= 3
+
+
+# ------------------------------------------------------------------ sampled
+
+VOCAB = 8
+EOS = 2
+PROMPT = [3, 4, 5]
+SAMPLES = 1200
+
+
+def exact_two_token_distribution(model, params: SamplingParams) -> dict[tuple, float]:
+    """P(completion) of a max_tokens=2 request: () if EOS comes first, (a,) if
+    EOS follows a, else (a, b)."""
+    with torch.inference_mode():
+        p1 = logits_to_probs(model(torch.tensor([PROMPT])).logits[0, -1:], params)[0]
+        dist: dict[tuple, float] = {(): float(p1[EOS])}
+        for a in range(VOCAB):
+            if a == EOS or p1[a] == 0:
+                continue
+            p2 = logits_to_probs(model(torch.tensor([PROMPT + [a]])).logits[0, -1:], params)[0]
+            dist[(a,)] = float(p1[a] * p2[EOS])
+            for b in range(VOCAB):
+                if b != EOS and p2[b] > 0:
+                    dist[(a, b)] = float(p1[a] * p2[b])
+    return dist
+
+
+def assert_matches(counts: dict[tuple, int], exact: dict[tuple, float], n: int) -> None:
+    assert set(counts) <= set(exact), f"impossible outcomes: {set(counts) - set(exact)}"
+    # Merge outcomes with small expectations so chi-square is valid.
+    observed, expected, rest_o, rest_e = [], [], 0, 0.0
+    for outcome, prob in sorted(exact.items(), key=lambda kv: -kv[1]):
+        if prob * n >= 5:
+            observed.append(counts.get(outcome, 0))
+            expected.append(prob * n)
+        else:
+            rest_o += counts.get(outcome, 0)
+            rest_e += prob * n
+    observed.append(rest_o)
+    expected.append(rest_e)
+    scale = sum(observed) / sum(expected)
+    result = chisquare(observed, [e * scale for e in expected])
+    assert result.pvalue > 1e-3, f"chi-square p={result.pvalue:.2e}; observed {observed} expected {expected}"
+
+
+def first_token_counts(counts: dict[tuple, int]) -> dict[tuple, int]:
+    first: dict[tuple, int] = {}
+    for outcome, c in counts.items():
+        key = outcome[:1] if outcome else ()
+        first[key] = first.get(key, 0) + c
+    return first
+
+
+def first_token_exact(exact: dict[tuple, float]) -> dict[tuple, float]:
+    first: dict[tuple, float] = {}
+    for outcome, p in exact.items():
+        key = outcome[:1] if outcome else ()
+        first[key] = first.get(key, 0.0) + p
+    return first
+
+
+SAMPLED_CASES = {
+    # name: (draft kind, temperature, top_k, top_p)
+    "t1-poor-draft": ("poor", 1.0, 0, 1.0),
+    "t07-topk-poor-draft": ("poor", 0.7, 4, 1.0),
+    "topp-poor-draft": ("poor", 1.0, 0, 0.8),
+    "t1-perfect-draft": ("perfect", 1.0, 0, 1.0),
+    "t07-ngram": ("ngram", 0.7, 0, 1.0),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(SAMPLED_CASES))
+def test_sampled_output_is_distributed_as_the_target(case):
+    kind, temperature, top_k, top_p = SAMPLED_CASES[case]
+    target = tiny_model(seed=0, vocab_size=VOCAB, init_range=0.6)
+    draft = {"poor": tiny_model(seed=7, vocab_size=VOCAB, init_range=0.6), "perfect": target}.get(kind)
+    exact = exact_two_token_distribution(target, SamplingParams(temperature, top_k, top_p))
+    counts: dict[tuple, int] = {}
+    proposed = accepted = 0
+    with running_system(tiny_engine(model=target), tiny_engine(model=draft) if draft is not None else None,
+                        ngram=kind == "ngram") as s:
+        for seed in range(SAMPLES):
+            r = s.client.complete(PROMPT, max_tokens=2, temperature=temperature, top_k=top_k, top_p=top_p,
+                                  seed=seed, num_draft_tokens=1)
+            key = tuple(r.token_ids)
+            counts[key] = counts.get(key, 0) + 1
+            proposed += r.stats.proposed_tokens
+            accepted += r.stats.accepted_tokens
+    assert proposed > 0
+    if kind == "perfect":
+        assert accepted == proposed, "a draft with the target's weights is always accepted"
+    else:
+        assert accepted < proposed
+    assert_matches(first_token_counts(counts), first_token_exact(exact), SAMPLES)
+    assert_matches(counts, exact, SAMPLES)
+
+
+# ---------------------------------------------------------- reproducibility
+
+def test_seeded_request_reproduces_alone_and_under_concurrency():
+    target = tiny_model(seed=0, init_range=0.3)
+    with running_system(tiny_engine(model=target), tiny_engine(model=perturbed(target, 0.2, 3))) as s:
+        kwargs = dict(max_tokens=20, temperature=0.8, top_p=0.95, seed=1234, num_draft_tokens=3)
+        alone = s.client.complete(GREEDY_PROMPTS[1], **kwargs).token_ids
+        assert s.client.complete(GREEDY_PROMPTS[1], **kwargs).token_ids == alone
+
+        def run(i):
+            client = s.client.__class__(f"127.0.0.1:{s.orchestrator.port}")
+            if i == 0:
+                return client.complete(GREEDY_PROMPTS[1], **kwargs).token_ids
+            return client.complete(GREEDY_PROMPTS[i], max_tokens=10 + i, temperature=1.0, seed=i,
+                                   num_draft_tokens=1 + i % 5).token_ids
+
+        for _ in range(2):
+            with concurrent.futures.ThreadPoolExecutor(6) as pool:
+                results = list(pool.map(run, range(6)))
+            assert results[0] == alone
+        other = s.client.complete(GREEDY_PROMPTS[1], **{**kwargs, "seed": 99}).token_ids
+        assert other != alone
+
+
+# ------------------------------------------------------ degradation, cleanup
+
+def test_draft_stopped_mid_stream_falls_back_exactly_and_recovers():
+    target = tiny_model(seed=0, init_range=0.3)
+    draft_engine = tiny_engine(model=perturbed(target, 0.15, 1))
+    ref = greedy_reference(target, GREEDY_PROMPTS[2], 40)
+    with running_system(tiny_engine(model=target), draft_engine, draft_retry_s=0.05) as s:
+        stream = s.client.stub.Generate(build_request(GREEDY_PROMPTS[2], max_tokens=40, temperature=0,
+                                                      num_draft_tokens=2), timeout=60)
+        tokens, stats = [], None
+        for i, reply in enumerate(stream):
+            if reply.HasField("stats"):
+                stats = reply.stats
+                break
+            tokens.extend(reply.chunk.token_ids)
+            if i == 1:
+                s.draft_loop.run(s.draft.stop(0))
+        assert tokens == ref[: len(tokens)] and len(tokens) == 40
+        assert stats.fallback_rounds > 0
+
+        # The draft comes back on the same address: speculation resumes.
+        port = s.draft.port
+        with running_draft(draft_engine, server_cfg=_port(port)):
+            deadline = time.monotonic() + 15  # within the channel's reconnect backoff
+            while True:
+                again = s.client.complete(GREEDY_PROMPTS[2], max_tokens=20, temperature=0, num_draft_tokens=2)
+                assert again.token_ids == ref[:20]
+                if again.stats.proposed_tokens > 0 or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+        assert again.stats.proposed_tokens > 0, "speculation did not resume"
+
+
+def _port(port):
+    from tests.harness import local_config
+
+    cfg = local_config()
+    cfg.port = port
+    return cfg
+
+
+def _wait_until(predicate, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+def without_eos(model):
+    """The model never ends a generation by itself."""
+    model.config.eos_token_id = None
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def test_cancellation_and_deadlines_free_the_sessions_on_both_services():
+    target_engine = tiny_engine(model=without_eos(tiny_model(seed=0)))
+    draft_engine = tiny_engine(seed=1)
+    with running_system(target_engine, draft_engine) as s:
+        stream = s.client.stub.Generate(build_request(GREEDY_PROMPTS[4], max_tokens=500, temperature=0), timeout=60)
+        next(iter(stream))
+        assert target_engine.num_sessions == 1 and draft_engine.num_sessions == 1
+        stream.cancel()
+        assert _wait_until(lambda: target_engine.num_sessions == 0 and draft_engine.num_sessions == 0)
+
+        with pytest.raises(grpc.RpcError) as err:
+            for _ in s.client.stub.Generate(build_request(GREEDY_PROMPTS[4], max_tokens=900, temperature=0),
+                                            timeout=0.3):
+                pass
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert _wait_until(lambda: target_engine.num_sessions == 0 and draft_engine.num_sessions == 0)
+
+
+def test_target_failure_ends_the_request_with_unavailable():
+    with running_system(tiny_engine(model=without_eos(tiny_model(seed=0))), tiny_engine(seed=1)) as s:
+        stream = s.client.stub.Generate(build_request(GREEDY_PROMPTS[5], max_tokens=400, temperature=0), timeout=60)
+        with pytest.raises(grpc.RpcError) as err:
+            for i, _ in enumerate(stream):
+                if i == 1:
+                    s.target_loop.run(s.target.stop(0))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "target" in err.value.details()
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(prompt=[]), "no input"),
+    (dict(prompt="hello"), "no tokenizer"),
+    (dict(prompt=[3, 999]), "outside the vocabulary"),
+    (dict(prompt=[3], max_tokens=100000), "max_tokens"),
+    (dict(prompt=[3], max_tokens=1024), "context"),
+    (dict(prompt=[3], temperature=-1.0), "temperature"),
+    (dict(prompt=[3], temperature=float("nan")), "temperature"),
+    (dict(prompt=[3], top_p=1.5), "top_p"),
+    (dict(prompt=[3], top_k=-2), "top_k"),
+    (dict(prompt=[3], policy="psychic"), "unknown policy"),
+    (dict(prompt=[3], num_draft_tokens=99), "k"),
+    (dict(prompt=[3], stop=[""]), "stop"),
+])
+def test_bad_requests_get_invalid_argument(greedy_system, kwargs, message):
+    prompt = kwargs.pop("prompt")
+    with pytest.raises(grpc.RpcError) as err:
+        list(greedy_system.client.generate(prompt, **kwargs))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in err.value.details()
