@@ -55,16 +55,20 @@ def build_request(prompt: str | Sequence[int] | Sequence[dict] | None = None, *,
 
 
 class Client:
-    def __init__(self, address: str = "127.0.0.1:50051", timeout_s: float = 600.0):
+    def __init__(self, address: str = "127.0.0.1:50051", timeout_s: float = 600.0, wait_for_ready: bool = False):
+        """timeout_s is each request's deadline; wait_for_ready makes a request
+        wait (within it) for a server that is not up yet instead of failing."""
         self.channel = grpc.insecure_channel(address)
         self.stub = orchestrator_pb2_grpc.OrchestratorServiceStub(self.channel)
         self.timeout_s = timeout_s
+        self.wait_for_ready = wait_for_ready
         self.last_stats: pb.GenerateStats | None = None
 
     def generate(self, prompt, **kwargs) -> Iterator[Chunk]:
         """Stream chunks as tokens are accepted; `last_stats` is set at the end."""
         self.last_stats = None
-        for reply in self.stub.Generate(build_request(prompt, **kwargs), timeout=self.timeout_s):
+        for reply in self.stub.Generate(build_request(prompt, **kwargs), timeout=self.timeout_s,
+                                          wait_for_ready=self.wait_for_ready):
             if reply.HasField("stats"):
                 self.last_stats = reply.stats
             else:

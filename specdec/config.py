@@ -37,8 +37,10 @@ def _convert(kind: type, text: str) -> Any:
     return _parse_bool(text) if kind is bool else kind(text)
 
 
-def add_arguments(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()) -> None:
-    """Add one flag per field of `cls`, with env-var defaults."""
+def add_arguments(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = (),
+                  defaults: dict[str, Any] | None = None) -> None:
+    """Add one flag per field of `cls`, with env-var defaults; `defaults`
+    overrides the field defaults (the environment still wins)."""
     group = parser.add_argument_group(cls.__name__)
     for f in dataclasses.fields(cls):
         if f.name in skip or "help" not in f.metadata:
@@ -46,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, .
         kind = type(f.default)
         flag = "--" + f.name.replace("_", "-")
         env = env_name(f.name)
-        default = f.default
+        default = (defaults or {}).get(f.name, f.default)
         if env in os.environ:
             try:
                 default = _convert(kind, os.environ[env])

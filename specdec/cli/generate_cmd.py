@@ -1,0 +1,63 @@
+"""`specd generate PROMPT`: stream a generation from an orchestrator."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import grpc
+from google.protobuf.json_format import MessageToDict
+
+
+def register(sub) -> None:
+    p = sub.add_parser("generate", help="stream a generation from an orchestrator")
+    p.add_argument("prompt", help="the prompt text ('-' reads standard input)")
+    p.add_argument("--server", default="127.0.0.1:50051", help="orchestrator address (default 127.0.0.1:50051)")
+    p.add_argument("--chat", action="store_true", help="send the prompt as a user message (chat template)")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=None, help="0: greedy (default: the server's, 1.0)")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--policy", default="", help="γ policy: fixed or adaptive (default: the server's)")
+    p.add_argument("--k", type=int, default=0, help="draft tokens per round (default: the server's)")
+    p.add_argument("--no-speculation", action="store_true", help="decode with the target alone")
+    p.add_argument("--stats", action="store_true", help="print the request's statistics to stderr")
+    p.add_argument("--json", action="store_true", help="print one JSON object with the text and statistics")
+    p.add_argument("--timeout", type=float, default=600.0, help="deadline of the request, seconds")
+    p.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
+                   help="wait up to this long for the server to come up (e.g. while `specd up` loads)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from orchestrator.client import Client
+
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if args.chat:
+        prompt = [{"role": "user", "content": prompt}]
+    kwargs = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                  seed=args.seed, stop=args.stop, policy=args.policy, num_draft_tokens=args.k,
+                  speculate=not args.no_speculation)
+    text, tokens = [], []
+    timeout = args.timeout + args.wait
+    with Client(args.server, timeout_s=timeout, wait_for_ready=args.wait > 0) as client:
+        try:
+            for chunk in client.generate(prompt, **kwargs):
+                text.append(chunk.text)
+                tokens.extend(chunk.token_ids)
+                if not args.json:
+                    sys.stdout.write(chunk.text)
+                    sys.stdout.flush()
+        except grpc.RpcError as exc:
+            print(f"\nspecd: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+        stats = MessageToDict(client.last_stats, preserving_proto_field_name=True) if client.last_stats else {}
+    if args.json:
+        print(json.dumps({"text": "".join(text), "token_ids": tokens, "stats": stats}, indent=2))
+    else:
+        print()
+        if args.stats:
+            print(json.dumps(stats, indent=2), file=sys.stderr)
+    return 0

@@ -1,0 +1,108 @@
+"""`specd serve draft|target|orchestrator`: one role per process."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from specdec.config import add_arguments, from_args
+from specdec.engine.config import EngineConfig
+from specdec.errors import SpecdecError
+from specdec.model_service import SessionLimits
+from specdec.serving import ServerConfig, install_drain_on_signals
+
+log = logging.getLogger("specd")
+
+
+def register(sub) -> None:
+    from draft_service.server import DEFAULT_PORT as DRAFT_PORT
+    from draft_service.server import DrafterConfig
+    from orchestrator.config import DEFAULT_PORT as ORCH_PORT
+    from orchestrator.config import OrchestratorConfig
+    from target_service.server import DEFAULT_PORT as TARGET_PORT
+
+    serve = sub.add_parser("serve", help="run one role (draft, target or orchestrator)")
+    roles = serve.add_subparsers(dest="role", required=True)
+
+    draft = roles.add_parser("draft", help="the draft model service")
+    add_arguments(draft, ServerConfig, defaults={"port": DRAFT_PORT})
+    add_arguments(draft, EngineConfig, defaults={"model": "qwen2.5-coder-0.5b-instruct"})
+    add_arguments(draft, SessionLimits, skip=("max_verify_batch",))
+    add_arguments(draft, DrafterConfig)
+    draft.set_defaults(func=_serve_draft)
+
+    target = roles.add_parser("target", help="the target model service")
+    add_arguments(target, ServerConfig, defaults={"port": TARGET_PORT})
+    add_arguments(target, EngineConfig, defaults={"model": "qwen2.5-coder-1.5b-instruct"})
+    add_arguments(target, SessionLimits)
+    target.set_defaults(func=_serve_target)
+
+    orch = roles.add_parser("orchestrator", help="the orchestrator clients call")
+    add_arguments(orch, ServerConfig, defaults={"port": ORCH_PORT})
+    add_arguments(orch, OrchestratorConfig)
+    orch.set_defaults(func=_serve_orchestrator)
+
+
+def _run(coro) -> int:
+    try:
+        asyncio.run(coro)
+    except (SpecdecError, ValueError, OSError) as exc:
+        print(f"specd: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _serve_draft(args: argparse.Namespace) -> int:
+    from draft_service.server import DrafterConfig, build_drafter, start_draft_service
+
+    server_cfg, engine_cfg = from_args(ServerConfig, args), from_args(EngineConfig, args)
+    limits, drafter_cfg = from_args(SessionLimits, args), from_args(DrafterConfig, args)
+    engine_cfg.validate()
+
+    async def main():
+        service = await start_draft_service(
+            server_cfg, limits, lambda: build_drafter(engine_cfg, drafter_cfg, limits),
+            backend_kind=drafter_cfg.drafter)
+        await _serve_forever(service.running, server_cfg, "draft", engine_cfg.model)
+        service.servicer.stop_reaper()
+        service.worker.shutdown()
+
+    return _run(main())
+
+
+def _serve_target(args: argparse.Namespace) -> int:
+    from target_service.server import build_verifier, start_target_service
+
+    server_cfg, engine_cfg, limits = from_args(ServerConfig, args), from_args(EngineConfig, args), from_args(SessionLimits, args)
+    engine_cfg.validate()
+
+    async def main():
+        service = await start_target_service(server_cfg, limits, lambda: build_verifier(engine_cfg, limits))
+        await _serve_forever(service.running, server_cfg, "target", engine_cfg.model)
+        service.servicer.stop_reaper()
+        service.worker.shutdown()
+
+    return _run(main())
+
+
+def _serve_orchestrator(args: argparse.Namespace) -> int:
+    from orchestrator.config import OrchestratorConfig
+    from orchestrator.server import start_orchestrator
+
+    server_cfg, cfg = from_args(ServerConfig, args), from_args(OrchestratorConfig, args)
+
+    async def main():
+        orch = await start_orchestrator(server_cfg, cfg)
+        await _serve_forever(orch.running, server_cfg, "orchestrator", f"draft={cfg.draft} target={cfg.target}")
+        for channel in orch.channels:
+            await channel.close()
+
+    return _run(main())
+
+
+async def _serve_forever(running, server_cfg: ServerConfig, role: str, what: str) -> None:
+    log.info("%s SERVING on %s:%d (%s)", role, server_cfg.host, running.port, what)
+    install_drain_on_signals(running, server_cfg.drain_grace_s)
+    await running.wait()
+    log.info("%s stopped", role)

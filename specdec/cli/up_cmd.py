@@ -1,0 +1,125 @@
+"""`specd up`: the three roles as three local processes on the default pair.
+
+Fetches the pair first if it is not cached, starts draft and target, waits
+until both report SERVING, starts the orchestrator, prints where to connect,
+and on Ctrl-C (or SIGTERM) stops all three and waits for them.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from specdec.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
+
+
+def register(sub) -> None:
+    p = sub.add_parser("up", help="run draft, target and orchestrator locally (default real pair)")
+    p.add_argument("--draft-model", default=DEFAULT_DRAFT)
+    p.add_argument("--target-model", default=DEFAULT_TARGET)
+    p.add_argument("--drafter", default="model", choices=("model", "ngram"))
+    p.add_argument("--device", default="cpu", help="device of both model services (or use --draft-device/--target-device)")
+    p.add_argument("--draft-device", default=None)
+    p.add_argument("--target-device", default=None)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads per model service (0: torch default)")
+    p.add_argument("--port", type=int, default=50051, help="orchestrator port")
+    p.add_argument("--draft-port", type=int, default=50052)
+    p.add_argument("--target-port", type=int, default=50053)
+    p.add_argument("--policy", default="fixed")
+    p.add_argument("--k", type=int, default=4, help="draft tokens per round")
+    p.add_argument("--cache-dir", default=None, help="model cache (default: $SPECD_CACHE_DIR or the user cache)")
+    p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for the models to load")
+    p.set_defaults(func=run)
+
+
+def _fetch_missing(args) -> None:
+    from specdec.models.fetch import fetch
+
+    for name in {args.draft_model, args.target_model} - ({args.draft_model} if args.drafter == "ngram" else set()):
+        if os.path.exists(name):
+            continue
+        fetch(name, cache_dir=args.cache_dir)
+
+
+def _spawn(role: str, extra: list[str], env: dict) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "specdec.cli.main", "serve", role, *extra]
+    return subprocess.Popen(cmd, env=env, start_new_session=True)
+
+
+def _wait_serving(port: int, procs: list[subprocess.Popen], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if any(p.poll() is not None for p in procs):
+                raise RuntimeError("a service exited during start-up (see its log above)")
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.5)
+    raise RuntimeError(f"the service on port {port} was not SERVING after {timeout_s:.0f} s")
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        _fetch_missing(args)
+    except Exception as exc:  # noqa: BLE001 - one clear line for the user
+        print(f"specd up: cannot fetch the models: {exc}", file=sys.stderr)
+        return 1
+    env = dict(os.environ)
+    if args.cache_dir:
+        env["SPECD_CACHE_DIR"] = args.cache_dir
+    common = ["--dtype", args.dtype, "--threads", str(args.threads), "--host", "127.0.0.1"]
+    draft_args = ["--model", args.draft_model, "--drafter", args.drafter, "--port", str(args.draft_port),
+                  "--device", args.draft_device or args.device, *common]
+    target_args = ["--model", args.target_model, "--port", str(args.target_port),
+                   "--device", args.target_device or args.device, *common]
+    procs: list[subprocess.Popen] = []
+    stop_requested = []
+    signal.signal(signal.SIGTERM, lambda *_: stop_requested.append(True))
+    try:
+        procs.append(_spawn("target", target_args, env))
+        procs.append(_spawn("draft", draft_args, env))
+        print("specd up: loading the models (this takes a while on a CPU)...", file=sys.stderr)
+        _wait_serving(args.target_port, procs, args.startup_timeout)
+        _wait_serving(args.draft_port, procs, args.startup_timeout)
+        procs.append(_spawn("orchestrator", [
+            "--port", str(args.port), "--host", "127.0.0.1", "--draft", f"127.0.0.1:{args.draft_port}",
+            "--target", f"127.0.0.1:{args.target_port}", "--policy", args.policy,
+            "--num-draft-tokens", str(args.k), "--tokenizer", args.target_model], env))
+        _wait_serving(args.port, procs, 120)
+        print(f"\nspecd up: serving on 127.0.0.1:{args.port} "
+              f"(draft {args.draft_model}, target {args.target_model}). Try:\n"
+              f"  specd generate --server 127.0.0.1:{args.port} --temperature 0 --stats \"def fibonacci(n):\"\n"
+              "Ctrl-C stops all three.", file=sys.stderr, flush=True)
+        while not stop_requested and all(p.poll() is None for p in procs):
+            time.sleep(0.5)
+        return 0 if stop_requested else 1
+    except KeyboardInterrupt:
+        return 0
+    except RuntimeError as exc:
+        print(f"specd up: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        print("specd up: stopping...", file=sys.stderr)
+        _stop(procs)

@@ -1,0 +1,56 @@
+"""Checks on the real default pair; they run only where it is cached
+(`specd models fetch`), and on a GPU only where CUDA is present."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec.engine.config import EngineConfig
+from specdec.engine.engine import ExtendItem, ModelEngine
+from specdec.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
+
+
+def _cached(name: str) -> bool:
+    from specdec.models.cache import resolve_model
+
+    try:
+        resolve_model(name)
+        return True
+    except LookupError:
+        return False
+
+
+needs_pair = pytest.mark.skipif(not (_cached(DEFAULT_DRAFT) and _cached(DEFAULT_TARGET)),
+                                reason="the default pair is not cached (specd models fetch)")
+
+
+@pytest.mark.real_models
+@needs_pair
+def test_real_pair_loads_batches_and_rolls_back():
+    draft = ModelEngine.load(EngineConfig(model=DEFAULT_DRAFT, dtype="float32", threads=2))
+    target = ModelEngine.load(EngineConfig(model=DEFAULT_TARGET, dtype="float32", threads=2))
+    assert draft.vocab_size == target.vocab_size == 151936
+    assert draft.info.tokenizer_fingerprint == target.info.tokenizer_fingerprint
+    prompt = target.tokenizer("def fibonacci(n):", add_special_tokens=True)["input_ids"]
+    a = target.open_session(prompt)
+    b = target.open_session(prompt[:3])
+    first = target.extend([ExtendItem(a.id, None, [], 1)])[0]
+    target.rollback(a.id, len(prompt) - 1)
+    batched = target.extend([ExtendItem(a.id, None, prompt[-1:], 1), ExtendItem(b.id, None, prompt[3:], 1)])
+    torch.testing.assert_close(batched[0], first, atol=1e-3, rtol=0)
+    torch.testing.assert_close(batched[1], first, atol=1e-3, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_engine_on_gpu_matches_cpu_bf16():
+    from tests.conftest import tiny_model
+
+    cpu_model = tiny_model(seed=0)
+    gpu_engine = ModelEngine(tiny_model(seed=0).to("cuda"), EngineConfig(device="cuda", dtype="float32"))
+    tokens = list(range(3, 40))
+    s = gpu_engine.open_session(tokens[:10])
+    logits = gpu_engine.extend([ExtendItem(s.id, None, tokens[10:], len(tokens) - 9)])[0].cpu()
+    with torch.inference_mode():
+        ref = cpu_model(torch.tensor([tokens])).logits[0, 9:]
+    torch.testing.assert_close(logits, ref, atol=1e-3, rtol=0)
