@@ -24,4 +24,5 @@ class OrchestratorConfig:
     max_tokens_limit: int = opt(8192, "largest max_tokens a request may ask for")
     rpc_timeout_s: float = opt(60.0, "deadline of each downstream call, seconds")
     draft_retry_s: float = opt(2.0, "after a draft failure, retry it after this long, seconds")
+    resolve_interval_s: float = opt(10.0, "re-resolve the services' names this often to find replicas, seconds")
     connect_timeout_s: float = opt(600.0, "at start-up, wait this long for the target service, seconds")

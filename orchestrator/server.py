@@ -12,6 +12,7 @@ import grpc
 from orchestrator.batcher import VerifyBatcher
 from orchestrator.config import OrchestratorConfig
 from orchestrator.downstream import DraftClient, TargetClient, channel_to
+from orchestrator.replicas import Replica, ReplicaPool
 from orchestrator.servicer import Backends, OrchestratorServicer
 from orchestrator.speculation import LoopSettings
 from specdec.errors import FailedPrecondition, Unavailable
@@ -27,7 +28,6 @@ SERVICE_NAME = "specdec.v1.OrchestratorService"
 class Orchestrator:
     running: RunningServer
     backends: Backends
-    channels: list[grpc.aio.Channel]
 
     @property
     def port(self) -> int:
@@ -35,8 +35,12 @@ class Orchestrator:
 
     async def stop(self, grace_s: float = 0.0) -> None:
         await self.running.drain(grace_s)
-        for channel in self.channels:
-            await channel.close()
+        await self.close_channels()
+
+    async def close_channels(self) -> None:
+        await self.backends.targets.close()
+        if self.backends.drafts is not None:
+            await self.backends.drafts.close()
 
 
 async def _wait_for_info(client, timeout_s: float):
@@ -84,33 +88,47 @@ def load_tokenizer(name: str):
         return None
 
 
-async def build_backends(cfg: OrchestratorConfig, tokenizer=None) -> tuple[Backends, list[grpc.aio.Channel]]:
-    target_channel = channel_to(cfg.target)
-    target = TargetClient(target_channel)
-    target_info = await _wait_for_info(target, cfg.connect_timeout_s)
-    channels = [target_channel]
-    draft = None
+async def build_backends(cfg: OrchestratorConfig, tokenizer=None) -> Backends:
+    """Resolve and connect every replica of both services, check that they
+    fit together, and load the tokenizer."""
+
+    async def make_target(address: str) -> Replica:
+        client = TargetClient(channel_to(address))
+        await _wait_for_info(client, cfg.connect_timeout_s)
+        batcher = VerifyBatcher(client, max_batch=min(cfg.max_batch, client.info.max_verify_batch or cfg.max_batch),
+                                window_s=cfg.batch_window_ms / 1000, rpc_timeout_s=cfg.rpc_timeout_s,
+                                enabled=cfg.batching)
+        return Replica(address, client, batcher)
+
+    async def make_draft(address: str) -> Replica:
+        client = DraftClient(channel_to(address))
+        await _wait_for_info(client, cfg.connect_timeout_s)
+        return Replica(address, client)
+
+    async def close(replica: Replica) -> None:
+        await replica.client.channel.close()
+
+    targets = ReplicaPool(cfg.target, make_target, close, refresh_s=cfg.resolve_interval_s)
+    await targets.refresh()
+    target_info = targets.any().client.info
+    drafts = None
     if cfg.draft:
-        draft_channel = channel_to(cfg.draft)
-        channels.append(draft_channel)
-        draft = DraftClient(draft_channel)
-        draft_info = await _wait_for_info(draft, cfg.connect_timeout_s)
-        check_compatible(draft_info, target_info)
+        drafts = ReplicaPool(cfg.draft, make_draft, close, refresh_s=cfg.resolve_interval_s)
+        await drafts.refresh()
+        for replica in drafts.replicas.values():
+            check_compatible(replica.client.info, target_info)
     if tokenizer is None:
         tokenizer = await asyncio.get_running_loop().run_in_executor(
             None, load_tokenizer, cfg.tokenizer or target_info.model_name)
     eos = set(target_info.eos_token_ids)
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         eos.add(int(tokenizer.eos_token_id))
-    limits = [target_info.max_draft_tokens] + ([draft.info.max_draft_tokens] if draft else [])
-    contexts = [target_info.max_context] + ([draft.info.max_context] if draft else [])
+    infos = [target_info] + ([drafts.any().client.info] if drafts else [])
     settings = LoopSettings(rpc_timeout_s=cfg.rpc_timeout_s, draft_retry_s=cfg.draft_retry_s,
-                            max_context=min(contexts), max_draft_tokens=min(limits))
-    batcher = VerifyBatcher(target, max_batch=min(cfg.max_batch, 64), window_s=cfg.batch_window_ms / 1000,
-                            rpc_timeout_s=cfg.rpc_timeout_s, enabled=cfg.batching)
-    backends = Backends(target=target, draft=draft, batcher=batcher, tokenizer=tokenizer, settings=settings,
-                        eos_ids=frozenset(eos), vocab_size=target_info.vocab_size)
-    return backends, channels
+                            max_context=min(i.max_context for i in infos),
+                            max_draft_tokens=min(i.max_draft_tokens for i in infos))
+    return Backends(targets=targets, drafts=drafts, tokenizer=tokenizer, settings=settings,
+                    eos_ids=frozenset(eos), vocab_size=target_info.vocab_size)
 
 
 async def start_orchestrator(server_cfg: ServerConfig, cfg: OrchestratorConfig, tokenizer=None,
@@ -130,10 +148,10 @@ async def start_orchestrator(server_cfg: ServerConfig, cfg: OrchestratorConfig, 
         server_cfg, lambda server: orchestrator_pb2_grpc.add_OrchestratorServiceServicer_to_server(_Pending(), server),
         [SERVICE_NAME], interceptors=interceptors)
     try:
-        backends, channels = await build_backends(cfg, tokenizer)
+        backends = await build_backends(cfg, tokenizer)
     except BaseException:
         await running.drain(0)
         raise
     holder["s"] = OrchestratorServicer(cfg, backends)
     await running.set_serving()
-    return Orchestrator(running=running, backends=backends, channels=channels)
+    return Orchestrator(running=running, backends=backends)

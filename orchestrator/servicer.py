@@ -5,11 +5,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from orchestrator.batcher import VerifyBatcher
 from orchestrator.config import OrchestratorConfig
 from orchestrator.detokenizer import IncrementalDetokenizer
-from orchestrator.downstream import DraftClient, TargetClient
 from orchestrator.gamma_policy import make_policy
+from orchestrator.replicas import ReplicaPool
 from orchestrator.speculation import LoopSettings, RequestSpec, SpeculativeRequest
 from orchestrator.stop import StopMatcher, validate_stops
 from specdec import grpc_errors
@@ -24,9 +23,8 @@ _FINISH = {"length": pb.FINISH_REASON_LENGTH, "stop": pb.FINISH_REASON_STOP, "eo
 
 @dataclass
 class Backends:
-    target: TargetClient
-    draft: DraftClient | None
-    batcher: VerifyBatcher
+    targets: ReplicaPool  # replicas carry a TargetClient and its VerifyBatcher
+    drafts: ReplicaPool | None  # replicas carry a DraftClient
     tokenizer: object | None
     settings: LoopSettings
     eos_ids: frozenset[int]
@@ -43,12 +41,14 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         start = time.perf_counter()
         prompt = self._prompt_tokens(request)
         spec, policy, stops = self._parse(request, prompt, context.time_remaining())
-        loop = SpeculativeRequest(spec, policy, self.b.target, self.b.batcher,
-                                  self.b.draft if spec.speculate else None, self.b.settings)
+        target = self.b.targets.acquire()
+        draft = self.b.drafts.acquire() if spec.speculate else None
+        loop = SpeculativeRequest(spec, policy, target.client, target.batcher,
+                                  draft.client if draft else None, self.b.settings)
         detok = IncrementalDetokenizer(self.b.tokenizer, prompt) if self.b.tokenizer else None
         stop = StopMatcher(stops)
         first_token_s = None
-        self.b.batcher.request_started()
+        target.batcher.request_started()
         try:
             async for tokens in loop.run():
                 if first_token_s is None:
@@ -68,8 +68,11 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
                 if tail:
                     yield pb.GenerateResponse(chunk=pb.TextChunk(text=tail))
         finally:
-            self.b.batcher.request_finished()
+            target.batcher.request_finished()
             loop.close()
+            await self.b.targets.release(target)
+            if draft is not None:
+                await self.b.drafts.release(draft)
         yield pb.GenerateResponse(stats=self._stats(loop, policy, start, first_token_s))
 
     # --------------------------------------------------------------- parsing
@@ -134,7 +137,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         spec = RequestSpec(
             prompt=prompt, max_tokens=max_tokens, temperature=params.temperature, top_k=params.top_k,
             top_p=params.top_p, seed=request.seed if request.HasField("seed") else random_seed(),
-            eos_ids=self.b.eos_ids, speculate=not opts.disable and self.b.draft is not None,
+            eos_ids=self.b.eos_ids, speculate=not opts.disable and self.b.drafts is not None,
             request_id=request.request_id,
             deadline=None if time_remaining is None else time.monotonic() + time_remaining,
         )
@@ -167,7 +170,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
             verify_time_s=s.verify_time_s,
             target_compute_time_s=s.target_compute_s,
             wire_bytes=s.wire_bytes,
-            draft_model=self.b.draft.info.model_name if self.b.draft and self.b.draft.info else "",
-            target_model=self.b.target.info.model_name if self.b.target.info else "",
+            draft_model=loop.draft.info.model_name if loop.draft is not None and loop.draft.info else "",
+            target_model=loop.target.info.model_name if loop.target.info else "",
             policy=policy.name if loop.spec.speculate else "none",
         )

@@ -42,7 +42,7 @@ def sampling_from_wire(msg: common_pb2.SamplingParams) -> SamplingParams:
         raise InvalidArgument(str(exc)) from None
 
 
-def info_to_wire(info: EngineInfo, max_draft_tokens: int, backend: str) -> common_pb2.ModelInfo:
+def info_to_wire(info: EngineInfo, limits: SessionLimits, backend: str) -> common_pb2.ModelInfo:
     return common_pb2.ModelInfo(
         model_name=info.model_name,
         vocab_size=info.vocab_size,
@@ -51,7 +51,8 @@ def info_to_wire(info: EngineInfo, max_draft_tokens: int, backend: str) -> commo
         tokenizer_fingerprint=info.tokenizer_fingerprint,
         device=info.device,
         dtype=info.dtype,
-        max_draft_tokens=max_draft_tokens,
+        max_draft_tokens=limits.max_draft_tokens,
+        max_verify_batch=limits.max_verify_batch,
         backend=backend,
         kv_bytes_per_token=info.kv_bytes_per_token,
     )
@@ -99,7 +100,7 @@ class SessionServicer:
 
     @grpc_errors.unary
     async def GetModelInfo(self, request, context):
-        info = info_to_wire(self.backend.info, self.limits.max_draft_tokens, self.backend_kind)
+        info = info_to_wire(self.backend.info, self.limits, self.backend_kind)
         return common_pb2.GetModelInfoResponse(info=info)
 
     @grpc_errors.unary

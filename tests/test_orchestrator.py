@@ -54,7 +54,7 @@ def test_greedy_output_is_identical_to_target_only_under_concurrency(greedy_syst
     s = greedy_system
     n = 24
     refs = [greedy_reference(s.target_model, p, n) for p in GREEDY_PROMPTS]
-    batches_before = s.orchestrator.backends.batcher.batches_sent
+    batches_before = s.orchestrator.backends.targets.any().batcher.batches_sent
 
     def run(i):
         kwargs = dict(max_tokens=n, temperature=0, num_draft_tokens=1 + i % 8)
@@ -71,7 +71,7 @@ def test_greedy_output_is_identical_to_target_only_under_concurrency(greedy_syst
     rounds = sum(r.stats.rounds for r in results)
     assert sum(r.stats.accepted_tokens for r in results) > 0, "the draft should agree sometimes"
     assert sum(r.stats.accepted_tokens for r in results) < sum(r.stats.proposed_tokens for r in results)
-    assert s.orchestrator.backends.batcher.batches_sent - batches_before < rounds, "no verify was batched"
+    assert s.orchestrator.backends.targets.any().batcher.batches_sent - batches_before < rounds, "no verify was batched"
 
 
 def test_greedy_without_speculation_equals_reference(greedy_system):
@@ -99,7 +99,7 @@ def test_final_statistics_are_consistent(greedy_system):
 
 VOCAB = 8
 EOS = 2
-PROMPT = [3, 4, 5]
+PROMPT = [3, 4, 5, 3, 4, 5, 3, 4]  # repeats, so the n-gram drafter has matches
 SAMPLES = 1200
 
 
@@ -131,8 +131,12 @@ def assert_matches(counts: dict[tuple, int], exact: dict[tuple, float], n: int) 
         else:
             rest_o += counts.get(outcome, 0)
             rest_e += prob * n
-    observed.append(rest_o)
-    expected.append(rest_e)
+    if rest_e > 0:
+        observed.append(rest_o)
+        expected.append(rest_e)
+    if len(expected) < 2:  # a deterministic outcome: nothing to test statistically
+        assert observed[0] == n
+        return
     scale = sum(observed) / sum(expected)
     result = chisquare(observed, [e * scale for e in expected])
     assert result.pvalue > 1e-3, f"chi-square p={result.pvalue:.2e}; observed {observed} expected {expected}"
@@ -168,8 +172,8 @@ SAMPLED_CASES = {
 @pytest.mark.parametrize("case", list(SAMPLED_CASES))
 def test_sampled_output_is_distributed_as_the_target(case):
     kind, temperature, top_k, top_p = SAMPLED_CASES[case]
-    target = tiny_model(seed=0, vocab_size=VOCAB, init_range=0.6)
-    draft = {"poor": tiny_model(seed=7, vocab_size=VOCAB, init_range=0.6), "perfect": target}.get(kind)
+    target = tiny_model(seed=0, vocab_size=VOCAB, init_range=0.2)
+    draft = {"poor": tiny_model(seed=7, vocab_size=VOCAB, init_range=0.2), "perfect": target}.get(kind)
     exact = exact_two_token_distribution(target, SamplingParams(temperature, top_k, top_p))
     counts: dict[tuple, int] = {}
     proposed = accepted = 0

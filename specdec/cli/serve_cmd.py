@@ -95,8 +95,7 @@ def _serve_orchestrator(args: argparse.Namespace) -> int:
     async def main():
         orch = await start_orchestrator(server_cfg, cfg)
         await _serve_forever(orch.running, server_cfg, "orchestrator", f"draft={cfg.draft} target={cfg.target}")
-        for channel in orch.channels:
-            await channel.close()
+        await orch.close_channels()
 
     return _run(main())
 
