@@ -67,8 +67,14 @@ class ModelDrafter:
         (each `next()` runs one forward pass)."""
         check_num_tokens(k, self.max_draft_tokens)
         session = self.engine.session(session_id)
+        kept = session.length if keep_length is None else keep_length
+        if kept == 0 and not append:
+            raise InvalidArgument("nothing to draft from: keep or append at least one token")
         first = ExtendItem(session_id, keep_length, list(append), num_logits=1)
         self.engine.validate([first])
+        if kept + len(append) + k > self.info.max_context:  # refuse now, not after streaming some drafts
+            raise OutOfRange(f"drafting {k} tokens would take session {session_id!r} beyond the context "
+                             f"limit of {self.info.max_context} tokens")
         return self._drafts(session, first, k)
 
     def _drafts(self, session, first: ExtendItem, k: int) -> Iterator[DraftToken]:
@@ -141,6 +147,8 @@ class NgramDrafter:
         if not prompt:
             raise InvalidArgument("the prompt is empty: at least one token is needed")
         self._check_tokens(prompt)
+        if max_new_tokens < 0:
+            raise InvalidArgument(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         if len(prompt) + max_new_tokens > self.info.max_context:
             raise InvalidArgument(f"prompt plus max_new_tokens exceeds the context limit of {self.info.max_context}")
         if len(self._sessions) >= self.max_sessions:

@@ -101,10 +101,10 @@ class Verifier:
         meta: SessionMeta = session.meta
         q = [] if meta.params.greedy else self._check_q(item)
         extend = ExtendItem(item.session_id, item.keep_length, [*item.append, *item.drafts], num_logits=k + 1)
-        self.engine.validate([extend])
         kept = session.length if item.keep_length is None else item.keep_length
-        if kept + len(item.append) < 1:
+        if kept == 0 and not item.append:  # checked before validate(), whose message would be cryptic
             raise InvalidArgument("nothing precedes the drafts: keep or append at least one token")
+        self.engine.validate([extend])
         return extend, q
 
     def _check_q(self, item: VerifyRequestItem) -> list[SparseDist]:
@@ -136,9 +136,11 @@ class Verifier:
         if num_tokens < 1:
             raise InvalidArgument(f"num_tokens must be >= 1, got {num_tokens}")
         session = self.engine.session(session_id)
+        kept = session.length if keep_length is None else keep_length
+        if kept == 0 and not append:
+            raise InvalidArgument("nothing to decode from: keep or append at least one token")
         first = ExtendItem(session_id, keep_length, list(append), num_logits=1)
         self.engine.validate([first])
-        kept = session.length if keep_length is None else keep_length
         if kept + len(append) + num_tokens - 1 > self.info.max_context:
             raise InvalidArgument(f"decoding {num_tokens} tokens would exceed the context limit")
         meta: SessionMeta = session.meta

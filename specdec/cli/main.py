@@ -7,11 +7,19 @@
 """
 from __future__ import annotations
 
-import argparse
-import logging
-import sys
+import os
 
-from specdec.cli import generate_cmd, models_cmd, serve_cmd, up_cmd
+# Idle OpenMP threads otherwise busy-wait after every parallel region; when the
+# draft and target share CPU cores (specd up, a CPU node) each one's spinning
+# threads starve the other: measured on 2 cores, 0.6 tok/s instead of 5.4.
+# Set before torch loads; a value the user exported wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import argparse  # noqa: E402
+import logging  # noqa: E402
+import sys  # noqa: E402
+
+from specdec.cli import generate_cmd, models_cmd, serve_cmd, up_cmd  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:

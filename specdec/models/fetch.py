@@ -271,7 +271,11 @@ def fetch_gguf(name: str, cache_dir: str | os.PathLike | None = None, progress: 
 
 @contextmanager
 def _transformers_progress(enabled: bool) -> Iterator[None]:
-    """Show or hide transformers' own loading bars for the duration, then restore the setting."""
+    """Show or hide transformers' own loading bars for the duration, then restore the setting.
+
+    transformers' legacy GGUF reader ("Converting and de-quantizing GGUF
+    tensors") uses tqdm directly and ignores this switch; that bar still shows.
+    """
     from transformers.utils import logging as hf_logging
 
     was_enabled = hf_logging.is_progress_bar_enabled()
@@ -313,6 +317,19 @@ def convert_gguf(
     tokenizer.save_pretrained(dest)
 
 
+def _match_permissions(directory: Path) -> None:
+    """Give every file the mode config.json got from the umask.
+
+    The safetensors writer creates its file owner-only (0600) while the other
+    files follow the umask; without this a cache filled by one user (say, an
+    init container) would be unreadable to the service that loads it.
+    """
+    mode = (directory / "config.json").stat().st_mode & 0o777
+    for path in directory.iterdir():
+        if path.is_file():
+            path.chmod(mode)
+
+
 def _library_versions() -> tuple[str, str]:
     """(transformers, torch) versions, recorded in the manifest to explain a later difference."""
     import torch
@@ -345,6 +362,7 @@ def convert_into_cache(spec: ModelSpec, gguf: Path, final: Path, dtype: str, pro
     staging.mkdir(parents=True)
     try:
         convert_gguf(gguf, staging, dtype=dtype, require_chat_template=spec.has_chat_template, progress=progress)
+        _match_permissions(staging)
         transformers_version, torch_version = _library_versions()
         write_manifest(
             staging,

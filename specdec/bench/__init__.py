@@ -1,0 +1,1 @@
+"""Benchmark helpers: prompt sets and running the roles as processes."""
