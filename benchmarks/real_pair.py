@@ -21,31 +21,15 @@ import subprocess
 import sys
 import time
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from orchestrator.client import Client
 from specdec.bench.prompts import humaneval_prompts
+from specdec.cli.up_cmd import wait_serving
 
 
 def spawn(args: list[str], log_path: str) -> subprocess.Popen:
     log = open(log_path, "w")
     return subprocess.Popen([sys.executable, "-m", "specdec.cli.main", *args], stdout=log, stderr=log,
                             start_new_session=True)
-
-
-def wait_serving(port: int, timeout_s: float = 900) -> None:
-    deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
-        stub = health_pb2_grpc.HealthStub(ch)
-        while time.monotonic() < deadline:
-            try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.5)
-    raise RuntimeError(f"port {port} not SERVING")
 
 
 def stop(p: subprocess.Popen) -> None:
@@ -62,7 +46,7 @@ class Orchestrator:
         self.proc = spawn(["serve", "orchestrator", "--port", str(port), "--draft", f"127.0.0.1:{draft_port}",
                            "--target", f"127.0.0.1:{target_port}", "--tokenizer", tokenizer,
                            "--batching" if batching else "--no-batching"], f"/tmp/bench-orch-{port}.log")
-        wait_serving(port, 120)
+        wait_serving(port, [self.proc], 120)
 
     def __enter__(self):
         return self
@@ -98,8 +82,8 @@ def main() -> None:
     draft = spawn(["serve", "draft", "--model", args.draft, "--port", "50062", *common], "/tmp/bench-draft.log")
     runs = []
     try:
-        wait_serving(50063)
-        wait_serving(50062)
+        wait_serving(50063, [target], 900)
+        wait_serving(50062, [draft], 900)
         with Orchestrator(50061, 50062, 50063, True, args.target) as orch:
             configs = [("target-only", dict(speculate=False))]
             configs += [(f"fixed k={k}", dict(policy="fixed", num_draft_tokens=k)) for k in args.ks]

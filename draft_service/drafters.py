@@ -19,7 +19,7 @@ from typing import Iterator, Protocol, Sequence
 
 from specdec.engine.engine import EngineInfo, ExtendItem, ModelEngine
 from specdec.errors import InvalidArgument, NotFound, OutOfRange, ResourceExhausted
-from specdec.model_service import SessionMeta
+from specdec.model_service import EngineBackend, SessionMeta
 from specdec.sampling.rejection import draw_draft
 from specdec.sampling.sparse import SparseDist, truncate
 from specdec.sampling.transform import argmax_tokens, logits_to_probs
@@ -41,6 +41,7 @@ class Drafter(Protocol):
     def rollback(self, session_id: str, length: int) -> int: ...
     def close(self, session_id: str) -> bool: ...
     def expire_idle(self, ttl_s: float) -> list[str]: ...
+    def usage(self) -> tuple[int, int]: ...  # (open sessions, reserved KV bytes), from any thread
 
 
 def check_num_tokens(k: int, limit: int) -> None:
@@ -48,19 +49,13 @@ def check_num_tokens(k: int, limit: int) -> None:
         raise InvalidArgument(f"num_tokens must be in [1, {limit}], got {k}")
 
 
-class ModelDrafter:
+class ModelDrafter(EngineBackend):
     """Drafts with a causal LM; one forward pass per drafted token."""
 
     def __init__(self, engine: ModelEngine, max_draft_tokens: int = 16, max_q_tokens: int = 32):
-        self.engine = engine
-        self.info = engine.info
+        super().__init__(engine)
         self.max_draft_tokens = max_draft_tokens
         self.max_q_tokens = max_q_tokens
-
-    def open(self, prompt, meta, max_new_tokens):
-        session = self.engine.open_session(prompt, max_new_tokens)
-        session.meta = meta
-        return session.id, session.length, session.kv.nbytes
 
     def propose(self, session_id, keep_length, append, k):
         """Validate now, then yield the k drafts one by one as they are made
@@ -91,15 +86,6 @@ class ModelDrafter:
                 token = draw_draft(q, meta.seed, position)
             self.engine.append_tokens(session.id, [token])
             yield DraftToken(index=i, token_id=token, q=q, length=session.length)
-
-    def rollback(self, session_id, length):
-        return self.engine.rollback(session_id, length)
-
-    def close(self, session_id):
-        return self.engine.close(session_id)
-
-    def expire_idle(self, ttl_s):
-        return self.engine.expire_idle(ttl_s)
 
 
 @dataclass
@@ -209,3 +195,6 @@ class NgramDrafter:
         for sid in stale:
             del self._sessions[sid]
         return stale
+
+    def usage(self):
+        return len(self._sessions), 0

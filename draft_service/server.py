@@ -11,6 +11,7 @@ from specdec.engine.engine import ModelEngine
 from specdec.model_server import ModelService, start_model_service
 from specdec.model_service import SessionLimits
 from specdec.serving import ServerConfig
+from specdec.telemetry import NOOP, Telemetry
 from specdec.v1 import draft_pb2_grpc
 
 SERVICE_NAME = "specdec.v1.DraftService"
@@ -51,10 +52,12 @@ def _vocab_size(model: str) -> int:
 
 
 async def start_draft_service(server_cfg: ServerConfig, limits: SessionLimits, build_backend,
-                              backend_kind: str = "model", interceptors=()) -> ModelService:
+                              backend_kind: str = "model", interceptors=(),
+                              telemetry: Telemetry = NOOP) -> ModelService:
     return await start_model_service(
         server_cfg, limits, build_backend,
-        make_servicer=lambda worker, lim: DraftServicer(worker, lim, backend_kind=backend_kind),
+        make_servicer=lambda worker, lim: DraftServicer(worker, lim, backend_kind=backend_kind,
+                                                        telemetry=telemetry),
         add_to_server=draft_pb2_grpc.add_DraftServiceServicer_to_server,
         service_name=SERVICE_NAME,
         interceptors=interceptors,

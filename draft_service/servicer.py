@@ -3,28 +3,34 @@ from __future__ import annotations
 
 from specdec import grpc_errors
 from specdec.model_service import SessionServicer
+from specdec.telemetry import A_APPENDED, A_K, A_TOKENS, NOOP, SPAN_PROPOSE
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
 
 class DraftServicer(SessionServicer, draft_pb2_grpc.DraftServiceServicer):
-    def __init__(self, worker, limits, backend_kind: str = "model", drafter=None):
-        super().__init__(worker, limits, backend=drafter)
+    def __init__(self, worker, limits, backend_kind: str = "model", drafter=None, telemetry=NOOP):
+        super().__init__(worker, limits, backend=drafter, telemetry=telemetry)
         self.backend_kind = backend_kind
 
     @grpc_errors.stream
     async def Propose(self, request, context):
-        drafts = await self.worker.run(
-            self.backend.propose, request.session_id,
-            request.keep_length if request.HasField("keep_length") else None,
-            list(request.append_token_ids), request.num_tokens,
-        )
-        while True:
-            # Each step (one forward pass) runs on the engine thread; the token
-            # is on the wire as soon as it is drafted.
-            draft = await self.worker.run(next, drafts, None)
-            if draft is None:
-                return
-            yield _to_wire(draft)
+        attributes = {A_K: request.num_tokens, A_APPENDED: len(request.append_token_ids)}
+        with self.telemetry.server_span(SPAN_PROPOSE, context.invocation_metadata(), attributes) as span:
+            drafts = await self.worker.run(
+                self.backend.propose, request.session_id,
+                request.keep_length if request.HasField("keep_length") else None,
+                list(request.append_token_ids), request.num_tokens,
+            )
+            sent = 0
+            while True:
+                # Each step (one forward pass) runs on the engine thread; the token
+                # is on the wire as soon as it is drafted.
+                draft = await self.worker.run(next, drafts, None)
+                if draft is None:
+                    break
+                sent += 1
+                yield _to_wire(draft)
+            span.set_attribute(A_TOKENS, sent)
 
 
 def _to_wire(draft) -> draft_pb2.ProposeResponse:

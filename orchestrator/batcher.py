@@ -6,17 +6,27 @@ request has an item waiting (nothing more can come, so waiting would only add
 latency), or when the oldest item has waited `window_s`. Batches do not wait
 for each other: a slow batch never holds back the next one, and a request
 waits only for the batch that carries its item, within its own deadline.
+
+Tracing: a batch serves several requests, hence several traces. Its RPC span
+(`verify.batch`) is a child of the FIRST item's `target.verify` span (so the
+target's `verify` span lands in that request's trace) and links to the other
+items' spans; each other item's `target.verify` span links back to the batch.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from dataclasses import dataclass
 
 import grpc
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.trace import Link, SpanKind
 
 from orchestrator.downstream import TargetClient, unavailable
 from specdec.errors import NotFound, SpecdecError
+from specdec.telemetry import A_BATCH_ITEMS, A_BATCH_SESSIONS, A_PEER, NOOP, SPAN_VERIFY_BATCH, Telemetry
 from specdec.v1 import target_pb2
 
 
@@ -27,16 +37,19 @@ class VerifyReply:
     compute_s: float  # server-side compute of the whole batch
     rtt_s: float  # orchestrator-side time of the whole RPC
     wire_bytes: int  # this item's share of the request and reply bytes
+    items: int = 1  # verify items (requests) the RPC carried
 
 
 class VerifyBatcher:
     def __init__(self, target: TargetClient, max_batch: int = 16, window_s: float = 0.002,
-                 rpc_timeout_s: float = 120.0, enabled: bool = True):
+                 rpc_timeout_s: float = 120.0, enabled: bool = True, telemetry: Telemetry = NOOP):
         self.target = target
         self.max_batch = max_batch if enabled else 1
         self.window_s = window_s
         self.rpc_timeout_s = rpc_timeout_s
-        self._pending: list[tuple[target_pb2.VerifyItem, asyncio.Future]] = []
+        self.telemetry = telemetry
+        # (item, its future, the caller's trace context or None)
+        self._pending: list[tuple[target_pb2.VerifyItem, asyncio.Future, object]] = []
         self._timer: asyncio.TimerHandle | None = None
         self._active = 0  # requests currently generating
         self.batches_sent = 0
@@ -50,7 +63,8 @@ class VerifyBatcher:
 
     async def verify(self, item: target_pb2.VerifyItem) -> VerifyReply:
         future = asyncio.get_running_loop().create_future()
-        self._pending.append((item, future))
+        caller = otel_context.get_current() if self.telemetry.tracing else None
+        self._pending.append((item, future, caller))
         self._maybe_flush()
         if self._pending and self._timer is None:
             self._timer = asyncio.get_running_loop().call_later(self.window_s, self._flush)
@@ -68,28 +82,49 @@ class VerifyBatcher:
             batch, self._pending = self._pending[: self.max_batch], self._pending[self.max_batch :]
             asyncio.ensure_future(self._send(batch))
 
-    async def _send(self, batch: list[tuple[target_pb2.VerifyItem, asyncio.Future]]) -> None:
+    async def _send(self, batch: list[tuple[target_pb2.VerifyItem, asyncio.Future, object]]) -> None:
         self.batches_sent += 1
-        items = [item for item, _ in batch]
-        start = time.perf_counter()
-        try:
-            reply = await self.target.verify(items, timeout=self.rpc_timeout_s)
-        except grpc.aio.AioRpcError as exc:
-            error = unavailable("target", exc)
-            for _, future in batch:
-                if not future.done():
-                    future.set_exception(error)
-            return
-        rtt = time.perf_counter() - start
+        items = [item for item, _, _ in batch]
+        with self._batch_span(batch) as span:
+            start = time.perf_counter()
+            try:
+                reply = await self.target.verify(items, timeout=self.rpc_timeout_s)
+            except grpc.aio.AioRpcError as exc:
+                span.set_status(trace.Status(trace.StatusCode.ERROR, exc.code().name))
+                error = unavailable("target", exc)
+                for _, future, _ in batch:
+                    if not future.done():
+                        future.set_exception(error)
+                return
+            rtt = time.perf_counter() - start
+            span.set_attribute(A_BATCH_SESSIONS, reply.batch_size)
+        self.telemetry.metrics.record_rpc("target", "Verify", rtt)
         request_bytes = target_pb2.VerifyRequest(items=items).ByteSize()
         share = (request_bytes + reply.ByteSize()) // len(batch)
-        for (_, future), result in zip(batch, reply.results):
+        for (_, future, _), result in zip(batch, reply.results):
             if future.done():  # the request was cancelled meanwhile
                 continue
             if result.HasField("error"):
                 future.set_exception(_item_error(result.error))
             else:
-                future.set_result(VerifyReply(result, reply.batch_size, reply.compute_micros / 1e6, rtt, share))
+                future.set_result(VerifyReply(result, reply.batch_size, reply.compute_micros / 1e6, rtt, share,
+                                              len(batch)))
+
+    @contextlib.contextmanager
+    def _batch_span(self, batch):
+        """The RPC's span: child of the first caller's span, linked both ways
+        with the others' (see the module docstring)."""
+        if not self.telemetry.tracing:
+            yield trace.INVALID_SPAN
+            return
+        callers = [trace.get_current_span(ctx) for _, _, ctx in batch[1:]]
+        links = [Link(c.get_span_context()) for c in callers if c.get_span_context().is_valid]
+        with self.telemetry.span(SPAN_VERIFY_BATCH, {A_PEER: "target", A_BATCH_ITEMS: len(batch)},
+                                 parent=batch[0][2], kind=SpanKind.CLIENT, links=links) as span:
+            for caller in callers:
+                if caller.is_recording():  # still open: its request awaits this batch
+                    caller.add_link(span.get_span_context())
+            yield span
 
 
 def _item_error(error: target_pb2.ItemError) -> SpecdecError:

@@ -75,8 +75,8 @@ class TargetClient(ModelClient):
         return await self.stub.Verify(target_pb2.VerifyRequest(items=items), timeout=timeout)
 
 
-def channel_to(address: str, max_message_bytes: int = 16 << 20) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=[
+def channel_to(address: str, max_message_bytes: int = 16 << 20, interceptors=()) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(address, interceptors=list(interceptors) or None, options=[
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.enable_retries", 1),

@@ -16,7 +16,9 @@ from orchestrator.replicas import Replica, ReplicaPool
 from orchestrator.servicer import Backends, OrchestratorServicer
 from orchestrator.speculation import LoopSettings
 from specdec.errors import FailedPrecondition, Unavailable
+from specdec.grpc_tracing import client_interceptors
 from specdec.serving import RunningServer, ServerConfig, start_server
+from specdec.telemetry import NOOP, Telemetry
 from specdec.v1 import orchestrator_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -88,20 +90,21 @@ def load_tokenizer(name: str):
         return None
 
 
-async def build_backends(cfg: OrchestratorConfig, tokenizer=None) -> Backends:
+async def build_backends(cfg: OrchestratorConfig, tokenizer=None, telemetry: Telemetry = NOOP) -> Backends:
     """Resolve and connect every replica of both services, check that they
     fit together, and load the tokenizer."""
+    interceptors = client_interceptors(telemetry)  # trace context on every downstream call
 
     async def make_target(address: str) -> Replica:
-        client = TargetClient(channel_to(address))
+        client = TargetClient(channel_to(address, interceptors=interceptors))
         await _wait_for_info(client, cfg.connect_timeout_s)
         batcher = VerifyBatcher(client, max_batch=min(cfg.max_batch, client.info.max_verify_batch or cfg.max_batch),
                                 window_s=cfg.batch_window_ms / 1000, rpc_timeout_s=cfg.rpc_timeout_s,
-                                enabled=cfg.batching)
+                                enabled=cfg.batching, telemetry=telemetry)
         return Replica(address, client, batcher)
 
     async def make_draft(address: str) -> Replica:
-        client = DraftClient(channel_to(address))
+        client = DraftClient(channel_to(address, interceptors=interceptors))
         await _wait_for_info(client, cfg.connect_timeout_s)
         return Replica(address, client)
 
@@ -132,7 +135,7 @@ async def build_backends(cfg: OrchestratorConfig, tokenizer=None) -> Backends:
 
 
 async def start_orchestrator(server_cfg: ServerConfig, cfg: OrchestratorConfig, tokenizer=None,
-                             interceptors=()) -> Orchestrator:
+                             interceptors=(), telemetry: Telemetry = NOOP) -> Orchestrator:
     """Bind (NOT_SERVING), connect to the services, then SERVING."""
     holder: dict[str, OrchestratorServicer] = {}
 
@@ -148,10 +151,10 @@ async def start_orchestrator(server_cfg: ServerConfig, cfg: OrchestratorConfig, 
         server_cfg, lambda server: orchestrator_pb2_grpc.add_OrchestratorServiceServicer_to_server(_Pending(), server),
         [SERVICE_NAME], interceptors=interceptors)
     try:
-        backends = await build_backends(cfg, tokenizer)
+        backends = await build_backends(cfg, tokenizer, telemetry)
     except BaseException:
         await running.drain(0)
         raise
-    holder["s"] = OrchestratorServicer(cfg, backends)
+    holder["s"] = OrchestratorServicer(cfg, backends, telemetry)
     await running.set_serving()
     return Orchestrator(running=running, backends=backends)

@@ -15,6 +15,11 @@ from specdec import grpc_errors
 from specdec.errors import InvalidArgument
 from specdec.sampling.params import SamplingParams
 from specdec.sampling.rng import random_seed
+from specdec.telemetry import (A_ACCEPTANCE_RATE, A_ACCEPTED_TOKENS, A_DRAFT_MODEL, A_FALLBACK_ROUNDS, A_POLICY,
+                               A_PROPOSED, A_REQUEST_ID, A_ROUNDS, A_SEED, A_TTFT, GEN_AI_FINISH_REASONS,
+                               GEN_AI_INPUT_TOKENS, GEN_AI_MAX_TOKENS, GEN_AI_OPERATION, GEN_AI_OUTPUT_TOKENS,
+                               GEN_AI_REQUEST_MODEL, GEN_AI_RESPONSE_MODEL, GEN_AI_TEMPERATURE, GEN_AI_TOP_K,
+                               GEN_AI_TOP_P, NOOP, SPAN_GENERATE, Telemetry)
 from specdec.v1 import orchestrator_pb2 as pb
 from specdec.v1 import orchestrator_pb2_grpc
 
@@ -32,19 +37,29 @@ class Backends:
 
 
 class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
-    def __init__(self, cfg: OrchestratorConfig, backends: Backends):
+    def __init__(self, cfg: OrchestratorConfig, backends: Backends, telemetry: Telemetry = NOOP):
         self.cfg = cfg
         self.b = backends
+        self.telemetry = telemetry
 
     @grpc_errors.stream
     async def Generate(self, request, context):
+        # The root of the request's trace (or a child of the client's span,
+        # when the call carries one).
+        with self.telemetry.server_span(SPAN_GENERATE, context.invocation_metadata()) as span:
+            async for reply in self._generate(request, context, span):
+                yield reply
+
+    async def _generate(self, request, context, span):
         start = time.perf_counter()
         prompt = self._prompt_tokens(request)
         spec, policy, stops = self._parse(request, prompt, context.time_remaining())
         target = self.b.targets.acquire()
         draft = self.b.drafts.acquire() if spec.speculate else None
         loop = SpeculativeRequest(spec, policy, target.client, target.batcher,
-                                  draft.client if draft else None, self.b.settings)
+                                  draft.client if draft else None, self.b.settings, self.telemetry)
+        if span.is_recording():
+            span.set_attributes(_request_attributes(request, loop, policy))
         detok = IncrementalDetokenizer(self.b.tokenizer, prompt) if self.b.tokenizer else None
         stop = StopMatcher(stops)
         first_token_s = None
@@ -73,7 +88,12 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
             await self.b.targets.release(target)
             if draft is not None:
                 await self.b.drafts.release(draft)
-        yield pb.GenerateResponse(stats=self._stats(loop, policy, start, first_token_s))
+        stats = self._stats(loop, policy, start, first_token_s)
+        self.telemetry.metrics.record_request(stats.duration_s, first_token_s, stats.completion_tokens,
+                                              loop.finish_reason)
+        if span.is_recording():
+            span.set_attributes(_result_attributes(stats, loop.finish_reason))
+        yield pb.GenerateResponse(stats=stats)
 
     # --------------------------------------------------------------- parsing
 
@@ -174,3 +194,38 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
             target_model=loop.target.info.model_name if loop.target.info else "",
             policy=policy.name if loop.spec.speculate else "none",
         )
+
+
+def _request_attributes(request, loop: SpeculativeRequest, policy) -> dict:
+    spec = loop.spec
+    target_model = loop.target.info.model_name if loop.target.info else ""
+    attrs = {
+        GEN_AI_OPERATION: "chat" if request.WhichOneof("input") == "messages" else "text_completion",
+        GEN_AI_REQUEST_MODEL: target_model,
+        GEN_AI_MAX_TOKENS: spec.max_tokens,
+        GEN_AI_TEMPERATURE: spec.temperature,
+        GEN_AI_TOP_P: spec.top_p,
+        GEN_AI_TOP_K: spec.top_k,
+        GEN_AI_INPUT_TOKENS: len(spec.prompt),
+        A_SEED: spec.seed,
+        A_POLICY: policy.name if spec.speculate else "none",
+    }
+    if loop.draft is not None and loop.draft.info is not None:
+        attrs[A_DRAFT_MODEL] = loop.draft.info.model_name
+    if spec.request_id:
+        attrs[A_REQUEST_ID] = spec.request_id
+    return attrs
+
+
+def _result_attributes(stats: pb.GenerateStats, finish_reason: str) -> dict:
+    return {
+        GEN_AI_RESPONSE_MODEL: stats.target_model,
+        GEN_AI_OUTPUT_TOKENS: stats.completion_tokens,
+        GEN_AI_FINISH_REASONS: (finish_reason,),
+        A_ROUNDS: stats.rounds,
+        A_PROPOSED: stats.proposed_tokens,
+        A_ACCEPTED_TOKENS: stats.accepted_tokens,
+        A_ACCEPTANCE_RATE: stats.acceptance_rate,
+        A_FALLBACK_ROUNDS: stats.fallback_rounds,
+        A_TTFT: stats.time_to_first_token_s,
+    }

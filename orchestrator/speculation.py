@@ -14,6 +14,11 @@ keep_length = that prefix and appends the rest of `history`.
 If the draft fails, the round decodes plainly (a Verify with k = 0 draws the
 same token a plain decode would) and the draft is re-opened on the full
 history after `draft_retry_s`. Output stays exact either way.
+
+Tracing (the span tree is in docs/observability.md): each round is a `round`
+span holding `draft.propose`, `target.verify` and `accept`; session opens and
+closes are `session.open` / `session.close`. No span is open across a `yield`
+of `run()`, whose consumer may stop iterating at any point.
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 import grpc
+from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from orchestrator.batcher import VerifyBatcher
 from orchestrator.downstream import CallCost, DraftClient, TargetClient, open_request
@@ -32,6 +38,9 @@ from specdec.errors import DeadlineExceeded, NotFound, SpecdecError
 from specdec.grpc_errors import from_rpc_error
 from specdec.sampling.rejection import RoundResult, VerifyOutcome, accept_greedy, accept_sampled
 from specdec.sampling.sparse import SparseDist
+from specdec.telemetry import (A_ACCEPTED, A_BATCH_ITEMS, A_BATCH_SESSIONS, A_EMITTED, A_FALLBACK, A_K, A_PEER,
+                               A_RETURNED, A_ROUND, NOOP, SPAN_ACCEPT, SPAN_DRAFT_PROPOSE, SPAN_ROUND,
+                               SPAN_SESSION_CLOSE, SPAN_SESSION_OPEN, SPAN_TARGET_VERIFY, Telemetry)
 from specdec.v1 import target_pb2
 
 log = logging.getLogger(__name__)
@@ -100,8 +109,10 @@ class SpeculativeRequest:
     """Runs one request; `run()` yields the tokens each round emits."""
 
     def __init__(self, spec: RequestSpec, policy: GammaPolicy, target: TargetClient,
-                 batcher: VerifyBatcher, draft: DraftClient | None, settings: LoopSettings):
+                 batcher: VerifyBatcher, draft: DraftClient | None, settings: LoopSettings,
+                 telemetry: Telemetry = NOOP):
         self.spec = spec
+        self.telemetry = telemetry
         self.policy = policy
         self.target = target
         self.batcher = batcher
@@ -130,12 +141,16 @@ class SpeculativeRequest:
         return open_request(self.history, self.spec.temperature, self.spec.top_k, self.spec.top_p,
                             self.spec.seed, self.spec.max_tokens, self.spec.request_id)
 
+    def _client_span(self, name: str, peer: str, attributes: dict | None = None):
+        return self.telemetry.span(name, {A_PEER: peer, **(attributes or {})}, kind=SpanKind.CLIENT)
+
     async def _open_target(self) -> None:
-        try:
-            self._target_session, cost = await self.target.open(self._open_request(), self._timeout())
-        except grpc.aio.AioRpcError as exc:
-            raise from_rpc_error(exc, "target") from None
-        self._account(cost)
+        with self._client_span(SPAN_SESSION_OPEN, "target"):
+            try:
+                self._target_session, cost = await self.target.open(self._open_request(), self._timeout())
+            except grpc.aio.AioRpcError as exc:
+                raise from_rpc_error(exc, "target") from None
+        self._account(cost, "target", "OpenSession")
         self._target_prefix = len(self.history)
 
     async def _open_draft(self) -> None:
@@ -143,12 +158,14 @@ class SpeculativeRequest:
         in fallback and retry later."""
         if self.draft is None:
             return
-        try:
-            self._draft_session, cost = await self.draft.open(self._open_request(), self._timeout())
-        except grpc.aio.AioRpcError as exc:
-            self._draft_failed(exc)
-            return
-        self._account(cost)
+        with self._client_span(SPAN_SESSION_OPEN, "draft") as span:
+            try:
+                self._draft_session, cost = await self.draft.open(self._open_request(), self._timeout())
+            except grpc.aio.AioRpcError as exc:
+                _failed(span, exc)
+                self._draft_failed(exc)
+                return
+        self._account(cost, "draft", "OpenSession")
         self._draft_prefix = len(self.history)
         self._draft_down_since = None
 
@@ -169,18 +186,20 @@ class SpeculativeRequest:
             self._close_later(self.draft, self._draft_session)
             self._draft_session = None
 
-    @staticmethod
-    def _close_later(client, session_id: str) -> None:
+    def _close_later(self, client, session_id: str) -> None:
         async def close():
-            try:
-                await client.close(session_id, CLOSE_TIMEOUT_S)
-            except grpc.aio.AioRpcError as exc:
-                log.info("closing %s session failed: %s", client.name, exc.code().name)
+            with self._client_span(SPAN_SESSION_CLOSE, client.name) as span:
+                try:
+                    await client.close(session_id, CLOSE_TIMEOUT_S)
+                except grpc.aio.AioRpcError as exc:
+                    _failed(span, exc)
+                    log.info("closing %s session failed: %s", client.name, exc.code().name)
 
-        asyncio.ensure_future(close())
+        asyncio.ensure_future(close())  # a task inherits the current trace context
 
-    def _account(self, cost: CallCost) -> None:
+    def _account(self, cost: CallCost, service: str, method: str) -> None:
         self.stats.wire_bytes += cost.wire_bytes
+        self.telemetry.metrics.record_rpc(service, method, cost.seconds)
 
     # ----------------------------------------------------------------- loop
 
@@ -211,16 +230,26 @@ class SpeculativeRequest:
         return max(0, min(self.policy.next_k(), remaining - 1, room, self.settings.max_draft_tokens))
 
     async def _round(self) -> list[int]:
+        with self.telemetry.span(SPAN_ROUND, {A_ROUND: self.stats.rounds}) as span:
+            await self._reopen_draft_if_due()
+            fallbacks = self.stats.fallback_rounds
+            k = self._choose_k() if self._draft_session is not None else 0
+            drafts, draft_time = await self._propose(k)
+            reply = await self._verify(drafts)
+            with self.telemetry.span(SPAN_ACCEPT) as accept_span:
+                result = self._accept(drafts, reply.result)
+                accept_span.set_attribute(A_ACCEPTED, result.num_accepted)
+            self._advance_prefixes(len(drafts), result.num_accepted)
+            self._observe(k, len(drafts), result.num_accepted, draft_time, reply)
+            span.set_attributes({A_K: k, A_RETURNED: len(drafts), A_ACCEPTED: result.num_accepted,
+                                 A_EMITTED: len(result.emitted_ids),
+                                 A_FALLBACK: self.stats.fallback_rounds > fallbacks})
+        return result.emitted_ids
+
+    async def _reopen_draft_if_due(self) -> None:
         if self.spec.speculate and self._draft_session is None:
             if self._draft_down_since is None or time.monotonic() - self._draft_down_since >= self.settings.draft_retry_s:
                 await self._open_draft()
-        k = self._choose_k() if self._draft_session is not None else 0
-        drafts, draft_time = await self._propose(k)
-        reply = await self._verify(drafts)
-        result = self._accept(drafts, reply.result)
-        self._advance_prefixes(len(drafts), result.num_accepted)
-        self._observe(len(drafts), result.num_accepted, draft_time, reply)
-        return result.emitted_ids
 
     async def _propose(self, k: int) -> tuple[list, float]:
         if k == 0:
@@ -228,13 +257,17 @@ class SpeculativeRequest:
                 self.stats.fallback_rounds += self._draft_session is None
             return [], 0.0
         keep = self._draft_prefix
-        try:
-            drafts, cost = await self.draft.propose(self._draft_session, keep, self.history[keep:], k, self._timeout())
-        except grpc.aio.AioRpcError as exc:
-            self._draft_failed(exc)
-            self.stats.fallback_rounds += 1
-            return [], 0.0
-        self._account(cost)
+        with self._client_span(SPAN_DRAFT_PROPOSE, "draft", {A_K: k}) as span:
+            try:
+                drafts, cost = await self.draft.propose(self._draft_session, keep, self.history[keep:], k,
+                                                        self._timeout())
+            except grpc.aio.AioRpcError as exc:
+                _failed(span, exc)
+                self._draft_failed(exc)
+                self.stats.fallback_rounds += 1
+                return [], 0.0
+            span.set_attribute(A_RETURNED, len(drafts))
+        self._account(cost, "draft", "Propose")
         self.stats.draft_time_s += cost.seconds
         self._draft_prefix = len(self.history)  # the draft now holds history + drafts
         return drafts, cost.seconds
@@ -247,12 +280,14 @@ class SpeculativeRequest:
         )
         if not self.spec.greedy:
             item.draft_q.extend(d.q for d in drafts)
-        try:
-            reply = await asyncio.wait_for(self.batcher.verify(item), self._timeout())
-        except asyncio.TimeoutError:
-            raise DeadlineExceeded("the request's deadline passed while verifying") from None
-        except NotFound as exc:
-            raise SpecdecError(str(exc)) from None
+        with self.telemetry.span(SPAN_TARGET_VERIFY, {A_K: len(drafts)}) as span:
+            try:
+                reply = await asyncio.wait_for(self.batcher.verify(item), self._timeout())
+            except asyncio.TimeoutError:
+                raise DeadlineExceeded("the request's deadline passed while verifying") from None
+            except NotFound as exc:
+                raise SpecdecError(str(exc)) from None
+            span.set_attributes({A_BATCH_ITEMS: reply.items, A_BATCH_SESSIONS: reply.batch_size})
         self._target_prefix = len(self.history)
         self.stats.wire_bytes += reply.wire_bytes
         self.stats.verify_time_s += reply.rtt_s
@@ -277,10 +312,17 @@ class SpeculativeRequest:
         if k:
             self._draft_prefix = shared
 
-    def _observe(self, k: int, accepted: int, draft_time: float, reply) -> None:
+    def _observe(self, k_chosen: int, k: int, accepted: int, draft_time: float, reply) -> None:
         self.stats.record_round(k, accepted)
+        if self.spec.speculate:
+            self.telemetry.metrics.record_round(k_chosen, k, accepted)
         self.policy.observe(RoundObservation(
             k=k, accepted=accepted, draft_time_s=draft_time, verify_time_s=reply.rtt_s,
             verify_compute_s=reply.compute_s, batch_size=max(1, reply.batch_size),
             draft_rtt_s=0.0, target_rtt_s=max(0.0, reply.rtt_s - reply.compute_s),
         ))
+
+
+def _failed(span, exc: grpc.aio.AioRpcError) -> None:
+    """Mark a span whose call failed but whose error the loop absorbs."""
+    span.set_status(Status(StatusCode.ERROR, f"{exc.code().name}: {exc.details()}"))

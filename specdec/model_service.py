@@ -13,6 +13,8 @@ from specdec.engine.engine import EngineInfo
 from specdec.errors import InvalidArgument, Unavailable
 from specdec.sampling.params import SamplingParams
 from specdec.serving import EngineWorker
+from specdec.telemetry import (A_KV_BYTES, A_LENGTH, A_PROMPT_TOKENS, NOOP, SPAN_CLOSE, SPAN_PREFILL,
+                               SPAN_ROLLBACK, Telemetry)
 from specdec.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -33,6 +35,33 @@ class SessionMeta:
 
     params: SamplingParams
     seed: int
+
+
+class EngineBackend:
+    """The session RPCs of a backend whose sessions live in a ModelEngine
+    (the model drafter and the target's verifier)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.info = engine.info
+
+    def open(self, prompt, meta: SessionMeta, max_new_tokens: int) -> tuple[str, int, int]:
+        session = self.engine.open_session(prompt, max_new_tokens)
+        session.meta = meta
+        return session.id, session.length, session.kv.nbytes
+
+    def rollback(self, session_id: str, length: int) -> int:
+        return self.engine.rollback(session_id, length)
+
+    def close(self, session_id: str) -> bool:
+        return self.engine.close(session_id)
+
+    def expire_idle(self, ttl_s: float) -> list[str]:
+        return self.engine.expire_idle(ttl_s)
+
+    def usage(self) -> tuple[int, int]:
+        """(open sessions, reserved KV bytes); safe from any thread."""
+        return self.engine.num_sessions, self.engine.kv_bytes_reserved
 
 
 def sampling_from_wire(msg: common_pb2.SamplingParams) -> SamplingParams:
@@ -59,7 +88,9 @@ def info_to_wire(info: EngineInfo, limits: SessionLimits, backend: str) -> commo
 
 
 class SessionServicer:
-    """The session RPCs over a backend with open/rollback/close/expire_idle/info.
+    """The session RPCs over a backend with open/rollback/close/expire_idle/
+    usage/info. Each traced RPC opens one server span, a child of the
+    caller's span when the call carries a trace context.
 
     The servicer exists before its backend (the model loads after the server
     binds); until `attach()` every call answers UNAVAILABLE.
@@ -67,14 +98,16 @@ class SessionServicer:
 
     backend_kind = "model"
 
-    def __init__(self, worker: EngineWorker, limits: SessionLimits, backend=None):
+    def __init__(self, worker: EngineWorker, limits: SessionLimits, backend=None, telemetry: Telemetry = NOOP):
         self._backend = backend
         self.worker = worker
         self.limits = limits
+        self.telemetry = telemetry
         self._reaper: asyncio.Task | None = None
 
     def attach(self, backend) -> None:
         self._backend = backend
+        self.telemetry.metrics.observe_sessions(backend.usage)
         self.start_reaper()
 
     @property
@@ -105,18 +138,23 @@ class SessionServicer:
 
     @grpc_errors.unary
     async def OpenSession(self, request, context):
-        meta = SessionMeta(params=sampling_from_wire(request.sampling), seed=request.seed)
-        session_id, length, kv_bytes = await self.worker.run(
-            self.backend.open, list(request.prompt_token_ids), meta, request.max_new_tokens
-        )
+        with self.telemetry.server_span(SPAN_PREFILL, context.invocation_metadata(),
+                                        {A_PROMPT_TOKENS: len(request.prompt_token_ids)}) as span:
+            meta = SessionMeta(params=sampling_from_wire(request.sampling), seed=request.seed)
+            session_id, length, kv_bytes = await self.worker.run(
+                self.backend.open, list(request.prompt_token_ids), meta, request.max_new_tokens
+            )
+            span.set_attribute(A_KV_BYTES, kv_bytes)
         return common_pb2.OpenSessionResponse(session_id=session_id, length=length, kv_bytes=kv_bytes)
 
     @grpc_errors.unary
     async def Rollback(self, request, context):
-        length = await self.worker.run(self.backend.rollback, request.session_id, request.length)
+        with self.telemetry.server_span(SPAN_ROLLBACK, context.invocation_metadata(), {A_LENGTH: request.length}):
+            length = await self.worker.run(self.backend.rollback, request.session_id, request.length)
         return common_pb2.RollbackResponse(length=length)
 
     @grpc_errors.unary
     async def CloseSession(self, request, context):
-        closed = await self.worker.run(self.backend.close, request.session_id)
+        with self.telemetry.server_span(SPAN_CLOSE, context.invocation_metadata()):
+            closed = await self.worker.run(self.backend.close, request.session_id)
         return common_pb2.CloseSessionResponse(closed=closed)

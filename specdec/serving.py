@@ -30,6 +30,7 @@ class ServerConfig:
     max_message_bytes: int = opt(16 << 20, "largest gRPC message accepted or sent, bytes")
     drain_grace_s: float = opt(20.0, "on SIGTERM: seconds in-flight calls get to finish")
     reflection: bool = opt(False, "enable gRPC server reflection")
+    metrics_port: int = opt(0, "Prometheus metrics port, served at /metrics on the same host (0: off)")
 
     def channel_options(self) -> list[tuple[str, int]]:
         return [

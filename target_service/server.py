@@ -6,6 +6,7 @@ from specdec.engine.engine import ModelEngine
 from specdec.model_server import ModelService, start_model_service
 from specdec.model_service import SessionLimits
 from specdec.serving import ServerConfig
+from specdec.telemetry import NOOP, Telemetry
 from specdec.v1 import target_pb2_grpc
 from target_service.servicer import TargetServicer
 from target_service.verifier import Verifier
@@ -22,10 +23,10 @@ def build_verifier(engine_cfg: EngineConfig, limits: SessionLimits, engine: Mode
 
 
 async def start_target_service(server_cfg: ServerConfig, limits: SessionLimits, build_backend,
-                               interceptors=()) -> ModelService:
+                               interceptors=(), telemetry: Telemetry = NOOP) -> ModelService:
     return await start_model_service(
         server_cfg, limits, build_backend,
-        make_servicer=lambda worker, lim: TargetServicer(worker, lim),
+        make_servicer=lambda worker, lim: TargetServicer(worker, lim, telemetry=telemetry),
         add_to_server=target_pb2_grpc.add_TargetServiceServicer_to_server,
         service_name=SERVICE_NAME,
         interceptors=interceptors,

@@ -5,6 +5,8 @@ import time
 
 from specdec import grpc_errors
 from specdec.model_service import SessionServicer
+from specdec.telemetry import (A_APPENDED, A_BATCH_ITEMS, A_BATCH_SESSIONS, A_FORWARD_S, A_K, A_TOKENS,
+                               SPAN_DECODE, SPAN_VERIFY)
 from specdec.v1 import target_pb2, target_pb2_grpc
 from target_service.verifier import VerifyRequestItem
 
@@ -12,31 +14,41 @@ from target_service.verifier import VerifyRequestItem
 class TargetServicer(SessionServicer, target_pb2_grpc.TargetServiceServicer):
     @grpc_errors.unary
     async def Verify(self, request, context):
-        items = [
-            VerifyRequestItem(
-                session_id=it.session_id,
-                keep_length=it.keep_length if it.HasField("keep_length") else None,
-                append=list(it.append_token_ids),
-                drafts=list(it.draft_token_ids),
-                draft_q=[(list(q.token_ids), list(q.probs)) for q in it.draft_q],
-            )
-            for it in request.items
-        ]
-        start = time.perf_counter()
-        batch = await self.worker.run(self.backend.verify, items)
-        micros = int((time.perf_counter() - start) * 1e6)
+        """One batched call serves several requests: its span is a child of
+        the orchestrator's `verify.batch` span, which links the requests."""
+        with self.telemetry.server_span(SPAN_VERIFY, context.invocation_metadata(),
+                                        {A_BATCH_ITEMS: len(request.items)}) as span:
+            items = [
+                VerifyRequestItem(
+                    session_id=it.session_id,
+                    keep_length=it.keep_length if it.HasField("keep_length") else None,
+                    append=list(it.append_token_ids),
+                    drafts=list(it.draft_token_ids),
+                    draft_q=[(list(q.token_ids), list(q.probs)) for q in it.draft_q],
+                )
+                for it in request.items
+            ]
+            self.telemetry.metrics.verify_batch_size.record(len(items))
+            start = time.perf_counter()
+            batch = await self.worker.run(self.backend.verify, items)
+            seconds = time.perf_counter() - start
+            span.set_attributes({A_BATCH_SESSIONS: batch.batch_size, A_FORWARD_S: seconds})
         results = [_result_to_wire(it.session_id, r) for it, r in zip(items, batch.items)]
-        return target_pb2.VerifyResponse(results=results, batch_size=batch.batch_size, compute_micros=micros)
+        return target_pb2.VerifyResponse(results=results, batch_size=batch.batch_size,
+                                         compute_micros=int(seconds * 1e6))
 
     @grpc_errors.unary
     async def Decode(self, request, context):
-        start = time.perf_counter()
-        tokens, length = await self.worker.run(
-            self.backend.decode, request.session_id, _keep(request),
-            list(request.append_token_ids), request.num_tokens, list(request.stop_token_ids),
-        )
-        micros = int((time.perf_counter() - start) * 1e6)
-        return target_pb2.DecodeResponse(token_ids=tokens, length=length, compute_micros=micros)
+        with self.telemetry.server_span(SPAN_DECODE, context.invocation_metadata(),
+                                        {A_K: request.num_tokens, A_APPENDED: len(request.append_token_ids)}) as span:
+            start = time.perf_counter()
+            tokens, length = await self.worker.run(
+                self.backend.decode, request.session_id, _keep(request),
+                list(request.append_token_ids), request.num_tokens, list(request.stop_token_ids),
+            )
+            seconds = time.perf_counter() - start
+            span.set_attributes({A_TOKENS: len(tokens), A_FORWARD_S: seconds})
+        return target_pb2.DecodeResponse(token_ids=tokens, length=length, compute_micros=int(seconds * 1e6))
 
 
 def _result_to_wire(session_id: str, result) -> target_pb2.VerifyResult:

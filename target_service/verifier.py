@@ -15,7 +15,7 @@ import torch
 
 from specdec.engine.engine import ExtendItem, ModelEngine
 from specdec.errors import InvalidArgument, SpecdecError
-from specdec.model_service import SessionMeta
+from specdec.model_service import EngineBackend, SessionMeta
 from specdec.sampling.rejection import VerifyOutcome, sample_token, score_drafts
 from specdec.sampling.sparse import SparseDist, validate_sparse
 from specdec.sampling.transform import argmax_tokens, logits_to_probs
@@ -44,30 +44,13 @@ class VerifyBatchResult:
     batch_size: int = 0  # sessions in the forward pass
 
 
-class Verifier:
+class Verifier(EngineBackend):
     """Sessions of the target model, with batched Verify and plain Decode."""
 
     def __init__(self, engine: ModelEngine, max_draft_tokens: int = 16, max_verify_batch: int = 64):
-        self.engine = engine
-        self.info = engine.info
+        super().__init__(engine)
         self.max_draft_tokens = max_draft_tokens
         self.max_verify_batch = max_verify_batch
-
-    # session RPCs -----------------------------------------------------------
-
-    def open(self, prompt, meta: SessionMeta, max_new_tokens: int):
-        session = self.engine.open_session(prompt, max_new_tokens)
-        session.meta = meta
-        return session.id, session.length, session.kv.nbytes
-
-    def rollback(self, session_id, length):
-        return self.engine.rollback(session_id, length)
-
-    def close(self, session_id):
-        return self.engine.close(session_id)
-
-    def expire_idle(self, ttl_s):
-        return self.engine.expire_idle(ttl_s)
 
     # verify -------------------------------------------------------------------
 

@@ -12,6 +12,7 @@ from draft_service.drafters import ModelDrafter, NgramDrafter
 from draft_service.server import start_draft_service
 from specdec.model_service import SessionLimits
 from specdec.serving import ServerConfig
+from specdec.telemetry import NOOP
 from specdec.v1 import draft_pb2_grpc, target_pb2_grpc
 from target_service.server import start_target_service
 from target_service.verifier import Verifier
@@ -38,13 +39,14 @@ def local_config(**kwargs) -> ServerConfig:
 
 
 @contextmanager
-def running_target(engine, limits: SessionLimits | None = None, server_cfg: ServerConfig | None = None):
+def running_target(engine, limits: SessionLimits | None = None, server_cfg: ServerConfig | None = None,
+                   telemetry=NOOP):
     """A target service over `engine`; yields (service, stub, loop)."""
     limits = limits or SessionLimits()
     loop = BackgroundLoop()
     service = loop.run(start_target_service(
         server_cfg or local_config(), limits,
-        lambda: Verifier(engine, limits.max_draft_tokens, limits.max_verify_batch)))
+        lambda: Verifier(engine, limits.max_draft_tokens, limits.max_verify_batch), telemetry=telemetry))
     channel = grpc.insecure_channel(f"127.0.0.1:{service.port}")
     try:
         yield service, target_pb2_grpc.TargetServiceStub(channel), loop
@@ -56,7 +58,7 @@ def running_target(engine, limits: SessionLimits | None = None, server_cfg: Serv
 
 @contextmanager
 def running_draft(engine=None, limits: SessionLimits | None = None, ngram_vocab: int = 0,
-                  server_cfg: ServerConfig | None = None, max_q_tokens: int = 32):
+                  server_cfg: ServerConfig | None = None, max_q_tokens: int = 32, telemetry=NOOP):
     """A draft service over `engine` (or an n-gram drafter when ngram_vocab > 0)."""
     limits = limits or SessionLimits()
     loop = BackgroundLoop()
@@ -64,7 +66,8 @@ def running_draft(engine=None, limits: SessionLimits | None = None, ngram_vocab:
         build, kind = (lambda: NgramDrafter(ngram_vocab, max_draft_tokens=limits.max_draft_tokens)), "ngram"
     else:
         build, kind = (lambda: ModelDrafter(engine, limits.max_draft_tokens, max_q_tokens)), "model"
-    service = loop.run(start_draft_service(server_cfg or local_config(), limits, build, backend_kind=kind))
+    service = loop.run(start_draft_service(server_cfg or local_config(), limits, build, backend_kind=kind,
+                                           telemetry=telemetry))
     channel = grpc.insecure_channel(f"127.0.0.1:{service.port}")
     try:
         yield service, draft_pb2_grpc.DraftServiceStub(channel), loop
@@ -76,8 +79,9 @@ def running_draft(engine=None, limits: SessionLimits | None = None, ngram_vocab:
 
 @contextmanager
 def running_system(target_engine, draft_engine=None, ngram: bool = False, tokenizer=None,
-                   limits: SessionLimits | None = None, **orch_kwargs):
+                   limits: SessionLimits | None = None, telemetry: dict | None = None, **orch_kwargs):
     """Target + draft (model, ngram, or none) + orchestrator, all on port 0.
+    `telemetry` maps a role (draft, target, orchestrator) to its Telemetry.
     Yields a namespace with .client (orchestrator.client.Client), .target, .draft,
     .orchestrator, .loop."""
     import types
@@ -86,16 +90,19 @@ def running_system(target_engine, draft_engine=None, ngram: bool = False, tokeni
     from orchestrator.config import OrchestratorConfig
     from orchestrator.server import start_orchestrator
 
-    with running_target(target_engine, limits) as (target, _, _tl):
-        draft_cm = (running_draft(limits=limits, ngram_vocab=target_engine.vocab_size) if ngram
-                    else running_draft(draft_engine, limits) if draft_engine is not None else None)
+    tel = {"draft": NOOP, "target": NOOP, "orchestrator": NOOP, **(telemetry or {})}
+    with running_target(target_engine, limits, telemetry=tel["target"]) as (target, _, _tl):
+        draft_cm = (running_draft(limits=limits, ngram_vocab=target_engine.vocab_size, telemetry=tel["draft"])
+                    if ngram else running_draft(draft_engine, limits, telemetry=tel["draft"])
+                    if draft_engine is not None else None)
         draft = draft_cm.__enter__() if draft_cm else None
         loop = BackgroundLoop()
         try:
             cfg = OrchestratorConfig(target=f"127.0.0.1:{target.port}",
                                      draft=f"127.0.0.1:{draft[0].port}" if draft else "",
                                      connect_timeout_s=10, **orch_kwargs)
-            orch = loop.run(start_orchestrator(local_config(), cfg, tokenizer=tokenizer))
+            orch = loop.run(start_orchestrator(local_config(), cfg, tokenizer=tokenizer,
+                                               telemetry=tel["orchestrator"]))
             client = Client(f"127.0.0.1:{orch.port}", timeout_s=120)
             try:
                 yield types.SimpleNamespace(client=client, target=target, draft=draft[0] if draft else None,

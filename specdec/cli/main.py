@@ -4,6 +4,7 @@
     specd serve draft|target|orchestrator [flags]
     specd up                  # the default real pair, three local processes
     specd generate PROMPT     # stream from an orchestrator
+    specd trace list | show   # traced requests from the local trace file
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import argparse  # noqa: E402
 import logging  # noqa: E402
 import sys  # noqa: E402
 
-from specdec.cli import generate_cmd, models_cmd, serve_cmd, up_cmd  # noqa: E402
+from specdec.cli import generate_cmd, models_cmd, serve_cmd, trace_cmd, up_cmd  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve_cmd.register(sub)
     up_cmd.register(sub)
     generate_cmd.register(sub)
+    trace_cmd.register(sub)
     return parser
 
 

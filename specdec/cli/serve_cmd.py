@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import sys
 
@@ -10,7 +11,9 @@ from specdec.config import add_arguments, from_args
 from specdec.engine.config import EngineConfig
 from specdec.errors import SpecdecError
 from specdec.model_service import SessionLimits
+from specdec.metrics import prometheus_reader, start_metrics_server
 from specdec.serving import ServerConfig, install_drain_on_signals
+from specdec.telemetry import SERVICE_DRAFT, SERVICE_ORCHESTRATOR, SERVICE_TARGET, setup_telemetry
 
 log = logging.getLogger("specd")
 
@@ -61,12 +64,13 @@ def _serve_draft(args: argparse.Namespace) -> int:
     engine_cfg.validate()
 
     async def main():
-        service = await start_draft_service(
-            server_cfg, limits, lambda: build_drafter(engine_cfg, drafter_cfg, limits),
-            backend_kind=drafter_cfg.drafter)
-        await _serve_forever(service.running, server_cfg, "draft", engine_cfg.model)
-        service.servicer.stop_reaper()
-        service.worker.shutdown()
+        with _telemetry("draft", server_cfg) as telemetry:
+            service = await start_draft_service(
+                server_cfg, limits, lambda: build_drafter(engine_cfg, drafter_cfg, limits),
+                backend_kind=drafter_cfg.drafter, telemetry=telemetry)
+            await _serve_forever(service.running, server_cfg, "draft", engine_cfg.model)
+            service.servicer.stop_reaper()
+            service.worker.shutdown()
 
     return _run(main())
 
@@ -78,10 +82,12 @@ def _serve_target(args: argparse.Namespace) -> int:
     engine_cfg.validate()
 
     async def main():
-        service = await start_target_service(server_cfg, limits, lambda: build_verifier(engine_cfg, limits))
-        await _serve_forever(service.running, server_cfg, "target", engine_cfg.model)
-        service.servicer.stop_reaper()
-        service.worker.shutdown()
+        with _telemetry("target", server_cfg) as telemetry:
+            service = await start_target_service(server_cfg, limits, lambda: build_verifier(engine_cfg, limits),
+                                                 telemetry=telemetry)
+            await _serve_forever(service.running, server_cfg, "target", engine_cfg.model)
+            service.servicer.stop_reaper()
+            service.worker.shutdown()
 
     return _run(main())
 
@@ -93,11 +99,33 @@ def _serve_orchestrator(args: argparse.Namespace) -> int:
     server_cfg, cfg = from_args(ServerConfig, args), from_args(OrchestratorConfig, args)
 
     async def main():
-        orch = await start_orchestrator(server_cfg, cfg)
-        await _serve_forever(orch.running, server_cfg, "orchestrator", f"draft={cfg.draft} target={cfg.target}")
-        await orch.close_channels()
+        with _telemetry("orchestrator", server_cfg) as telemetry:
+            orch = await start_orchestrator(server_cfg, cfg, telemetry=telemetry)
+            await _serve_forever(orch.running, server_cfg, "orchestrator", f"draft={cfg.draft} target={cfg.target}")
+            await orch.close_channels()
 
     return _run(main())
+
+
+@contextlib.contextmanager
+def _telemetry(role: str, server_cfg: ServerConfig):
+    """The role's Telemetry from the environment (OTEL_*, SPECD_TRACING,
+    SPECD_TRACE_FILE), plus the Prometheus endpoint when --metrics-port is
+    set; spans still queued are flushed on the way out."""
+    service = {"draft": SERVICE_DRAFT, "target": SERVICE_TARGET, "orchestrator": SERVICE_ORCHESTRATOR}[role]
+    reader, registry = prometheus_reader() if server_cfg.metrics_port else (None, None)
+    telemetry = setup_telemetry(service, metric_readers=[reader] if reader else [])
+    server = None
+    try:
+        if registry is not None:
+            server = start_metrics_server(server_cfg.host, server_cfg.metrics_port, registry)
+            log.info("metrics on http://%s:%d/metrics", server_cfg.host, server_cfg.metrics_port)
+        yield telemetry
+    finally:
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+        telemetry.shutdown()
 
 
 async def _serve_forever(running, server_cfg: ServerConfig, role: str, what: str) -> None:

@@ -17,6 +17,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specdec.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
+from specdec.trace_file import TRACE_FILE_ENV, default_trace_file
 
 
 def register(sub) -> None:
@@ -36,6 +37,8 @@ def register(sub) -> None:
     p.add_argument("--k", type=int, default=4, help="draft tokens per round")
     p.add_argument("--cache-dir", default=None, help="model cache (default: $SPECD_CACHE_DIR or the user cache)")
     p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for the models to load")
+    p.add_argument("--metrics-port", type=int, default=0,
+                   help="Prometheus metrics: the orchestrator on this port, draft +1, target +2 (0: off)")
     p.set_defaults(func=run)
 
 
@@ -48,12 +51,20 @@ def _fetch_missing(args) -> None:
         fetch(name, cache_dir=args.cache_dir)
 
 
+def _metrics_flag(args, offset: int) -> list[str]:
+    """Each role its own metrics port; an explicit 0 also overrides an
+    exported SPECD_METRICS_PORT, which the three would otherwise share."""
+    return ["--metrics-port", str(args.metrics_port + offset if args.metrics_port else 0)]
+
+
 def _spawn(role: str, extra: list[str], env: dict) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "specdec.cli.main", "serve", role, *extra]
     return subprocess.Popen(cmd, env=env, start_new_session=True)
 
 
-def _wait_serving(port: int, procs: list[subprocess.Popen], timeout_s: float) -> None:
+def wait_serving(port: int, procs: list[subprocess.Popen], timeout_s: float) -> None:
+    """Wait until the server on `port` reports SERVING; fail early if any of
+    `procs` exits meanwhile."""
     deadline = time.monotonic() + timeout_s
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = health_pb2_grpc.HealthStub(channel)
@@ -87,13 +98,17 @@ def run(args: argparse.Namespace) -> int:
         print(f"specd up: cannot fetch the models: {exc}", file=sys.stderr)
         return 1
     env = dict(os.environ)
+    # One trace file for the three roles, where `specd trace` looks by default.
+    env.setdefault(TRACE_FILE_ENV, str(default_trace_file()))
+    # Each role names itself (specdec-draft, ...): one exported name would merge the three.
+    env.pop("OTEL_SERVICE_NAME", None)
     if args.cache_dir:
         env["SPECD_CACHE_DIR"] = args.cache_dir
     common = ["--dtype", args.dtype, "--threads", str(args.threads), "--host", "127.0.0.1"]
     draft_args = ["--model", args.draft_model, "--drafter", args.drafter, "--port", str(args.draft_port),
-                  "--device", args.draft_device or args.device, *common]
+                  "--device", args.draft_device or args.device, *common, *_metrics_flag(args, 1)]
     target_args = ["--model", args.target_model, "--port", str(args.target_port),
-                   "--device", args.target_device or args.device, *common]
+                   "--device", args.target_device or args.device, *common, *_metrics_flag(args, 2)]
     procs: list[subprocess.Popen] = []
     stop_requested = []
     signal.signal(signal.SIGTERM, lambda *_: stop_requested.append(True))
@@ -101,16 +116,17 @@ def run(args: argparse.Namespace) -> int:
         procs.append(_spawn("target", target_args, env))
         procs.append(_spawn("draft", draft_args, env))
         print("specd up: loading the models (this takes a while on a CPU)...", file=sys.stderr)
-        _wait_serving(args.target_port, procs, args.startup_timeout)
-        _wait_serving(args.draft_port, procs, args.startup_timeout)
+        wait_serving(args.target_port, procs, args.startup_timeout)
+        wait_serving(args.draft_port, procs, args.startup_timeout)
         procs.append(_spawn("orchestrator", [
             "--port", str(args.port), "--host", "127.0.0.1", "--draft", f"127.0.0.1:{args.draft_port}",
             "--target", f"127.0.0.1:{args.target_port}", "--policy", args.policy,
-            "--num-draft-tokens", str(args.k), "--tokenizer", args.target_model], env))
-        _wait_serving(args.port, procs, 120)
+            "--num-draft-tokens", str(args.k), "--tokenizer", args.target_model, *_metrics_flag(args, 0)], env))
+        wait_serving(args.port, procs, 120)
         print(f"\nspecd up: serving on 127.0.0.1:{args.port} "
               f"(draft {args.draft_model}, target {args.target_model}). Try:\n"
               f"  specd generate --server 127.0.0.1:{args.port} --temperature 0 --stats \"def fibonacci(n):\"\n"
+              f"  specd trace show      # its spans, from {env[TRACE_FILE_ENV]}\n"
               "Ctrl-C stops all three.", file=sys.stderr, flush=True)
         while not stop_requested and all(p.poll() is None for p in procs):
             time.sleep(0.5)

@@ -172,7 +172,9 @@ class ModelEngine:
 
     @property
     def kv_bytes_reserved(self) -> int:
-        return sum(s.kv.nbytes for s in self._sessions.values())
+        # list() snapshots the sessions in one step: the metrics thread reads
+        # this while the engine thread opens and closes sessions.
+        return sum(s.kv.nbytes for s in list(self._sessions.values()))
 
     def session(self, session_id: str) -> Session:
         try:
