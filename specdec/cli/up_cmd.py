@@ -111,7 +111,15 @@ def run(args: argparse.Namespace) -> int:
                    "--device", args.target_device or args.device, *common, *_metrics_flag(args, 2)]
     procs: list[subprocess.Popen] = []
     stop_requested = []
-    signal.signal(signal.SIGTERM, lambda *_: stop_requested.append(True))
+
+    def request_stop(*_):
+        # Installed for SIGINT too: a shell starting `specd up &` leaves SIGINT
+        # ignored, and then Python would never raise KeyboardInterrupt.
+        stop_requested.append(True)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGINT, request_stop)
     try:
         procs.append(_spawn("target", target_args, env))
         procs.append(_spawn("draft", draft_args, env))
