@@ -45,3 +45,13 @@ def tiny_engine(arch: str = "llama", seed: int = 0, model=None, **cfg) -> ModelE
 @pytest.fixture(params=["llama", "qwen2", "gpt2"])
 def arch(request):
     return request.param
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Run a module with one intra-op thread: on tiny tensors more threads only
+    add contention on a shared machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -37,13 +37,7 @@ VOCAB = 8
 PROMPT_LEN = 11  # absolute position of the first generated token
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny tensors: intra-op threads only add contention on a shared machine.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def chi_square_pvalue(counts: Counter, expected: np.ndarray) -> float:

@@ -34,13 +34,7 @@ from specdec.sampling import (
 LAST_U = 1.0 - 2.0**-53  # the largest uniform the rng can return
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny tensors: intra-op threads only add contention on a shared machine.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def probs_of(values: list[float]) -> torch.Tensor:
