@@ -3,12 +3,12 @@ messages, streamed text, stop strings and finish reasons."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from specdec.v1 import orchestrator_pb2 as pb
 from tests.conftest import tiny_engine, tiny_model
 from tests.harness import running_system
 from tests.test_detokenizer import byte_level_bpe
+from tests.test_orchestrator import greedy_reference
 
 CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<assistant>{% endif %}")
@@ -28,14 +28,6 @@ def text_system():
         yield system
 
 
-def greedy(model, ids, n):
-    ids = list(ids)
-    with torch.inference_mode():
-        for _ in range(n):
-            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids
-
-
 def test_text_prompt_streams_the_decoded_text(text_system):
     s, tok = text_system, text_system.tokenizer
     chunks = list(s.client.generate("héllo wörld ☃", max_tokens=24, temperature=0))
@@ -43,7 +35,7 @@ def test_text_prompt_streams_the_decoded_text(text_system):
     text = "".join(c.text for c in chunks)
     assert len(ids) == 24
     prompt_ids = tok("héllo wörld ☃", add_special_tokens=True)["input_ids"]
-    assert ids == greedy(s.target_model, prompt_ids, 24)[len(prompt_ids):]
+    assert ids == greedy_reference(s.target_model, prompt_ids, 24)
     assert text == tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
     if "\ufffd" not in text:  # random tokens may spell invalid UTF-8; then the full decode has it too
         assert all("\ufffd" not in c.text for c in chunks)
@@ -58,7 +50,7 @@ def test_chat_messages_use_the_chat_template(text_system):
     if hasattr(prompt_ids, "keys"):
         prompt_ids = prompt_ids["input_ids"]
     assert result.stats.prompt_tokens == len(prompt_ids)
-    assert result.token_ids == greedy(s.target_model, prompt_ids, 8)[len(prompt_ids):]
+    assert result.token_ids == greedy_reference(s.target_model, prompt_ids, 8)
 
 
 def test_stop_string_truncates_the_text_and_ends_with_stop(text_system):
