@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import json
-import os
 import statistics
 import subprocess
 import sys

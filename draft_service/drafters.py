@@ -63,8 +63,6 @@ class ModelDrafter(EngineBackend):
         check_num_tokens(k, self.max_draft_tokens)
         session = self.engine.session(session_id)
         kept = session.length if keep_length is None else keep_length
-        if kept == 0 and not append:
-            raise InvalidArgument("nothing to draft from: keep or append at least one token")
         first = ExtendItem(session_id, keep_length, list(append), num_logits=1)
         self.engine.validate([first])
         if kept + len(append) + k > self.info.max_context:  # refuse now, not after streaming some drafts

@@ -88,7 +88,7 @@ class VerifyBatcher:
         with self._batch_span(batch) as span:
             start = time.perf_counter()
             try:
-                reply = await self.target.verify(items, timeout=self.rpc_timeout_s)
+                reply, request_bytes = await self.target.verify(items, timeout=self.rpc_timeout_s)
             except grpc.aio.AioRpcError as exc:
                 span.set_status(trace.Status(trace.StatusCode.ERROR, exc.code().name))
                 error = unavailable("target", exc)
@@ -99,7 +99,6 @@ class VerifyBatcher:
             rtt = time.perf_counter() - start
             span.set_attribute(A_BATCH_SESSIONS, reply.batch_size)
         self.telemetry.metrics.record_rpc("target", "Verify", rtt)
-        request_bytes = target_pb2.VerifyRequest(items=items).ByteSize()
         share = (request_bytes + reply.ByteSize()) // len(batch)
         for (_, future, _), result in zip(batch, reply.results):
             if future.done():  # the request was cancelled meanwhile

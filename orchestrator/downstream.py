@@ -71,8 +71,12 @@ class TargetClient(ModelClient):
     def __init__(self, channel: grpc.aio.Channel):
         super().__init__(channel, target_pb2_grpc.TargetServiceStub(channel), "target")
 
-    async def verify(self, items: list[target_pb2.VerifyItem], timeout: float) -> target_pb2.VerifyResponse:
-        return await self.stub.Verify(target_pb2.VerifyRequest(items=items), timeout=timeout)
+    async def verify(self, items: list[target_pb2.VerifyItem],
+                     timeout: float) -> tuple[target_pb2.VerifyResponse, int]:
+        """The reply and the request's size in bytes (for the wire statistics)."""
+        request = target_pb2.VerifyRequest(items=items)
+        reply = await self.stub.Verify(request, timeout=timeout)
+        return reply, request.ByteSize()
 
 
 def channel_to(address: str, max_message_bytes: int = 16 << 20, interceptors=()) -> grpc.aio.Channel:

@@ -16,7 +16,7 @@ import ipaddress
 import logging
 import socket
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Awaitable, Callable
 
 log = logging.getLogger(__name__)

@@ -84,9 +84,6 @@ class Verifier(EngineBackend):
         meta: SessionMeta = session.meta
         q = [] if meta.params.greedy else self._check_q(item)
         extend = ExtendItem(item.session_id, item.keep_length, [*item.append, *item.drafts], num_logits=k + 1)
-        kept = session.length if item.keep_length is None else item.keep_length
-        if kept == 0 and not item.append:  # checked before validate(), whose message would be cryptic
-            raise InvalidArgument("nothing precedes the drafts: keep or append at least one token")
         self.engine.validate([extend])
         return extend, q
 
@@ -120,8 +117,6 @@ class Verifier(EngineBackend):
             raise InvalidArgument(f"num_tokens must be >= 1, got {num_tokens}")
         session = self.engine.session(session_id)
         kept = session.length if keep_length is None else keep_length
-        if kept == 0 and not append:
-            raise InvalidArgument("nothing to decode from: keep or append at least one token")
         first = ExtendItem(session_id, keep_length, list(append), num_logits=1)
         self.engine.validate([first])
         if kept + len(append) + num_tokens - 1 > self.info.max_context:

@@ -54,7 +54,7 @@ def test_chat_messages_use_the_chat_template(text_system):
 
 
 def test_stop_string_truncates_the_text_and_ends_with_stop(text_system):
-    s, tok = text_system, text_system.tokenizer
+    s = text_system
     full = s.client.complete("abc", max_tokens=40, temperature=0)
     assert len(full.text) > 6
     stop = full.text[3:6]

@@ -9,7 +9,7 @@ import pytest
 
 from orchestrator.replicas import resolve, split_address
 from tests.conftest import tiny_engine
-from tests.harness import local_config, running_system, running_target
+from tests.harness import local_config, running_target
 
 
 def test_resolve_literals_and_names():

@@ -282,8 +282,14 @@ class ModelEngine:
                     f"session {session.id!r} would hold {new_length} tokens, beyond the context "
                     f"limit of {self.max_context}"
                 )
-            if not 0 <= item.num_logits <= new_length:
-                raise InvalidArgument(f"num_logits {item.num_logits} outside [0, {new_length}]")
+            if item.num_logits < 0:
+                raise InvalidArgument(f"num_logits must be >= 0, got {item.num_logits}")
+            if item.num_logits > new_length:
+                # The first wanted position needs a token before it.
+                raise InvalidArgument(
+                    f"nothing precedes the positions asked for ({item.num_logits} logits from a context of "
+                    f"{new_length} tokens): keep or append at least one token"
+                )
             extra_bytes += self._growth_bytes(session, new_length)
         self._check_budget(extra_bytes)
         return sessions
