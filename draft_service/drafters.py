@@ -49,6 +49,34 @@ def check_num_tokens(k: int, limit: int) -> None:
         raise InvalidArgument(f"num_tokens must be in [1, {limit}], got {k}")
 
 
+class StreamGuard:
+    """At most one live Propose stream per session: the newest call wins.
+
+    A client may abandon a stream (pipelined drafting cancels a speculative
+    Propose it no longer needs) and send the next call on the same session at
+    once. The abandoned stream's generator may still be asked for one more
+    step by a server that has not seen the cancellation yet; that step would
+    append a token to a context the new call has just cut. Every new call on a
+    session (Propose, Rollback, Close) therefore takes the session over, and an
+    older stream stops before its next step instead of touching the session.
+    """
+
+    def __init__(self):
+        self._owner: dict[str, object] = {}
+
+    def take(self, session_id: str) -> object:
+        token = object()
+        self._owner[session_id] = token
+        return token
+
+    def holds(self, session_id: str, token: object) -> bool:
+        return self._owner.get(session_id) is token
+
+    def release(self, *session_ids: str) -> None:
+        for session_id in session_ids:
+            self._owner.pop(session_id, None)
+
+
 class ModelDrafter(EngineBackend):
     """Drafts with a causal LM; one forward pass per drafted token."""
 
@@ -56,6 +84,7 @@ class ModelDrafter(EngineBackend):
         super().__init__(engine)
         self.max_draft_tokens = max_draft_tokens
         self.max_q_tokens = max_q_tokens
+        self._streams = StreamGuard()
 
     def propose(self, session_id, keep_length, append, k):
         """Validate now, then yield the k drafts one by one as they are made
@@ -68,13 +97,17 @@ class ModelDrafter(EngineBackend):
         if kept + len(append) + k > self.info.max_context:  # refuse now, not after streaming some drafts
             raise OutOfRange(f"drafting {k} tokens would take session {session_id!r} beyond the context "
                              f"limit of {self.info.max_context} tokens")
-        return self._drafts(session, first, k)
+        return self._drafts(session, first, k, self._streams.take(session_id))
 
-    def _drafts(self, session, first: ExtendItem, k: int) -> Iterator[DraftToken]:
+    def _drafts(self, session, first: ExtendItem, k: int, stream: object) -> Iterator[DraftToken]:
         meta: SessionMeta = session.meta
+        if not self._streams.holds(session.id, stream):
+            return
         logits = self.engine.extend([first])[0]
         for i in range(k):
             if i:
+                if not self._streams.holds(session.id, stream):
+                    return
                 logits = self.engine.extend([ExtendItem(session.id, None, (), num_logits=1)])[0]
             position = session.length
             if meta.params.greedy:
@@ -84,6 +117,20 @@ class ModelDrafter(EngineBackend):
                 token = draw_draft(q, meta.seed, position)
             self.engine.append_tokens(session.id, [token])
             yield DraftToken(index=i, token_id=token, q=q, length=session.length)
+
+    def rollback(self, session_id, length):
+        length = super().rollback(session_id, length)
+        self._streams.take(session_id)
+        return length
+
+    def close(self, session_id):
+        self._streams.release(session_id)
+        return super().close(session_id)
+
+    def expire_idle(self, ttl_s):
+        stale = super().expire_idle(ttl_s)
+        self._streams.release(*stale)
+        return stale
 
 
 @dataclass
@@ -113,6 +160,7 @@ class NgramDrafter:
         self.max_draft_tokens = max_draft_tokens
         self.min_ngram, self.max_ngram = min_ngram, max_ngram
         self._sessions: dict[str, _NgramSession] = {}
+        self._streams = StreamGuard()
 
     def _session(self, session_id: str) -> _NgramSession:
         try:
@@ -153,11 +201,14 @@ class NgramDrafter:
         del session.tokens[keep_length:]
         session.tokens.extend(append)
         drafts = self.lookup(session.tokens, k)
-        return self._drafts(session, drafts)
+        return self._drafts(session_id, session, drafts, self._streams.take(session_id))
 
-    def _drafts(self, session: _NgramSession, drafts: list[int]) -> Iterator[DraftToken]:
+    def _drafts(self, session_id: str, session: _NgramSession, drafts: list[int],
+                stream: object) -> Iterator[DraftToken]:
         greedy = session.meta.params.greedy
         for i, token in enumerate(drafts):
+            if not self._streams.holds(session_id, stream):
+                return
             session.tokens.append(token)
             q = None if greedy else SparseDist.from_lists([token], [1.0])
             yield DraftToken(index=i, token_id=token, q=q, length=len(session.tokens))
@@ -181,10 +232,12 @@ class NgramDrafter:
     def rollback(self, session_id, length):
         session = self._session(session_id)
         self._check_keep(session, length)
+        self._streams.take(session_id)
         del session.tokens[length:]
         return len(session.tokens)
 
     def close(self, session_id):
+        self._streams.release(session_id)
         return self._sessions.pop(session_id, None) is not None
 
     def expire_idle(self, ttl_s):
@@ -192,6 +245,7 @@ class NgramDrafter:
         stale = [sid for sid, s in self._sessions.items() if now - s.last_used > ttl_s]
         for sid in stale:
             del self._sessions[sid]
+        self._streams.release(*stale)
         return stale
 
     def usage(self):

@@ -1,6 +1,8 @@
 """DraftService over a drafter: translates protobuf to the core and back."""
 from __future__ import annotations
 
+import time
+
 from specdec import grpc_errors
 from specdec.model_service import SessionServicer
 from specdec.telemetry import A_APPENDED, A_K, A_TOKENS, NOOP, SPAN_PROPOSE
@@ -25,16 +27,18 @@ class DraftServicer(SessionServicer, draft_pb2_grpc.DraftServiceServicer):
             while True:
                 # Each step (one forward pass) runs on the engine thread; the token
                 # is on the wire as soon as it is drafted.
+                start = time.perf_counter()
                 draft = await self.worker.run(next, drafts, None)
                 if draft is None:
                     break
                 sent += 1
-                yield _to_wire(draft)
+                yield _to_wire(draft, time.perf_counter() - start)
             span.set_attribute(A_TOKENS, sent)
 
 
-def _to_wire(draft) -> draft_pb2.ProposeResponse:
-    msg = draft_pb2.ProposeResponse(index=draft.index, token_id=draft.token_id, length=draft.length)
+def _to_wire(draft, seconds: float) -> draft_pb2.ProposeResponse:
+    msg = draft_pb2.ProposeResponse(index=draft.index, token_id=draft.token_id, length=draft.length,
+                                    compute_micros=round(seconds * 1e6))
     if draft.q is not None:
         ids, probs = draft.q.to_lists()
         msg.q.CopyFrom(common_pb2.SparseDistribution(token_ids=ids, probs=probs))

@@ -11,32 +11,49 @@ Policies here:
 - ``adaptive``: the acceptance heuristic of HF transformers' assisted generation
   (+2 after a fully accepted round, -1 after a rejection).
 
-Design note: the network-aware goodput policy (a later issue, not implemented here).
-With a per-token acceptance estimate a (``AdaptivePolicy.acceptance`` keeps one),
-and treating acceptances as independent, a round with lookahead k emits
+- ``goodput``: the k that maximizes expected emitted tokens per second, from
+  online estimates of acceptance, draft and verify compute, and the round-trip
+  time to each service (``GoodputPolicy``; its model is below).
+
+The goodput model. With a per-draft acceptance probability a, and treating
+acceptances as independent, a round with lookahead k emits
 
     E[tokens](a, k) = 1 + a + a^2 + ... + a^k = (1 - a^(k+1)) / (1 - a)
 
 tokens (the accepted prefix plus the recovered or bonus token; see
 ``expected_tokens_per_round``). Its wall-clock cost is
 
-    cost(k) = k * t_draft + t_verify(k, batch) + rtt_draft + rtt_target
+    cost(k) = rtt_draft + k * t_draft + rtt_target + t_verify(k)
 
-where t_draft is the draft time per token, t_verify(k, batch) the verify time
-measured for this k and batch size (the target's forward is nearly flat in k on an
-accelerator until the batch saturates it), and the two round-trip times are paid
-once per round whatever k is. The goodput policy picks the k in [k_min, k_max] that
-maximizes E[tokens](a, k) / cost(k). Network latency is what makes it differ from a
-single-machine policy: a large fixed per-round cost (the RTTs) pushes the best k up,
-because each round must amortize it over more tokens. ``RoundObservation`` already
-carries every quantity the cost model needs.
+- t_draft: the draft service's compute per drafted token (it reports each
+  token's compute time on the Propose stream);
+- rtt_draft: the rest of the Propose call's time, paid once per round whatever
+  k is: network round trip, streaming, queueing;
+- t_verify(k) = c0 + c1 * k: the target's compute for the round's Verify
+  batch, a line fitted to the recent (k, compute) pairs (the forward pass is
+  nearly flat in k on an accelerator and on a CPU until the batch saturates
+  it; with one k seen so far the slope is taken as 0);
+- rtt_target: the rest of the Verify call's time (network round trip and the
+  wait for the batch to fill).
+
+Each round the policy picks the k in [k_min, k_max] that maximizes
+E[tokens](a, k) / cost(k). The per-round costs (the two RTTs and c0) are what
+the network changes: a larger fixed cost per round is amortized over more
+tokens, so the best k grows with the RTT; a larger t_draft or a lower a pulls
+it down. Estimates are per request: a is the ratio of decayed counts of
+accepted drafts to accepted drafts plus rejections (the maximum-likelihood
+estimate under independence), with a prior of 0.7 worth two trials; timings
+are exponentially weighted (weight 0.4 for the newest round), so a jump in the
+RTT moves the choice within two or three rounds. Cold start: before the first
+round has been observed the policy proposes its starting k.
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Protocol
 
-POLICIES = ("fixed", "adaptive")
+POLICIES = ("fixed", "adaptive", "goodput")
 K_LIMIT = 32  # hard upper bound on k for every policy: one verify scores k + 1 positions
 
 
@@ -52,6 +69,7 @@ class RoundObservation:
     batch_size: int  # sessions in the Verify batch this round rode in (1 when alone)
     draft_rtt_s: float  # round-trip network time estimate to the draft service; 0 when unknown
     target_rtt_s: float  # round-trip network time estimate to the target service; 0 when unknown
+    draft_compute_s: float = 0.0  # draft compute reported by the draft service for these k tokens
 
     def __post_init__(self) -> None:
         # Observations come from our own orchestrator: a bad one is a bug, not bad input.
@@ -99,8 +117,8 @@ class AdaptivePolicy:
     Limitations: it is a heuristic, not an optimum. It ignores every timing (draft
     cost, verify cost, network round trips) and reacts to the last round only, so
     it oscillates around the point where rejections start. ``acceptance`` (an EWMA
-    of the per-round acceptance rate) is kept for metrics and for the goodput policy
-    described in the module docstring; this policy does not use it.
+    of the per-round acceptance rate) is kept for metrics; this policy does not
+    use it.
     """
 
     name = "adaptive"
@@ -133,15 +151,101 @@ class AdaptivePolicy:
             self._k = max(self._k - 1, self._k_min)
 
 
+class GoodputPolicy:
+    """Picks the k that maximizes expected tokens per second (the model is in the
+    module docstring). Per request; all estimates start from priors."""
+
+    name = "goodput"
+    PRIOR_ACCEPTANCE = 0.7
+    PRIOR_TRIALS = 2.0  # the prior's weight, in draft trials
+    COUNT_DECAY = 0.85  # per round, for the acceptance counts
+    ALPHA = 0.4  # EWMA weight of the newest round, for timings
+    FIT_DECAY = 0.8  # per observation, for the t_verify(k) line
+
+    def __init__(self, k: int, k_min: int, k_max: int):
+        assert k_min <= k <= k_max, (k_min, k, k_max)
+        self._k = k
+        self._k_min = k_min
+        self._k_max = k_max
+        self._accepted = 0.0  # decayed count of accepted drafts
+        self._rejections = 0.0  # decayed count of rounds that ended in a rejection
+        self.t_draft: float | None = None  # seconds per drafted token
+        self.rtt_draft: float | None = None
+        self.rtt_target: float | None = None
+        self._fit = [0.0] * 5  # decayed sums: w, w*k, w*k^2, w*y, w*k*y (y = verify compute)
+
+    @property
+    def acceptance(self) -> float:
+        """Per-draft acceptance probability estimate."""
+        prior = self.PRIOR_TRIALS
+        return (self._accepted + prior * self.PRIOR_ACCEPTANCE) / (self._accepted + self._rejections + prior)
+
+    def verify_cost(self, k: int) -> float:
+        """Fitted target compute for a round with lookahead k, seconds."""
+        w, wk, wkk, wy, wky = self._fit
+        if w == 0:
+            return 0.0
+        det = w * wkk - wk * wk
+        slope = max(0.0, (w * wky - wk * wy) / det) if det > 1e-9 * max(1.0, w * wkk) else 0.0
+        intercept = (wy - slope * wk) / w
+        return max(0.0, intercept + slope * k)
+
+    def round_cost(self, k: int) -> float:
+        """Modelled wall-clock seconds of a round with lookahead k."""
+        return (self.rtt_draft or 0.0) + k * (self.t_draft or 0.0) + (self.rtt_target or 0.0) + self.verify_cost(k)
+
+    def goodput(self, k: int) -> float:
+        """Modelled tokens per second with lookahead k (inf before any timing)."""
+        cost = self.round_cost(k)
+        tokens = expected_tokens_per_round(self.acceptance, k)
+        return tokens / cost if cost > 0 else float("inf")
+
+    def next_k(self) -> int:
+        return self._k
+
+    def observe(self, obs: RoundObservation) -> None:
+        if obs.k == 0:
+            return
+        self._accepted = self.COUNT_DECAY * self._accepted + obs.accepted
+        self._rejections = self.COUNT_DECAY * self._rejections + (obs.accepted < obs.k)
+        if obs.verify_time_s > 0:  # a round with timings (not a what-if)
+            draft_compute = obs.draft_compute_s if obs.draft_compute_s > 0 else obs.draft_time_s
+            self.t_draft = _ewma(self.t_draft, draft_compute / obs.k, self.ALPHA)
+            self.rtt_draft = _ewma(self.rtt_draft, max(0.0, obs.draft_time_s - draft_compute), self.ALPHA)
+            self.rtt_target = _ewma(self.rtt_target, max(0.0, obs.verify_time_s - obs.verify_compute_s), self.ALPHA)
+            y = obs.verify_compute_s
+            decayed = [self.FIT_DECAY * v for v in self._fit]
+            self._fit = [a + b for a, b in zip(decayed, (1.0, obs.k, obs.k * obs.k, y, obs.k * y))]
+        if self.t_draft is None:
+            return  # cold: keep the starting k until a round has been timed
+        best = max(range(self._k_min, self._k_max + 1), key=lambda k: (self.goodput(k), -k))
+        self._k = best
+
+
+def _ewma(old: float | None, new: float, alpha: float) -> float:
+    return new if old is None else old + alpha * (new - old)
+
+
 def make_policy(name: str, k: int, k_min: int, k_max: int) -> GammaPolicy:
     """A fresh policy for one request. Raises ValueError for an unknown name or
     bounds outside 1 <= k_min <= k <= k_max <= 32."""
     if name not in POLICIES:
-        raise ValueError(f"unknown policy {name!r}; choose fixed or adaptive")
+        raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}")
     _validate_bounds(k, k_min, k_max)
     if name == "fixed":
         return FixedPolicy(k)
+    if name == "goodput":
+        return GoodputPolicy(k, k_min, k_max)
     return AdaptivePolicy(k, k_min, k_max)
+
+
+def k_after_full_acceptance(policy: GammaPolicy, obs: RoundObservation) -> int:
+    """The k `policy` would choose next if the round `obs` describes (its k
+    drafts all accepted) happened; the policy itself is left unchanged.
+    Pipelined drafting uses it to know how far to draft ahead."""
+    what_if = copy.deepcopy(policy)
+    what_if.observe(obs)
+    return what_if.next_k()
 
 
 def _validate_bounds(k: int, k_min: int, k_max: int) -> None:

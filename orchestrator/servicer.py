@@ -159,6 +159,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
             top_p=params.top_p, seed=request.seed if request.HasField("seed") else random_seed(),
             eos_ids=self.b.eos_ids, speculate=not opts.disable and self.b.drafts is not None,
             request_id=request.request_id,
+            pipeline=opts.pipeline if opts.HasField("pipeline") else cfg.pipeline,
             deadline=None if time_remaining is None else time.monotonic() + time_remaining,
         )
         return spec, policy, stops
@@ -187,6 +188,9 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
             accepted_per_position=s.accepted_per_position,
             fallback_rounds=s.fallback_rounds,
             draft_time_s=s.draft_time_s,
+            draft_compute_time_s=s.draft_compute_s,
+            round_trips=s.round_trips,
+            pipelined_rounds=s.pipelined_rounds,
             verify_time_s=s.verify_time_s,
             target_compute_time_s=s.target_compute_s,
             wire_bytes=s.wire_bytes,

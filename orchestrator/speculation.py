@@ -11,6 +11,18 @@ Bookkeeping: `history` is prompt + emitted tokens. For each service we track
 the length of the prefix its context shares with `history`; each call sends
 keep_length = that prefix and appends the rest of `history`.
 
+Pipelined drafting (`RequestSpec.pipeline`, after PEARL / AMUSD): while the
+target verifies round r's k drafts, the draft already proposes m = k' + 1 more
+tokens, as if all k were accepted (k' being the k the policy would choose after
+a full acceptance). When round r is fully accepted and the target's bonus token
+equals the first of them, the other k' are round r+1's drafts, already made:
+round r+1 sends no Propose. Otherwise the speculative work is dropped (the
+stream is cancelled; the draft is cut back by the keep_length riding on its
+next call). Tokens never change: round r's outcome is decided as without
+pipelining, and round r+1's drafts are the ones the draft would have made from
+the same context (drafts are keyed by (seed, position)). The win is the draft
+time of the rounds that follow a full acceptance, hidden behind verification.
+
 If the draft fails, the round decodes plainly (a Verify with k = 0 draws the
 same token a plain decode would) and the draft is re-opened on the full
 history after `draft_retry_s`. Output stays exact either way.
@@ -33,7 +45,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from orchestrator.batcher import VerifyBatcher
 from orchestrator.downstream import CallCost, DraftClient, TargetClient, open_request
-from orchestrator.gamma_policy import GammaPolicy, RoundObservation
+from orchestrator.gamma_policy import GammaPolicy, RoundObservation, k_after_full_acceptance
 from specdec.errors import DeadlineExceeded, NotFound, SpecdecError
 from specdec.grpc_errors import from_rpc_error
 from specdec.sampling.rejection import RoundResult, VerifyOutcome, accept_greedy, accept_sampled
@@ -59,6 +71,7 @@ class RequestSpec:
     eos_ids: frozenset[int]
     speculate: bool
     request_id: str = ""
+    pipeline: bool = False  # pipelined drafting (see the module docstring)
     # time.monotonic() by which the request must end; None: no deadline.
     deadline: float | None = None
 
@@ -76,11 +89,14 @@ class RequestStats:
     fallback_rounds: int = 0
     k_histogram: list[int] = field(default_factory=list)  # rounds per k used
     accepted_per_position: list[int] = field(default_factory=list)
-    draft_time_s: float = 0.0
+    draft_time_s: float = 0.0  # time the request waited for drafts
+    draft_compute_s: float = 0.0  # draft forward time the draft service reported (speculative drafting included)
     verify_time_s: float = 0.0
     target_compute_s: float = 0.0
     wire_bytes: int = 0
     batch_sizes: list[int] = field(default_factory=list)
+    round_trips: int = 0  # downstream RPCs: opens, proposes, verifies, closes
+    pipelined_rounds: int = 0  # rounds whose drafts were made during the previous round's verify
 
     def record_round(self, k: int, accepted: int) -> None:
         self.rounds += 1
@@ -126,6 +142,11 @@ class SpeculativeRequest:
         self._draft_session: str | None = None
         self._draft_prefix = 0
         self._draft_down_since: float | None = None
+        # Pipelined drafting: the speculative Propose in flight, and the drafts
+        # it made that the next round will use.
+        self._ahead: asyncio.Task | None = None
+        self._next_drafts: list | None = None
+        self._last_obs: RoundObservation | None = None
 
     # ------------------------------------------------------------ lifecycle
 
@@ -179,6 +200,7 @@ class SpeculativeRequest:
     def close(self) -> None:
         """Close both sessions in the background: safe to call from a
         cancelled request, returns at once."""
+        self._drop_ahead()
         if self._target_session is not None:
             self._close_later(self.target, self._target_session)
             self._target_session = None
@@ -187,6 +209,8 @@ class SpeculativeRequest:
             self._draft_session = None
 
     def _close_later(self, client, session_id: str) -> None:
+        self.stats.round_trips += 1
+
         async def close():
             with self._client_span(SPAN_SESSION_CLOSE, client.name) as span:
                 try:
@@ -197,7 +221,8 @@ class SpeculativeRequest:
 
         asyncio.ensure_future(close())  # a task inherits the current trace context
 
-    def _account(self, cost: CallCost, service: str, method: str) -> None:
+    def _account(self, cost: CallCost, service: str, method: str, round_trip: bool = True) -> None:
+        self.stats.round_trips += round_trip
         self.stats.wire_bytes += cost.wire_bytes
         self.telemetry.metrics.record_rpc(service, method, cost.seconds)
 
@@ -234,13 +259,21 @@ class SpeculativeRequest:
             await self._reopen_draft_if_due()
             fallbacks = self.stats.fallback_rounds
             k = self._choose_k() if self._draft_session is not None else 0
-            drafts, draft_time = await self._propose(k)
-            reply = await self._verify(drafts)
+            drafts, draft_time, draft_compute = self._take_next_drafts(k)
+            if drafts is None:
+                drafts, draft_time, draft_compute = await self._propose(k)
+            self._draft_ahead(drafts)
+            try:
+                reply = await self._verify(drafts)
+            except BaseException:
+                self._drop_ahead()
+                raise
             with self.telemetry.span(SPAN_ACCEPT) as accept_span:
                 result = self._accept(drafts, reply.result)
                 accept_span.set_attribute(A_ACCEPTED, result.num_accepted)
             self._advance_prefixes(len(drafts), result.num_accepted)
-            self._observe(k, len(drafts), result.num_accepted, draft_time, reply)
+            await self._settle_ahead(len(drafts), result)
+            self._observe(k, len(drafts), result.num_accepted, draft_time, draft_compute, reply)
             span.set_attributes({A_K: k, A_RETURNED: len(drafts), A_ACCEPTED: result.num_accepted,
                                  A_EMITTED: len(result.emitted_ids),
                                  A_FALLBACK: self.stats.fallback_rounds > fallbacks})
@@ -251,11 +284,12 @@ class SpeculativeRequest:
             if self._draft_down_since is None or time.monotonic() - self._draft_down_since >= self.settings.draft_retry_s:
                 await self._open_draft()
 
-    async def _propose(self, k: int) -> tuple[list, float]:
+    async def _propose(self, k: int) -> tuple[list, float, float]:
+        """(drafts, wall seconds, draft compute seconds)"""
         if k == 0:
             if self.spec.speculate:
                 self.stats.fallback_rounds += self._draft_session is None
-            return [], 0.0
+            return [], 0.0, 0.0
         keep = self._draft_prefix
         with self._client_span(SPAN_DRAFT_PROPOSE, "draft", {A_K: k}) as span:
             try:
@@ -265,12 +299,91 @@ class SpeculativeRequest:
                 _failed(span, exc)
                 self._draft_failed(exc)
                 self.stats.fallback_rounds += 1
-                return [], 0.0
+                return [], 0.0, 0.0
             span.set_attribute(A_RETURNED, len(drafts))
         self._account(cost, "draft", "Propose")
+        compute = _compute_s(drafts)
         self.stats.draft_time_s += cost.seconds
+        self.stats.draft_compute_s += compute
         self._draft_prefix = len(self.history)  # the draft now holds history + drafts
-        return drafts, cost.seconds
+        return drafts, cost.seconds, compute
+
+    # ------------------------------------------------------ pipelined drafting
+
+    def _take_next_drafts(self, k: int) -> tuple[list | None, float, float]:
+        """The drafts the previous round's speculative Propose made, cut to k;
+        None when there are none (or k == 0: the draft keeps them, and the next
+        call's keep_length cuts them)."""
+        drafts, self._next_drafts = self._next_drafts, None
+        if not drafts or k == 0 or self._draft_session is None:
+            return None, 0.0, 0.0
+        self.stats.pipelined_rounds += 1
+        return drafts[:k], 0.0, 0.0  # their time was counted when they were made
+
+    def _draft_ahead(self, drafts: list) -> None:
+        """Start drafting round r+1 while round r's drafts are verified, as if
+        all of them will be accepted."""
+        k = len(drafts)
+        if not (self.spec.pipeline and k and self._draft_session is not None):
+            return
+        # After a full acceptance: history + k drafts + the bonus token.
+        history_after = len(self.history) + k + 1
+        remaining_after = self.spec.max_tokens - self.stats.completion_tokens - (k + 1)
+        room_after = self.settings.max_context - history_after - 1
+        last = self._last_obs
+        what_if = RoundObservation(k=k, accepted=k, draft_time_s=last.draft_time_s if last else 0.0,
+                                   verify_time_s=last.verify_time_s if last else 0.0,
+                                   verify_compute_s=last.verify_compute_s if last else 0.0,
+                                   batch_size=last.batch_size if last else 1,
+                                   draft_rtt_s=last.draft_rtt_s if last else 0.0,
+                                   target_rtt_s=last.target_rtt_s if last else 0.0,
+                                   draft_compute_s=last.draft_compute_s if last else 0.0)
+        k_next = min(k_after_full_acceptance(self.policy, what_if), remaining_after - 1, room_after,
+                     self.settings.max_draft_tokens - 1)
+        if k_next < 1:
+            return
+        # The draft holds history + the k drafts; m = k_next + 1 more: a guess
+        # at the bonus token, then round r+1's drafts.
+        keep = len(self.history) + k
+        self.stats.round_trips += 1
+        self._ahead = asyncio.ensure_future(
+            self.draft.propose(self._draft_session, keep, [], k_next + 1, self._timeout()))
+
+    async def _settle_ahead(self, k: int, result: RoundResult) -> float:
+        """Keep the speculative drafts if round r was fully accepted and the
+        bonus token is the draft's guess; drop them otherwise. Returns the
+        seconds spent waiting for them (draft time on the critical path,
+        counted in the request's draft time)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return 0.0
+        if result.num_accepted < k or not result.emitted_ids:
+            await _cancel(ahead)
+            return 0.0
+        start = time.perf_counter()
+        try:
+            drafts, cost = await ahead
+        except grpc.aio.AioRpcError as exc:
+            # Nothing to repair: the next Propose fails the same way if the
+            # draft is down, and the loop falls back then.
+            log.info("speculative Propose failed: %s", exc.code().name)
+            return time.perf_counter() - start
+        waited = time.perf_counter() - start
+        self._account(cost, "draft", "Propose", round_trip=False)  # counted when it was sent
+        self.stats.draft_compute_s += _compute_s(drafts)
+        self.stats.draft_time_s += waited
+        if len(drafts) >= 2 and drafts[0].token_id == result.emitted_ids[-1]:
+            # The draft holds history + k drafts + the bonus + drafts[1:].
+            self._next_drafts = list(drafts[1:])
+            self._draft_prefix = len(self.history) + k + 1
+        return waited
+
+    def _drop_ahead(self) -> None:
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            ahead.cancel()
+            ahead.add_done_callback(_retrieve)
+        self._next_drafts = None
 
     async def _verify(self, drafts: list):
         keep = self._target_prefix
@@ -289,6 +402,7 @@ class SpeculativeRequest:
                 raise SpecdecError(str(exc)) from None
             span.set_attributes({A_BATCH_ITEMS: reply.items, A_BATCH_SESSIONS: reply.batch_size})
         self._target_prefix = len(self.history)
+        self.stats.round_trips += 1
         self.stats.wire_bytes += reply.wire_bytes
         self.stats.verify_time_s += reply.rtt_s
         self.stats.target_compute_s += reply.compute_s
@@ -312,15 +426,42 @@ class SpeculativeRequest:
         if k:
             self._draft_prefix = shared
 
-    def _observe(self, k_chosen: int, k: int, accepted: int, draft_time: float, reply) -> None:
+    def _observe(self, k_chosen: int, k: int, accepted: int, draft_time: float, draft_compute: float,
+                 reply) -> None:
         self.stats.record_round(k, accepted)
         if self.spec.speculate:
             self.telemetry.metrics.record_round(k_chosen, k, accepted)
-        self.policy.observe(RoundObservation(
+        if k and draft_time == 0 and self._last_obs is not None:
+            # Pipelined drafts: their cost was hidden; the policy models an
+            # unpipelined round, so it learns the draft's last measured costs.
+            draft_time, draft_compute = self._last_obs.draft_time_s, self._last_obs.draft_compute_s
+        obs = RoundObservation(
             k=k, accepted=accepted, draft_time_s=draft_time, verify_time_s=reply.rtt_s,
             verify_compute_s=reply.compute_s, batch_size=max(1, reply.batch_size),
-            draft_rtt_s=0.0, target_rtt_s=max(0.0, reply.rtt_s - reply.compute_s),
-        ))
+            draft_rtt_s=max(0.0, draft_time - draft_compute), target_rtt_s=max(0.0, reply.rtt_s - reply.compute_s),
+            draft_compute_s=draft_compute,
+        )
+        self.policy.observe(obs)
+        if k:
+            self._last_obs = obs
+
+
+def _compute_s(drafts: list) -> float:
+    return sum(d.compute_micros for d in drafts) / 1e6
+
+
+async def _cancel(task: asyncio.Task) -> None:
+    """Cancel a task and let it finish (its RPC is cancelled on the wire),
+    without swallowing a cancellation of the caller."""
+    task.cancel()
+    await asyncio.wait({task})
+    _retrieve(task)
+
+
+def _retrieve(task: asyncio.Task) -> None:
+    """Mark a dropped task's failure as seen: it was work no longer needed."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _failed(span, exc: grpc.aio.AioRpcError) -> None:

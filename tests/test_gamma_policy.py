@@ -80,12 +80,12 @@ def test_policies_satisfy_the_protocol_and_hold_per_request_state():
     second: GammaPolicy = make_policy("adaptive", 4, 1, 8)
     first.observe(round_obs(4, accepted=4))
     assert (first.next_k(), second.next_k()) == (6, 4)
-    assert set(POLICIES) == {"fixed", "adaptive"}
+    assert set(POLICIES) == {"fixed", "adaptive", "goodput"}
 
 
 def test_unknown_policy_name_is_rejected():
-    with pytest.raises(ValueError, match="unknown policy 'goodput'; choose fixed or adaptive"):
-        make_policy("goodput", 4, 1, 8)
+    with pytest.raises(ValueError, match="unknown policy .bogus.; choose one of fixed, adaptive, goodput"):
+        make_policy("bogus", 4, 1, 8)
 
 
 @pytest.mark.parametrize("k, k_min, k_max, message", [

@@ -20,7 +20,9 @@ def register(sub) -> None:
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--policy", default="", help="γ policy: fixed or adaptive (default: the server's)")
+    p.add_argument("--policy", default="", help="γ policy: fixed, adaptive or goodput (default: the server's)")
+    p.add_argument("--pipeline", action=argparse.BooleanOptionalAction, default=None,
+                   help="pipelined drafting on/off for this request (default: the server's)")
     p.add_argument("--k", type=int, default=0, help="draft tokens per round (default: the server's)")
     p.add_argument("--no-speculation", action="store_true", help="decode with the target alone")
     p.add_argument("--stats", action="store_true", help="print the request's statistics to stderr")
@@ -39,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
         prompt = [{"role": "user", "content": prompt}]
     kwargs = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                   seed=args.seed, stop=args.stop, policy=args.policy, num_draft_tokens=args.k,
-                  speculate=not args.no_speculation)
+                  speculate=not args.no_speculation, pipeline=args.pipeline)
     text, tokens = [], []
     timeout = args.timeout + args.wait
     with Client(args.server, timeout_s=timeout, wait_for_ready=args.wait > 0) as client:

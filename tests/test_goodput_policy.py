@@ -1,0 +1,130 @@
+"""The goodput γ policy: its cost model, its choices against the analytic optimum
+in a simulated round loop, and how fast it follows a change of network latency."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from orchestrator.gamma_policy import (
+    AdaptivePolicy,
+    FixedPolicy,
+    GoodputPolicy,
+    RoundObservation,
+    expected_tokens_per_round,
+    k_after_full_acceptance,
+    make_policy,
+)
+
+
+class Simulated:
+    """A round loop with iid acceptance a, draft compute t_draft per token, verify
+    compute c0 + c1*k, and round trips rtt_draft / rtt_target per round."""
+
+    def __init__(self, a, t_draft=0.010, c0=0.030, c1=0.0, rtt_draft=0.0, rtt_target=0.0, seed=0):
+        self.a, self.t_draft, self.c0, self.c1 = a, t_draft, c0, c1
+        self.rtt_draft, self.rtt_target = rtt_draft, rtt_target
+        self.rng = random.Random(seed)
+
+    def cost(self, k):
+        return self.rtt_draft + k * self.t_draft + self.rtt_target + self.c0 + self.c1 * k
+
+    def goodput(self, k):
+        return expected_tokens_per_round(self.a, k) / self.cost(k)
+
+    def best_k(self, k_max=8):
+        return max(range(1, k_max + 1), key=self.goodput)
+
+    def round(self, k) -> RoundObservation:
+        accepted = 0
+        while accepted < k and self.rng.random() < self.a:
+            accepted += 1
+        compute = k * self.t_draft
+        verify = self.c0 + self.c1 * k
+        return RoundObservation(k=k, accepted=accepted, draft_time_s=compute + self.rtt_draft,
+                                verify_time_s=verify + self.rtt_target, verify_compute_s=verify, batch_size=1,
+                                draft_rtt_s=self.rtt_draft, target_rtt_s=self.rtt_target, draft_compute_s=compute)
+
+
+def run(policy, sim, rounds):
+    chosen = []
+    for _ in range(rounds):
+        k = policy.next_k()
+        chosen.append(k)
+        policy.observe(sim.round(k))
+    return chosen
+
+
+def test_cold_start_proposes_the_starting_k_until_a_round_is_timed():
+    policy = make_policy("goodput", 3, 1, 8)
+    assert isinstance(policy, GoodputPolicy) and policy.name == "goodput"
+    assert policy.next_k() == 3
+    policy.observe(RoundObservation(k=0, accepted=0, draft_time_s=0, verify_time_s=0.1, verify_compute_s=0.1,
+                                    batch_size=1, draft_rtt_s=0, target_rtt_s=0))
+    assert policy.next_k() == 3, "a round without drafts teaches nothing"
+    policy.observe(Simulated(0.8).round(3))
+    assert policy.next_k() != 3 or Simulated(0.8).best_k() == 3  # now it has a model and uses it
+
+
+def test_acceptance_estimate_is_the_decayed_mle_with_a_prior():
+    policy = GoodputPolicy(4, 1, 8)
+    assert policy.acceptance == pytest.approx(0.7)
+    policy.observe(RoundObservation(4, 2, 0.04, 0.03, 0.03, 1, 0, 0, 0.04))  # 2 accepted, then a rejection
+    assert policy.acceptance == pytest.approx((2 + 2 * 0.7) / (2 + 1 + 2))
+    policy.observe(RoundObservation(4, 4, 0.04, 0.03, 0.03, 1, 0, 0, 0.04))  # all 4 accepted: no rejection
+    accepted, rejections = 0.85 * 2 + 4, 0.85 * 1
+    assert policy.acceptance == pytest.approx((accepted + 1.4) / (accepted + rejections + 2))
+
+
+def test_verify_cost_is_a_line_fitted_to_the_observed_k():
+    policy = GoodputPolicy(4, 1, 8)
+    assert policy.verify_cost(4) == 0.0
+    policy.observe(RoundObservation(2, 1, 0.02, 0.03, 0.03, 1, 0, 0, 0.02))
+    assert policy.verify_cost(7) == pytest.approx(0.03), "one k seen: taken as flat"
+    policy.observe(RoundObservation(6, 1, 0.06, 0.07, 0.07, 1, 0, 0, 0.06))
+    assert policy.verify_cost(2) == pytest.approx(0.03)
+    assert policy.verify_cost(6) == pytest.approx(0.07)
+    assert policy.verify_cost(4) == pytest.approx(0.05)
+    assert policy.t_draft == pytest.approx(0.01)
+    assert policy.rtt_draft == pytest.approx(0.0) and policy.rtt_target == pytest.approx(0.0)
+
+
+@pytest.mark.parametrize("a", [0.3, 0.6, 0.8, 0.9])
+@pytest.mark.parametrize("rtt_ms", [0, 2, 10, 50])
+def test_steady_state_goodput_is_near_the_best_fixed_k(a, rtt_ms):
+    sim = Simulated(a, rtt_draft=rtt_ms / 1000, rtt_target=rtt_ms / 1000, c1=0.002, seed=int(a * 100) + rtt_ms)
+    chosen = run(GoodputPolicy(4, 1, 8), sim, 200)[20:]
+    best = sim.goodput(sim.best_k())
+    achieved = sum(sim.goodput(k) for k in chosen) / len(chosen)
+    assert achieved >= 0.95 * best, (sim.best_k(), chosen[-20:])
+
+
+def test_a_longer_round_trip_pushes_k_up_and_poor_acceptance_pulls_it_down():
+    near = run(GoodputPolicy(4, 1, 8), Simulated(0.7, seed=1), 60)[-20:]
+    far = run(GoodputPolicy(4, 1, 8), Simulated(0.7, rtt_draft=0.05, rtt_target=0.05, seed=1), 60)[-20:]
+    poor = run(GoodputPolicy(4, 1, 8), Simulated(0.15, seed=1), 60)[-20:]
+    assert sum(far) / 20 > sum(near) / 20
+    assert max(poor) <= 2
+
+
+def test_it_follows_a_jump_in_the_round_trip_time_within_a_few_rounds():
+    sim = Simulated(0.75, t_draft=0.004, c0=0.010, seed=3)
+    policy = GoodputPolicy(4, 1, 8)
+    before = run(policy, sim, 40)[-10:]
+    sim.rtt_draft = sim.rtt_target = 0.100  # the network gets slow mid-stream
+    after = run(policy, sim, 4)
+    target = sim.best_k()
+    assert target > max(before)
+    assert after[-1] > max(before)
+    assert sim.goodput(after[-1]) >= 0.9 * sim.goodput(target), (before, after, target)
+
+
+def test_what_if_a_full_acceptance_leaves_the_policy_alone():
+    obs = RoundObservation(4, 4, 0.04, 0.03, 0.03, 1, 0, 0, 0.04)
+    adaptive = AdaptivePolicy(4, 1, 8)
+    assert k_after_full_acceptance(adaptive, obs) == 6
+    assert adaptive.next_k() == 4
+    assert k_after_full_acceptance(FixedPolicy(3), obs) == 3
+    goodput = GoodputPolicy(4, 1, 8)
+    k_after_full_acceptance(goodput, obs)
+    assert goodput.next_k() == 4 and goodput.t_draft is None

@@ -1,0 +1,204 @@
+"""Pipelined drafting: the draft proposes round r+1 while the target verifies
+round r. Exactness with it on (greedy identity, sampled distribution), tokens
+identical to the unpipelined loop for a seed, the speculative work it drops, the
+stream guard on the draft service, and cleanup. Services in-process on port 0."""
+from __future__ import annotations
+
+import concurrent.futures
+
+import grpc
+import pytest
+import torch
+
+from draft_service.drafters import ModelDrafter
+from orchestrator.client import build_request
+from specdec.model_service import SessionMeta
+from specdec.sampling.params import SamplingParams
+from specdec.sampling.transform import logits_to_probs
+from tests.conftest import tiny_engine, tiny_model
+from tests.harness import running_system
+from tests.test_orchestrator import (
+    EOS,
+    GREEDY_PROMPTS,
+    PROMPT,
+    VOCAB,
+    _wait_until,
+    assert_matches,
+    greedy_reference,
+    perturbed,
+    without_eos,
+)
+
+
+@pytest.fixture(scope="module")
+def system():
+    target = tiny_model(seed=0, init_range=0.3)
+    draft = perturbed(target, 0.05, seed=1)
+    with running_system(tiny_engine(model=target), tiny_engine(model=draft), pipeline=True) as s:
+        s.target_model = target
+        yield s
+
+
+def client_of(s):
+    return s.client.__class__(f"127.0.0.1:{s.orchestrator.port}")
+
+
+def test_greedy_output_is_identical_to_target_only_with_pipelining_under_concurrency(system):
+    n = 24
+    refs = [greedy_reference(system.target_model, p, n) for p in GREEDY_PROMPTS]
+
+    def run(i):
+        policy = ("fixed", "adaptive", "goodput")[i % 3]
+        return client_of(system).complete(GREEDY_PROMPTS[i], max_tokens=n, temperature=0, policy=policy,
+                                          num_draft_tokens=1 + i % 6)
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(run, range(len(GREEDY_PROMPTS))))
+    for i, (result, ref) in enumerate(zip(results, refs)):
+        assert result.token_ids == ref[: len(result.token_ids)], f"prompt {i}"
+    assert sum(r.stats.pipelined_rounds for r in results) > 0, "no round used pipelined drafts"
+    assert all(r.stats.pipelined_rounds < r.stats.rounds for r in results)
+
+
+def test_pipelining_is_the_servers_default_and_a_request_can_turn_it_off(system):
+    pipelined = 0
+    for prompt in GREEDY_PROMPTS[:6]:
+        on = system.client.complete(prompt, max_tokens=24, temperature=0, num_draft_tokens=2)
+        off = system.client.complete(prompt, max_tokens=24, temperature=0, num_draft_tokens=2, pipeline=False)
+        assert on.token_ids == off.token_ids
+        assert off.stats.pipelined_rounds == 0
+        pipelined += on.stats.pipelined_rounds
+    assert pipelined > 0
+
+
+def test_a_draft_equal_to_the_target_makes_every_later_round_pipelined_and_saves_round_trips():
+    target = tiny_model(seed=0, init_range=0.3)
+    with running_system(tiny_engine(model=target), tiny_engine(model=target)) as s:
+        ref = greedy_reference(target, GREEDY_PROMPTS[6], 30)
+        stats = {}
+        for pipeline in (False, True):
+            r = s.client.complete(GREEDY_PROMPTS[6], max_tokens=30, temperature=0, num_draft_tokens=4,
+                                  pipeline=pipeline)
+            assert r.token_ids == ref[: len(r.token_ids)]
+            stats[pipeline] = r.stats
+    on, off = stats[True], stats[False]
+    assert on.accepted_tokens == on.proposed_tokens, "a draft with the target's weights is always accepted"
+    assert on.pipelined_rounds == on.rounds - 1 or on.completion_tokens < 30
+    assert on.rounds == off.rounds
+    # Without pipelining: 2 opens + a Propose and a Verify per round + 2 closes.
+    # With it, the Propose of a pipelined round is the speculative one sent
+    # during the round before: the same count, but none is waited for.
+    assert off.round_trips == 4 + 2 * off.rounds
+    assert on.round_trips == off.round_trips
+    assert on.draft_compute_time_s > 0 and off.draft_compute_time_s > 0
+
+
+@pytest.mark.parametrize("policy", ["fixed", "adaptive"])
+def test_seeded_sampled_tokens_equal_the_unpipelined_loop(system, policy):
+    """Pipelining never changes a token: round r is decided as without it, and the
+    drafts it made ahead are the ones the draft would have made (keyed by seed
+    and position) from the same context."""
+    differing, pipelined = 0, 0
+    for seed in range(24):
+        kwargs = dict(max_tokens=20, temperature=0.8, seed=seed, policy=policy, num_draft_tokens=2)
+        on = system.client.complete(GREEDY_PROMPTS[seed % 24], pipeline=True, **kwargs)
+        off = system.client.complete(GREEDY_PROMPTS[seed % 24], pipeline=False, **kwargs)
+        differing += on.token_ids != off.token_ids
+        pipelined += on.stats.pipelined_rounds
+    assert differing == 0
+    assert pipelined > 0
+
+
+# ------------------------------------------------------------------ sampled
+
+def exact_distribution(model, params: SamplingParams, n: int) -> dict[tuple, float]:
+    """P(completion) of a max_tokens=n request from PROMPT (a completion ends at EOS)."""
+    dist: dict[tuple, float] = {}
+
+    def walk(prefix: tuple, prob: float):
+        if len(prefix) == n:
+            dist[prefix] = dist.get(prefix, 0.0) + prob
+            return
+        p = logits_to_probs(model(torch.tensor([PROMPT + list(prefix)])).logits[0, -1:], params)[0]
+        dist[prefix] = dist.get(prefix, 0.0) + prob * float(p[EOS])
+        for t in range(VOCAB):
+            if t != EOS and p[t] > 0:
+                walk(prefix + (t,), prob * float(p[t]))
+
+    with torch.inference_mode():
+        walk((), 1.0)
+    return dist
+
+
+def project(dist: dict[tuple, float | int], positions: slice) -> dict[tuple, float | int]:
+    out: dict[tuple, float | int] = {}
+    for outcome, p in dist.items():
+        key = (len(outcome),) + outcome[positions]
+        out[key] = out.get(key, 0) + p
+    return out
+
+
+N_TOKENS = 4
+SAMPLES = 1200
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["perfect", "poor"])
+def test_sampled_output_is_distributed_as_the_target_with_pipelining(kind):
+    target = tiny_model(seed=0, vocab_size=VOCAB, init_range=0.2)
+    draft = target if kind == "perfect" else tiny_model(seed=7, vocab_size=VOCAB, init_range=0.2)
+    params = SamplingParams(1.0 if kind == "perfect" else 0.7, 0, 1.0)
+    exact = exact_distribution(target, params, N_TOKENS)
+    counts: dict[tuple, int] = {}
+    pipelined = 0
+    with running_system(tiny_engine(model=target), tiny_engine(model=draft), pipeline=True) as s:
+        for seed in range(SAMPLES):
+            r = s.client.complete(PROMPT, max_tokens=N_TOKENS, temperature=params.temperature, seed=seed,
+                                  num_draft_tokens=1)
+            counts[tuple(r.token_ids)] = counts.get(tuple(r.token_ids), 0) + 1
+            pipelined += r.stats.pipelined_rounds
+    assert pipelined > 0, "pipelined drafts were never used"
+    # Each slice of the sequence has few enough outcomes for a chi-square test;
+    # the later tokens are the ones pipelined rounds produce.
+    for positions in (slice(0, 2), slice(1, 3), slice(2, 4)):
+        assert_matches(project(counts, positions), project(exact, positions), SAMPLES)
+
+
+# ------------------------------------------------------------ stream guard
+
+def test_a_newer_call_on_a_draft_session_stops_an_abandoned_propose_stream():
+    engine = tiny_engine(seed=3)
+    drafter = ModelDrafter(engine, max_draft_tokens=8)
+    meta = SessionMeta(params=SamplingParams(0.0, 0, 1.0), seed=1)
+    sid, length, _ = drafter.open([5, 6, 7, 8], meta, 32)
+    old = drafter.propose(sid, None, [], 6)
+    first = next(old)
+    assert first.length == length + 1
+    new = drafter.propose(sid, length, [9], 2)  # cuts the old stream's token, appends 9
+    assert list(old) == [], "the abandoned stream took another step"
+    drafts = list(new)
+    assert [d.length for d in drafts] == [length + 2, length + 3]
+    assert engine.session(sid).tokens == [5, 6, 7, 8, 9] + [d.token_id for d in drafts]
+
+    again = drafter.propose(sid, None, [], 3)
+    next(again)
+    drafter.rollback(sid, length)
+    assert list(again) == [] and engine.session(sid).length == length
+    assert drafter.close(sid)
+
+
+def test_cancelling_a_pipelined_request_frees_both_sessions():
+    target_engine = tiny_engine(model=without_eos(tiny_model(seed=0)))
+    draft_engine = tiny_engine(model=without_eos(tiny_model(seed=0)))  # always accepted: always drafting ahead
+    with running_system(target_engine, draft_engine, pipeline=True) as s:
+        stream = s.client.stub.Generate(build_request(GREEDY_PROMPTS[4], max_tokens=500, temperature=0), timeout=60)
+        for _ in range(3):
+            next(iter(stream))
+        stream.cancel()
+        assert _wait_until(lambda: target_engine.num_sessions == 0 and draft_engine.num_sessions == 0)
+        with pytest.raises(grpc.RpcError) as err:
+            for _ in s.client.stub.Generate(build_request(GREEDY_PROMPTS[4], max_tokens=900, temperature=0),
+                                            timeout=0.3):
+                pass
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert _wait_until(lambda: target_engine.num_sessions == 0 and draft_engine.num_sessions == 0)
