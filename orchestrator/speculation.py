@@ -98,7 +98,16 @@ class RequestStats:
     round_trips: int = 0  # downstream RPCs: opens, proposes, verifies, closes
     pipelined_rounds: int = 0  # rounds whose drafts were made during the previous round's verify
 
+    rejected_rounds: int = 0  # speculative rounds that ended in a rejection
+    skipped_ahead: int = 0  # rounds where drafting ahead was judged not worth it
+
+    def acceptance_mle(self, prior: float = 0.7, prior_trials: float = 2.0) -> float:
+        """Per-draft acceptance probability: accepted / (accepted + rejections),
+        the maximum-likelihood estimate under independence, with a prior."""
+        return (self.accepted + prior * prior_trials) / (self.accepted + self.rejected_rounds + prior_trials)
+
     def record_round(self, k: int, accepted: int) -> None:
+        self.rejected_rounds += accepted < k
         self.rounds += 1
         self.proposed += k
         self.accepted += accepted
@@ -119,6 +128,7 @@ class LoopSettings:
     draft_retry_s: float = 2.0
     max_context: int = 4096  # the smaller of the two services' limits
     max_draft_tokens: int = 16  # the smaller of the two services' limits
+    pipeline_call_cost_s: float = 0.002  # what one more speculative Propose costs, for the pipelining decision
 
 
 class SpeculativeRequest:
@@ -342,12 +352,37 @@ class SpeculativeRequest:
                      self.settings.max_draft_tokens - 1)
         if k_next < 1:
             return
+        if not self._worth_drafting_ahead(k, k_next):
+            self.stats.skipped_ahead += 1
+            return
         # The draft holds history + the k drafts; m = k_next + 1 more: a guess
         # at the bonus token, then round r+1's drafts.
         keep = len(self.history) + k
         self.stats.round_trips += 1
         self._ahead = asyncio.ensure_future(
             self.draft.propose(self._draft_session, keep, [], k_next + 1, self._timeout()))
+
+    def _worth_drafting_ahead(self, k: int, k_next: int) -> bool:
+        """Draft ahead when the expected saving beats the expected cost:
+
+            saving = h * (rtt_draft + k_next * t_draft)      h = a^(k+1), the hit chance
+            cost   = call_cost + (1 - h) * min(t_draft, busy)
+
+        A hit saves round r+1's whole Propose (its round trip and drafting).
+        Every speculative call costs `call_cost` (the CPU of one more streamed
+        call on both ends, `--pipeline-call-cost-ms`), and a miss may find the
+        draft still drafting ahead when round r+1 needs it: `busy` = (k_next + 1)
+        * t_draft - (verify time), capped at one step (the stream stops at its
+        next step once cancelled). Before the first timed round: always."""
+        last = self._last_obs
+        if last is None or last.k == 0:
+            return True
+        t_draft = (last.draft_compute_s or last.draft_time_s) / last.k
+        hit = self.stats.acceptance_mle() ** (k + 1)
+        saving = hit * (last.draft_rtt_s + k_next * t_draft)
+        busy = max(0.0, (k_next + 1) * t_draft - last.verify_time_s)
+        cost = self.settings.pipeline_call_cost_s + (1 - hit) * min(t_draft, busy)
+        return saving > cost
 
     async def _settle_ahead(self, k: int, result: RoundResult) -> float:
         """Keep the speculative drafts if round r was fully accepted and the

@@ -34,7 +34,7 @@ from tests.test_orchestrator import (
 def system():
     target = tiny_model(seed=0, init_range=0.3)
     draft = perturbed(target, 0.05, seed=1)
-    with running_system(tiny_engine(model=target), tiny_engine(model=draft), pipeline=True) as s:
+    with running_system(tiny_engine(model=target), tiny_engine(model=draft), pipeline=True, pipeline_call_cost_ms=0) as s:
         s.target_model = target
         yield s
 
@@ -73,7 +73,7 @@ def test_pipelining_is_the_servers_default_and_a_request_can_turn_it_off(system)
 
 def test_a_draft_equal_to_the_target_makes_every_later_round_pipelined_and_saves_round_trips():
     target = tiny_model(seed=0, init_range=0.3)
-    with running_system(tiny_engine(model=target), tiny_engine(model=target)) as s:
+    with running_system(tiny_engine(model=target), tiny_engine(model=target), pipeline_call_cost_ms=0) as s:
         ref = greedy_reference(target, GREEDY_PROMPTS[6], 30)
         stats = {}
         for pipeline in (False, True):
@@ -91,6 +91,18 @@ def test_a_draft_equal_to_the_target_makes_every_later_round_pipelined_and_saves
     assert off.round_trips == 4 + 2 * off.rounds
     assert on.round_trips == off.round_trips
     assert on.draft_compute_time_s > 0 and off.draft_compute_time_s > 0
+
+
+def test_drafting_ahead_is_skipped_when_a_call_costs_more_than_it_can_save():
+    target = tiny_model(seed=0, init_range=0.3)
+    with running_system(tiny_engine(model=target), tiny_engine(model=target), pipeline=True,
+                        pipeline_call_cost_ms=1000) as s:
+        r = s.client.complete(GREEDY_PROMPTS[6], max_tokens=30, temperature=0, num_draft_tokens=4)
+    assert r.token_ids == greedy_reference(target, GREEDY_PROMPTS[6], 30)[: len(r.token_ids)]
+    # Only the first round drafts ahead (nothing is measured yet); after it,
+    # a saving of milliseconds never beats a call priced at a second.
+    assert r.stats.pipelined_rounds <= 1
+    assert r.stats.round_trips <= 4 + 2 * r.stats.rounds + 1
 
 
 @pytest.mark.parametrize("policy", ["fixed", "adaptive"])
@@ -151,7 +163,7 @@ def test_sampled_output_is_distributed_as_the_target_with_pipelining(kind):
     exact = exact_distribution(target, params, N_TOKENS)
     counts: dict[tuple, int] = {}
     pipelined = 0
-    with running_system(tiny_engine(model=target), tiny_engine(model=draft), pipeline=True) as s:
+    with running_system(tiny_engine(model=target), tiny_engine(model=draft), pipeline=True, pipeline_call_cost_ms=0) as s:
         for seed in range(SAMPLES):
             r = s.client.complete(PROMPT, max_tokens=N_TOKENS, temperature=params.temperature, seed=seed,
                                   num_draft_tokens=1)
@@ -190,7 +202,7 @@ def test_a_newer_call_on_a_draft_session_stops_an_abandoned_propose_stream():
 def test_cancelling_a_pipelined_request_frees_both_sessions():
     target_engine = tiny_engine(model=without_eos(tiny_model(seed=0)))
     draft_engine = tiny_engine(model=without_eos(tiny_model(seed=0)))  # always accepted: always drafting ahead
-    with running_system(target_engine, draft_engine, pipeline=True) as s:
+    with running_system(target_engine, draft_engine, pipeline=True, pipeline_call_cost_ms=0) as s:
         stream = s.client.stub.Generate(build_request(GREEDY_PROMPTS[4], max_tokens=500, temperature=0), timeout=60)
         for _ in range(3):
             next(iter(stream))
