@@ -5,6 +5,8 @@
     specd up                  # the default real pair, three local processes
     specd generate PROMPT     # stream from an orchestrator
     specd trace list | show   # traced requests from the local trace file
+    specd bench [--quick]     # side-by-side benchmark, results folder + docs figures
+    specd proxy               # a TCP proxy adding network latency (tests, benchmarks)
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import argparse  # noqa: E402
 import logging  # noqa: E402
 import sys  # noqa: E402
 
-from specdec.cli import generate_cmd, models_cmd, serve_cmd, trace_cmd, up_cmd  # noqa: E402
+from specdec.cli import bench_cmd, generate_cmd, models_cmd, proxy_cmd, serve_cmd, trace_cmd, up_cmd  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,6 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     up_cmd.register(sub)
     generate_cmd.register(sub)
     trace_cmd.register(sub)
+    bench_cmd.register(sub)
+    proxy_cmd.register(sub)
     return parser
 
 

@@ -1,0 +1,372 @@
+"""The benchmark's arithmetic: percentiles, per-position acceptance, the
+per-draft acceptance estimate and the analytic speedup bound.
+
+Pure functions over numbers and plain dicts (no torch, no grpc), so every
+figure `specd bench` reports can be checked by hand.
+
+The bound follows Leviathan et al. (2023): with a per-draft acceptance
+probability α, treated as independent across positions, a round with
+lookahead k emits E = (1 − α^(k+1)) / (1 − α) tokens on average (the accepted
+drafts plus the target's recovery or bonus token), and costs
+k·t_draft + t_verify + overhead, so the expected rate is E / cost.
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterable, Sequence
+
+from orchestrator.gamma_policy import expected_tokens_per_round
+
+# ----------------------------------------------------------------- statistics
+
+
+def percentile(values: Iterable[float], q: float) -> float | None:
+    """The q-th percentile (0..100) with linear interpolation between the
+    closest ranks (numpy's default); None for no values.
+
+    Example: percentile([1, 2, 3, 4], 50) == 2.5.
+    """
+    data = sorted(float(v) for v in values)
+    if not data:
+        return None
+    if not 0.0 <= q <= 100.0:
+        raise ValueError(f"q must be in [0, 100], got {q}")
+    pos = (len(data) - 1) * q / 100.0
+    low = math.floor(pos)
+    high = min(low + 1, len(data) - 1)
+    return data[low] + (data[high] - data[low]) * (pos - low)
+
+
+def median(values: Iterable[float | None]) -> float | None:
+    """The median of the values that are not None; None if there are none."""
+    return percentile([v for v in values if v is not None], 50.0)
+
+
+def ratio(numerator: float | None, denominator: float | None) -> float | None:
+    """numerator / denominator, or None when either is missing or the denominator is 0."""
+    if numerator is None or denominator is None or denominator == 0:
+        return None
+    return numerator / denominator
+
+
+def inter_token_samples(arrivals: Sequence[tuple[float, int]]) -> list[float]:
+    """Per-token latency samples from client-side chunk arrivals.
+
+    `arrivals` is [(seconds since the request started, tokens in the chunk)],
+    in arrival order. A chunk of n tokens arriving dt after the previous chunk
+    gives n samples of dt / n. The first chunk's tokens are the time to first
+    token, not per-token latency, so they give no samples.
+
+    Example: [(1.0, 1), (1.3, 3), (1.4, 1)] gives [0.1, 0.1, 0.1, 0.1].
+    """
+    samples: list[float] = []
+    for (t_prev, _), (t, n) in zip(arrivals, arrivals[1:]):
+        if n > 0:
+            samples.extend([(t - t_prev) / n] * n)
+    return samples
+
+
+# ------------------------------------------------------- acceptance by position
+
+
+def speculative_rounds(k_histogram: Sequence[int]) -> int:
+    """Rounds that drafted at least one token (histogram[k] = rounds with k drafts)."""
+    return sum(k_histogram[1:])
+
+
+def rounds_reaching(k_histogram: Sequence[int], position: int) -> int:
+    """Rounds whose draft reached `position` (0-based): rounds with k > position."""
+    return sum(k_histogram[position + 1:])
+
+
+def acceptance_per_position(accepted_per_position: Sequence[int], k_histogram: Sequence[int]) -> list[float | None]:
+    """accepted_per_position[i] / rounds that drafted a token at position i.
+
+    accepted_per_position[i] counts rounds whose first i + 1 drafts were all
+    accepted, so this is P(the first i + 1 drafts are accepted | k > i), the
+    cumulative acceptance (≈ α^(i+1) for independent acceptances). For a
+    fixed k the denominator is every round of that k.
+
+    Example: k = 3 in 10 rounds, accepted_per_position [8, 6, 4] gives [0.8, 0.6, 0.4].
+    """
+    out: list[float | None] = []
+    for i in range(max(len(k_histogram) - 1, len(accepted_per_position))):
+        reached = rounds_reaching(k_histogram, i)
+        accepted = accepted_per_position[i] if i < len(accepted_per_position) else 0
+        out.append(accepted / reached if reached else None)
+    return out
+
+
+def conditional_acceptance_per_position(accepted_per_position: Sequence[int],
+                                        k_histogram: Sequence[int]) -> list[float | None]:
+    """P(draft i accepted | drafts 0..i−1 accepted): accepted_per_position[i]
+    over the rounds that got that far (for i = 0: rounds with k ≥ 1).
+
+    Exact for a fixed k; with mixed k a round that stopped at i because its k
+    was i counts as having got that far (slightly low for such positions).
+
+    Example: k = 3 in 10 rounds, [8, 6, 4] gives [0.8, 0.75, 0.667].
+    """
+    out: list[float | None] = []
+    for i in range(max(len(k_histogram) - 1, len(accepted_per_position))):
+        before = rounds_reaching(k_histogram, 0) if i == 0 else (
+            accepted_per_position[i - 1] if i - 1 < len(accepted_per_position) else 0)
+        accepted = accepted_per_position[i] if i < len(accepted_per_position) else 0
+        out.append(accepted / before if before else None)
+    return out
+
+
+# ----------------------------------------------------------------- α estimate
+
+
+def alpha_mle(accepted: int, rejections: float) -> float | None:
+    """The maximum-likelihood per-draft acceptance probability for independent
+    acceptances: every drafted token that was evaluated is a Bernoulli trial,
+    successes = accepted drafts, failures = rounds that ended in a rejection
+    (a round has at most one). None when nothing was evaluated.
+
+    Example: 18 accepted, 6 rejections: 18 / 24 = 0.75.
+    """
+    trials = accepted + rejections
+    return accepted / trials if trials > 0 else None
+
+
+def alpha_from_moments(accepted: int, k_histogram: Sequence[int]) -> float | None:
+    """The α at which the expected accepted drafts of the observed rounds,
+    Σ_j rounds(k=j) · (α + α² + … + α^j), equal the accepted drafts counted
+    (unique: the sum increases with α). None when nothing was drafted.
+
+    Example: 10 rounds of k=2 with 7.5 drafts accepted: 10 (α + α²) = 7.5, α = 0.5.
+    """
+    hist = list(k_histogram)
+    proposed = sum(j * n for j, n in enumerate(hist))
+    if proposed == 0:
+        return None
+    if accepted >= proposed:
+        return 1.0
+    if accepted <= 0:
+        return 0.0
+
+    def expected(a: float) -> float:
+        return sum(n * sum(a**i for i in range(1, j + 1)) for j, n in enumerate(hist) if j >= 1)
+
+    low, high = 0.0, 1.0
+    for _ in range(100):
+        mid = (low + high) / 2
+        low, high = (mid, high) if expected(mid) < accepted else (low, mid)
+    return (low + high) / 2
+
+
+def estimate_alpha(accepted: int, k_histogram: Sequence[int],
+                   accepted_per_position: Sequence[int]) -> tuple[float | None, float]:
+    """(α̂, rounds with a rejection) from a request's (or run's) counters, for
+    records without the orchestrator's own rejected_rounds count.
+
+    α̂ = accepted / (accepted + rounds that ended in a rejection), the MLE
+    for independent acceptances. Rounds with k = 0 (fallback, or the last
+    token before max_tokens) drafted nothing and are left out. Among the
+    rounds with the largest k seen, k_max, the fully accepted ones are known
+    exactly, accepted_per_position[k_max − 1] (no smaller round reaches that
+    position), so their rejections are rounds(k_max) −
+    accepted_per_position[k_max − 1]: with one k (a fixed policy, no capped
+    round) this is the whole answer. The counters do not say which of the
+    smaller rounds (for a fixed k: the few capped near max_tokens; for
+    adaptive and goodput: most of them) were fully accepted, so those count
+    their expected rejections, rounds(k=j) · (1 − α_m^j), with α_m from
+    `alpha_from_moments` (which uses only the accepted count and the k
+    histogram).
+
+    Example: k = 3 in 10 rounds, accepted_per_position [8, 6, 4]: 18 accepted,
+    10 − 4 = 6 rejections, α̂ = 0.75.
+    """
+    hist = list(k_histogram)
+    ks = [j for j in range(1, len(hist)) if hist[j] > 0]
+    if not ks:
+        return None, 0.0
+    k_max = ks[-1]
+    full = accepted_per_position[k_max - 1] if k_max - 1 < len(accepted_per_position) else 0
+    rejections = float(hist[k_max] - full)
+    smaller = [(j, hist[j]) for j in ks[:-1]]
+    if smaller:
+        alpha_m = alpha_from_moments(accepted, hist)
+        rejections += sum(n * (1.0 - alpha_m**j) for j, n in smaller)
+    return alpha_mle(accepted, rejections), rejections
+
+
+def expected_tokens(alpha: float, k: float) -> float:
+    """E[tokens per round] = (1 − α^(k+1)) / (1 − α) = 1 + α + … + α^k.
+
+    Integer k uses the orchestrator's own `expected_tokens_per_round`; a
+    mean k (adaptive, goodput) uses the closed form at real k (k + 1 at α = 1).
+
+    Example: α = 0.5, k = 2: 1.75.
+    """
+    if float(k).is_integer():
+        return expected_tokens_per_round(alpha, int(k))
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"acceptance must be in [0, 1], got {alpha}")
+    if alpha == 1.0:
+        return k + 1.0
+    return (1.0 - alpha ** (k + 1.0)) / (1.0 - alpha)
+
+
+# -------------------------------------------------------------------- bound
+
+
+def analytic_bound(*, alpha: float | None, k: float, t_draft_s: float | None, t_verify_s: float | None,
+                   overhead_s: float = 0.0, baseline_tokens_per_s: float | None = None) -> dict:
+    """The expected rate of speculative decoding from measured costs.
+
+    cost per round = k · t_draft + t_verify + overhead (seconds); expected
+    tokens/s = E(α, k) / cost; expected speedup = that / the baseline's
+    measured tokens/s. Missing inputs give None figures.
+
+    Example: α = 0.8, k = 4 (E = 3.3616), t_draft = 0.1, t_verify = 0.25,
+    overhead 0: cost 0.65 s, 5.17 tokens/s; vs a 4 tokens/s baseline 1.29x.
+    """
+    out = {"alpha": alpha, "k": k, "expected_tokens_per_round": None, "cost_per_round_s": None,
+           "expected_tokens_per_s": None, "expected_speedup": None}
+    if alpha is None or t_draft_s is None or t_verify_s is None:
+        return out
+    e = expected_tokens(alpha, k)
+    cost = k * t_draft_s + t_verify_s + max(0.0, overhead_s)
+    out["expected_tokens_per_round"] = e
+    out["cost_per_round_s"] = cost
+    if cost > 0:
+        out["expected_tokens_per_s"] = e / cost
+        out["expected_speedup"] = ratio(e / cost, baseline_tokens_per_s)
+    return out
+
+
+def efficiency(measured_speedup: float | None, expected_speedup: float | None) -> float | None:
+    """System efficiency: measured speedup ÷ expected speedup (1.0: the system
+    delivers what its measured acceptance and costs predict)."""
+    return ratio(measured_speedup, expected_speedup)
+
+
+# ---------------------------------------------------------- pooled counters
+
+SUMMED_STATS = ("completion_tokens", "prompt_tokens", "rounds", "proposed_tokens", "accepted_tokens",
+                "fallback_rounds", "draft_time_s", "verify_time_s", "target_compute_time_s",
+                "draft_compute_time_s", "wire_bytes", "round_trips", "pipelined_rounds", "duration_s")
+
+
+def _add_lists(total: list[int], more: Sequence[int]) -> None:
+    if len(total) < len(more):
+        total.extend([0] * (len(more) - len(total)))
+    for i, v in enumerate(more):
+        total[i] += v
+
+
+def pool_stats(stats: Iterable[dict]) -> dict:
+    """Sum the orchestrator's per-request statistics (dicts with the
+    GenerateStats field names; `k` as {"histogram": [...], ...})."""
+    pooled: dict = {name: 0 for name in SUMMED_STATS}
+    pooled["k_histogram"] = []
+    pooled["accepted_per_position"] = []
+    pooled["requests"] = 0
+    # rejected_rounds is exact when every request reports it (None otherwise:
+    # records from before the orchestrator counted it).
+    pooled["rejected_rounds"] = 0
+    for s in stats:
+        pooled["requests"] += 1
+        if pooled["rejected_rounds"] is not None:
+            pooled["rejected_rounds"] = (None if s.get("rejected_rounds") is None
+                                         else pooled["rejected_rounds"] + s["rejected_rounds"])
+        for name in SUMMED_STATS:
+            pooled[name] += s.get(name) or 0
+        _add_lists(pooled["k_histogram"], (s.get("k") or {}).get("histogram") or [])
+        _add_lists(pooled["accepted_per_position"], s.get("accepted_per_position") or [])
+    return pooled
+
+
+def mean_k(k_histogram: Sequence[int]) -> float | None:
+    """Mean k over the rounds that drafted (k ≥ 1)."""
+    rounds = speculative_rounds(k_histogram)
+    if not rounds:
+        return None
+    return sum(j * n for j, n in enumerate(k_histogram) if j >= 1) / rounds
+
+
+def time_split(pooled: dict) -> dict:
+    """Where the orchestrator's time went, summed over requests.
+
+    draft = the draft service's own forward time (draft_compute_time_s; when
+    the orchestrator does not report it, the propose time it measured,
+    draft_time_s, network included, and draft_compute_reported is False);
+    target = the target service's verify compute (target_compute_time_s);
+    other = network + orchestration = duration − draft − target: gRPC and
+    serialization, the verify batcher's window, session opens and closes,
+    acceptance, and any added network delay. Shares are of the summed
+    duration; with pipelined drafting draft and target overlap, so other is
+    floored at 0.
+    """
+    duration = pooled.get("duration_s") or 0.0
+    reported = (pooled.get("draft_compute_time_s") or 0.0) > 0 or not pooled.get("proposed_tokens")
+    draft = (pooled.get("draft_compute_time_s") or 0.0) if reported else (pooled.get("draft_time_s") or 0.0)
+    target = pooled.get("target_compute_time_s") or 0.0
+    other = max(0.0, duration - draft - target)
+    return {
+        "draft_s": draft, "target_s": target, "other_s": other, "duration_s": duration,
+        "draft_share": ratio(draft, duration), "target_share": ratio(target, duration),
+        "other_share": ratio(other, duration), "draft_compute_reported": reported,
+        "draft_rpc_s": pooled.get("draft_time_s") or 0.0, "verify_rpc_s": pooled.get("verify_time_s") or 0.0,
+    }
+
+
+def bound_for_run(pooled: dict, *, nominal_k: int | None, measured_tokens_per_s: float | None,
+                  baseline_tokens_per_s: float | None, baseline_compute_tokens_per_s: float | None) -> dict:
+    """The analytic bound of one run from its pooled counters.
+
+    α̂ from estimate_alpha; k = the configured k for a fixed policy, else the
+    mean k of the rounds that drafted (k_is_mean True). Measured costs, as the
+    orchestrator timed them: t_draft = draft_time_s / proposed tokens (the
+    propose RPC per drafted token, network included), t_verify =
+    verify_time_s / rounds, overhead = (duration − draft_time − verify_time)
+    / rounds (orchestration outside the two RPCs; floored at 0). Expected
+    speedup is against the measured target-only (service) tokens/s; efficiency
+    = measured speedup / expected speedup.
+
+    The ideal bound uses compute only: t_draft = draft_compute_time_s per
+    drafted token, t_verify = target_compute_time_s per round, no overhead,
+    against target-only's compute-only rate (its tokens / its
+    target_compute_time_s). None when the draft compute is not reported.
+    """
+    if pooled.get("rejected_rounds") is not None:
+        # The orchestrator counted the rounds that ended in a rejection: exact.
+        rejections = float(pooled["rejected_rounds"])
+        alpha = alpha_mle(pooled["accepted_tokens"], rejections)
+    else:
+        alpha, rejections = estimate_alpha(pooled["accepted_tokens"], pooled["k_histogram"],
+                                           pooled["accepted_per_position"])
+    k_is_mean = nominal_k is None
+    k = nominal_k if nominal_k is not None else mean_k(pooled["k_histogram"])
+    rounds = pooled["rounds"]
+    proposed = pooled["proposed_tokens"]
+    out = {"alpha_hat": alpha, "rejected_rounds": rejections, "k": k, "k_is_mean": k_is_mean}
+    if k is None or not rounds or not proposed:
+        out.update(analytic_bound(alpha=None, k=0, t_draft_s=None, t_verify_s=None))
+        out.pop("alpha", None)
+        out["k"] = k
+        out.update({"t_draft_s": None, "t_verify_s": None, "overhead_s": None, "efficiency": None,
+                    "measured_speedup": ratio(measured_tokens_per_s, baseline_tokens_per_s),
+                    "ideal": {"expected_tokens_per_s": None, "expected_speedup": None}})
+        return out
+    t_draft = pooled["draft_time_s"] / proposed
+    t_verify = pooled["verify_time_s"] / rounds
+    overhead = max(0.0, pooled["duration_s"] - pooled["draft_time_s"] - pooled["verify_time_s"]) / rounds
+    out.update(analytic_bound(alpha=alpha, k=k, t_draft_s=t_draft, t_verify_s=t_verify, overhead_s=overhead,
+                              baseline_tokens_per_s=baseline_tokens_per_s))
+    out.pop("alpha", None)  # alpha_hat already says it
+    measured_speedup = ratio(measured_tokens_per_s, baseline_tokens_per_s)
+    out.update({"t_draft_s": t_draft, "t_verify_s": t_verify, "overhead_s": overhead,
+                "measured_speedup": measured_speedup,
+                "efficiency": efficiency(measured_speedup, out["expected_speedup"])})
+    ideal = {"expected_tokens_per_s": None, "expected_speedup": None}
+    if pooled.get("draft_compute_time_s"):
+        ib = analytic_bound(alpha=alpha, k=k, t_draft_s=pooled["draft_compute_time_s"] / proposed,
+                            t_verify_s=pooled["target_compute_time_s"] / rounds, overhead_s=0.0,
+                            baseline_tokens_per_s=baseline_compute_tokens_per_s)
+        ideal = {"expected_tokens_per_s": ib["expected_tokens_per_s"], "expected_speedup": ib["expected_speedup"]}
+    out["ideal"] = ideal
+    return out

@@ -1,0 +1,119 @@
+"""In-process baselines: plain transformers `generate` with the target, and
+HF assisted generation (`generate(..., assistant_model=draft)`).
+
+Both models are loaded in the bench process through the engine's own loader
+(`specdec.engine.loading.load_model`), so they get the services' dtype
+resolution, device and thread count. Sampling parameters are passed in full
+(no top-k, top-p 1, no repetition penalty) so a model's generation_config
+cannot change them; the assistant keeps transformers' defaults for its
+lookahead schedule, as a user of assisted generation gets them.
+"""
+from __future__ import annotations
+
+import time
+
+from specdec.bench.services import peak_rss_mb, reset_peak_rss
+
+
+def _eos_ids(model, tokenizer) -> list[int]:
+    """The target's end-of-sequence ids as the target service computes them
+    (generation_config and config), plus the tokenizer's, as the orchestrator adds."""
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        if isinstance(value, int):
+            ids.add(value)
+        elif value:
+            ids.update(int(v) for v in value)
+    if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return sorted(ids)
+
+
+def _make_streamer():
+    from transformers.generation.streamers import BaseStreamer
+
+    class TimingStreamer(BaseStreamer):
+        """Timestamps every batch of new tokens generate() hands over; the
+        first put() is the prompt and is skipped."""
+
+        def __init__(self):
+            self.start = time.perf_counter()
+            self.arrivals: list[tuple[float, int]] = []
+            self._prompt_seen = False
+
+        def put(self, value) -> None:
+            now = time.perf_counter()
+            if not self._prompt_seen:
+                self._prompt_seen = True
+                return
+            self.arrivals.append((now - self.start, int(value.numel())))
+
+        def end(self) -> None:
+            pass
+
+    return TimingStreamer()
+
+
+class HFBaselines:
+    """The target (and, for assisted generation, the draft) loaded in this process."""
+
+    def __init__(self, target_cfg, draft_cfg=None):
+        from transformers.utils import logging as hf_logging
+
+        from specdec.engine.loading import load_model
+
+        hf_logging.disable_progress_bar()  # the bench reports its own progress
+        hf_logging.set_verbosity_error()  # generate()'s deprecation notices about its own internals
+        self.target_cfg = target_cfg
+        loaded = load_model(target_cfg)
+        self.target = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.draft = load_model(draft_cfg).model if draft_cfg is not None else None
+        self.eos_ids = _eos_ids(self.target, self.tokenizer)
+        pad = getattr(self.target.config, "pad_token_id", None)
+        self.pad_id = pad if pad is not None else (self.eos_ids[0] if self.eos_ids else 0)
+        self.device = self.target.device
+        self.dtype = str(self.target.dtype).removeprefix("torch.")
+
+    def generate(self, prompt_ids: list[int], *, max_tokens: int, temperature: float, seed: int,
+                 assisted: bool) -> dict:
+        """One request: tokens, timings (client-side style), bench-process peak memory."""
+        import torch
+        from transformers import GenerationConfig
+
+        if assisted and self.draft is None:
+            raise RuntimeError("assisted generation needs the draft model loaded")
+        sample = temperature > 0
+        params = dict(max_new_tokens=max_tokens, do_sample=sample, repetition_penalty=1.0,
+                      eos_token_id=self.eos_ids or None, pad_token_id=self.pad_id)
+        if sample:  # the full distribution at this temperature, as the services sample
+            params.update(temperature=temperature, top_k=0, top_p=1.0)  # top_k 0: off (unset is 50)
+        config = GenerationConfig(**params)
+        ids = torch.tensor([prompt_ids], device=self.device)
+        cuda = self.device.type == "cuda"
+        reset_peak_rss("self")
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        torch.manual_seed(seed)
+        streamer = _make_streamer()
+        extra = {"assistant_model": self.draft} if assisted else {}
+        with torch.inference_mode():
+            out = self.target.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config,
+                                       streamer=streamer, **extra)
+        tokens = out[0, len(prompt_ids):].tolist()
+        wall = time.perf_counter() - streamer.start
+        finish = "length"
+        for i, t in enumerate(tokens):
+            if t in self.eos_ids:  # the orchestrator does not emit the end-of-sequence token
+                tokens, finish = tokens[:i], "eos"
+                break
+        return {
+            "token_ids": tokens,
+            "wall_s": wall,
+            "ttft_s": streamer.arrivals[0][0] if streamer.arrivals else None,
+            "arrivals": streamer.arrivals,
+            "finish_reason": finish,
+            "peak_mb": {"bench": peak_rss_mb("self")},
+            "gpu_mb": {"bench": torch.cuda.max_memory_allocated(self.device) / 2**20} if cuda else None,
+        }

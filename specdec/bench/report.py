@@ -1,0 +1,364 @@
+"""The results folder: runs.jsonl, requests.jsonl, summary.md and PNG plots."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterable
+
+from specdec.bench.aggregate import evaluate_goals
+from specdec.bench.machine import machine_line
+from specdec.bench.runner import HF_ASSISTED, SERVICE, TARGET_ONLY
+
+# --------------------------------------------------------------------- jsonl
+
+
+def write_jsonl(path: Path | str, rows: Iterable[dict]) -> None:
+    with open(path, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row, default=str) + "\n")
+
+
+def read_jsonl(path: Path | str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+# ------------------------------------------------------------------ markdown
+
+
+def _f(value, digits: int = 2, suffix: str = "") -> str:
+    if value is None:
+        return "-"
+    return f"{value:.{digits}f}{suffix}"
+
+
+def _x(value) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def _ms(value) -> str:
+    return "-" if value is None else f"{value * 1000:.0f}"
+
+
+def _pct(value) -> str:
+    return "-" if value is None else f"{value * 100:.0f}"
+
+
+def _temp_label(t: float) -> str:
+    return "T=0 (greedy)" if t == 0 else f"T={t:g} (sampled)"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    out += ["| " + " | ".join(row) + " |" for row in rows]
+    return out
+
+
+def _peak(run: dict) -> str:
+    peaks = run.get("peak_mb") or {}
+    if run["kind"] == SERVICE:
+        parts = [_f(peaks.get(role), 0) for role in ("target", "draft", "orchestrator")]
+        text = " / ".join(parts)
+    else:
+        text = f"bench {_f(peaks.get('bench'), 0)}"
+    gpu = run.get("gpu_mb")
+    if gpu:
+        text += " (GPU " + ", ".join(f"{k} {v:.0f}" for k, v in gpu.items()) + ")"
+    return text
+
+
+def _split(run: dict) -> str:
+    ts = run.get("time_split")
+    if not ts or run["policy"] == "none" and not ts.get("duration_s"):
+        return "-"
+    mark = "" if ts["draft_compute_reported"] else "*"
+    return f"{_pct(ts['draft_share'])}{mark} / {_pct(ts['target_share'])} / {_pct(ts['other_share'])}"
+
+
+def _pipelined(run: dict) -> str:
+    pooled = run.get("pooled_stats")
+    if not pooled or not run.get("pipeline"):
+        return "-"
+    return f"{pooled['pipelined_rounds']}/{pooled['rounds']}"
+
+
+def _identical(run: dict) -> str:
+    ident = run.get("identical_to_target_only") or {}
+    if run["temperature"] != 0 or not ident.get("compared"):
+        return "-"
+    if run["config"] == TARGET_ONLY and run["concurrency"] == 1:
+        return "(reference)"
+    return f"{ident['identical']}/{ident['compared']}"
+
+
+MAIN_HEADER = ["config", "tok/s", "vs target-only", "vs HF assisted", "TTFT s", "p50 ms/tok", "p95 ms/tok",
+               "acceptance", "tokens/round", "expected speedup", "efficiency",
+               "draft / target / other %", "B/token", "round trips/token", "pipelined rounds",
+               "peak MB (target / draft / orch)", "identical"]
+
+
+def main_rows(runs: list[dict]) -> list[list[str]]:
+    rows = []
+    for r in runs:
+        name = r["config"] + (f" (mean k {r['mean_k']:.1f})" if r.get("mean_k") and r["policy"] not in ("fixed", "none")
+                              else "")
+        if r["errors"]:
+            name += f" [{r['errors']} errors]"
+        rows.append([
+            name, _f(r["tokens_per_s"]), _x(r["speedup_vs_target_only"]), _x(r["speedup_vs_hf_assisted"]),
+            _f(r["ttft_s"]), _ms(r["itl_p50_s"]), _ms(r["itl_p95_s"]), _f(r.get("acceptance_rate")),
+            _f(r.get("tokens_per_round")), _x(r.get("expected_speedup")), _f(r.get("efficiency")), _split(r),
+            _f(r.get("wire_bytes_per_token"), 0), _f(r.get("round_trips_per_token")), _pipelined(r), _peak(r),
+            _identical(r),
+        ])
+    return rows
+
+
+def summary_markdown(runs: list[dict], *, meta: dict) -> str:
+    """The whole summary.md. meta: machine, command, settings, models, skipped,
+    out_dir, wall_s, interrupted, notes."""
+    lines = ["# specd bench", ""]
+    if meta.get("interrupted"):
+        lines += ["**Interrupted**: the figures below cover only what finished.", ""]
+    lines += ["## Machine", "", f"- {machine_line(meta['machine'])}"]
+    for key, value in (meta.get("models") or {}).items():
+        lines.append(f"- {key}: {value}")
+    lines += ["", "## Command", "", "```", meta["command"], "```", ""]
+    settings = meta.get("settings") or {}
+    if settings:
+        lines += ["## Settings", ""] + [f"- {k}: {v}" for k, v in settings.items()] + [""]
+    if meta.get("wall_s") is not None:
+        lines += [f"Wall time: {meta['wall_s']:.0f} s.", ""]
+
+    goals = evaluate_goals(runs)
+    if goals:
+        lines += ["## Goals", ""]
+        rows = [[g["goal"], _temp_label(g["temperature"]), f">= {g['threshold']}",
+                 "-" if g["measured"] is None else f"{g['measured']:.2f}", g["detail"],
+                 {True: "met", False: "not met", None: "not evaluated"}[g["met"]]] for g in goals]
+        lines += _table(["goal", "temperature", "target", "measured", "config", "result"], rows) + [""]
+
+    first_net = runs[0]["network"] if runs else None
+    for temp in dict.fromkeys(r["temperature"] for r in runs):
+        sel = [r for r in runs if r["temperature"] == temp and r["concurrency"] == 1 and r["network"] == first_net]
+        if not sel:
+            continue
+        lines += [f"## {_temp_label(temp)}, one stream, network: {first_net}", ""]
+        lines += _table(MAIN_HEADER, main_rows(sel)) + [""]
+
+    conc = sorted({r["concurrency"] for r in runs})
+    if len(conc) > 1:
+        lines += ["## Concurrency (aggregate tok/s)", ""]
+        header = ["config", "temperature"] + [f"c={c}" for c in conc] + [f"c={conc[-1]} / c=1"]
+        rows = []
+        for temp in dict.fromkeys(r["temperature"] for r in runs):
+            for name in dict.fromkeys(r["config"] for r in runs if r["kind"] == SERVICE):
+                by_c = {r["concurrency"]: r for r in runs if r["config"] == name and r["temperature"] == temp
+                        and r["network"] == first_net}
+                if len(by_c) < 2:
+                    continue
+                top, one = by_c.get(conc[-1]), by_c.get(1)
+                rows.append([name, _temp_label(temp)] + [_f(by_c[c]["tokens_per_s"]) if c in by_c else "-" for c in conc]
+                            + [_x(top["tokens_per_s"] / one["tokens_per_s"]) if top and one and top["tokens_per_s"]
+                               and one["tokens_per_s"] else "-"])
+        lines += _table(header, rows) + [""]
+
+    nets = list(dict.fromkeys(r["network"] for r in runs))
+    if len(nets) > 1:
+        lines += ["## Network (tok/s per round-trip time, one stream)", ""]
+        header = ["config", "temperature"] + nets
+        rows = []
+        for temp in dict.fromkeys(r["temperature"] for r in runs):
+            for name in dict.fromkeys(r["config"] for r in runs if r["kind"] == SERVICE):
+                by_n = {r["network"]: r for r in runs if r["config"] == name and r["temperature"] == temp
+                        and r["concurrency"] == 1}
+                cells = []
+                for n in nets:
+                    r = by_n.get(n)
+                    cells.append("-" if r is None else (f"{_f(r['tokens_per_s'])} ({_x(r['speedup_vs_target_only'])})"
+                                                        if r["config"] != TARGET_ONLY else _f(r["tokens_per_s"])))
+                rows.append([name, _temp_label(temp)] + cells)
+        lines += _table(header, rows) + [""]
+
+    bounded = [r for r in runs if r.get("bound") and r["network"] == first_net]
+    if bounded:
+        lines += ["## Analytic bound (Leviathan et al.), one stream", ""]
+        header = ["config", "temperature", "k", "α̂", "E tokens/round", "measured tokens/round", "t_draft ms/token",
+                  "t_verify ms/round", "overhead ms/round", "expected tok/s", "measured tok/s", "expected speedup",
+                  "measured speedup", "efficiency", "ideal speedup (compute only)"]
+        rows = []
+        for r in bounded:
+            b = r["bound"]
+            k = "-" if b["k"] is None else (f"{b['k']:.2f} (mean)" if b["k_is_mean"] else f"{b['k']}")
+            rows.append([r["config"], _temp_label(r["temperature"]), k, _f(b["alpha_hat"], 3),
+                         _f(b["expected_tokens_per_round"]), _f(r.get("tokens_per_round")), _ms(b["t_draft_s"]),
+                         _ms(b["t_verify_s"]), _ms(b["overhead_s"]), _f(b["expected_tokens_per_s"]),
+                         _f(r["tokens_per_s"]), _x(b["expected_speedup"]), _x(b["measured_speedup"]),
+                         _f(b["efficiency"]), _x(b["ideal"]["expected_speedup"])])
+        lines += _table(header, rows) + [""]
+
+    spec = [r for r in runs if r.get("acceptance_per_position") and r["concurrency"] == 1 and r["network"] == first_net]
+    if spec:
+        width = max(len(r["acceptance_per_position"]) for r in spec)
+        lines += ["## Acceptance per draft position (accepted / rounds that drafted there), one stream", ""]
+        header = ["config", "temperature"] + [f"pos {i + 1}" for i in range(width)]
+        rows = [[r["config"], _temp_label(r["temperature"])]
+                + [_f(v) for v in r["acceptance_per_position"]] + ["-"] * (width - len(r["acceptance_per_position"]))
+                for r in spec]
+        lines += _table(header, rows) + [""]
+
+    if meta.get("skipped"):
+        lines += ["## Skipped configs", ""]
+        lines += [f"- {name}: {reason}" for name, reason in meta["skipped"].items()] + [""]
+    errors = [r for r in runs if r["errors"]]
+    if errors:
+        lines += ["## Errors", ""]
+        lines += [f"- {r['config']} {_temp_label(r['temperature'])} c={r['concurrency']} {r['network']}: "
+                  f"{r['errors']} of {r['requests']} requests failed ({'; '.join(r['error_examples'])})"
+                  for r in errors] + [""]
+    lines += ["## Definitions", ""] + [f"- {d}" for d in DEFINITIONS] + [""]
+    if meta.get("notes"):
+        lines += ["## Notes", ""] + [f"- {n}" for n in meta["notes"]] + [""]
+    if meta.get("plots"):
+        lines += ["## Plots", ""] + [f"![{p}]({p})" for p in meta["plots"]] + [""]
+    return "\n".join(lines)
+
+
+DEFINITIONS = (
+    "tok/s: emitted tokens over client-side wall time, per repeat, median across repeats; at concurrency c, "
+    "all tokens of a wave of requests over the wave's wall time (aggregate).",
+    "target-only: the same orchestrator and target service with speculation disabled; hf: transformers "
+    "generate with the target in the bench process; hf-assisted: generate(..., assistant_model=draft) with "
+    "transformers' default assistant settings. All get identical prompt token ids.",
+    "TTFT: client-side time from sending the request to the first token; p50/p95 ms/tok: per-token latency "
+    "after the first chunk (a chunk of n tokens dt after the previous one gives n samples of dt/n).",
+    "acceptance: accepted drafts / drafted tokens; tokens/round: emitted tokens / rounds (all rounds).",
+    "draft / target / other %: shares of the orchestrator's request time: the draft service's forward time "
+    "(draft_compute_time_s; * = not reported, the propose RPC time instead), the target's verify compute "
+    "(target_compute_time_s), and the rest = network + orchestration (gRPC, batching window, session "
+    "open/close, acceptance, added network delay).",
+    "α̂: per-draft acceptance MLE = accepted / (accepted + rounds ending in a rejection); rejections in the "
+    "rounds of the largest k are counted exactly; smaller rounds (k capped near max_tokens; most rounds of "
+    "adaptive/goodput) count their expected rejections 1 − α_m^j, α_m matching the accepted count to the k "
+    "histogram; k = 0 rounds are left out.",
+    "expected speedup: E(α̂, k) / (k·t_draft + t_verify + overhead) ÷ measured target-only tok/s, with "
+    "t_draft = draft_time_s / drafted tokens, t_verify = verify_time_s / rounds, overhead = (duration − "
+    "draft_time − verify_time) / rounds, all as the orchestrator measured them; for adaptive/goodput "
+    "k is the mean k. efficiency = measured speedup / expected speedup. ideal speedup: compute only "
+    "(draft_compute_time_s per drafted token, target_compute_time_s per round, no overhead) against "
+    "target-only's compute-only rate. For pipelined configs draft and verify overlap: the bound is that of "
+    "the unpipelined system, so efficiency can exceed 1.",
+    "B/token: protobuf bytes exchanged with both services / emitted tokens; round trips/token: downstream "
+    "RPCs / emitted tokens (- when the orchestrator does not report them); pipelined rounds: rounds whose "
+    "drafts were proposed during the previous verification and used / all rounds.",
+    "peak MB: VmHWM (peak resident memory) of each service process, reset before every unit by writing 5 to "
+    "/proc/PID/clear_refs; for HF runs the bench process's own peak. GPU: nvidia-smi's used memory per "
+    "service process sampled after each unit, and torch's peak allocation for the HF runs.",
+    "identical: greedy outputs token-for-token equal to target-only (service) on the same prompt.",
+)
+
+
+# --------------------------------------------------------------------- plots
+
+
+def _style(temperature: float) -> str:
+    """Solid lines with circles for greedy runs, dashed with squares for sampled ones."""
+    return "o-" if temperature == 0 else "s--"
+
+
+def write_plots(runs: list[dict], out_dir: Path | str) -> list[str]:
+    """PNG plots into out_dir; returns their file names."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir = Path(out_dir)
+    written: list[str] = []
+    if not runs:
+        return written
+    first_net = runs[0]["network"]
+    temps = list(dict.fromkeys(r["temperature"] for r in runs))
+    one = [r for r in runs if r["concurrency"] == 1 and r["network"] == first_net]
+
+    def save(fig, name: str) -> None:
+        fig.tight_layout()
+        fig.savefig(out_dir / name, dpi=110)
+        plt.close(fig)
+        written.append(name)
+
+    # speedup vs k, per temperature
+    fixed = [r for r in one if r["policy"] == "fixed" and not r["pipeline"]]
+    if fixed:
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        for temp in temps:
+            pts = sorted((r["k"], r["speedup_vs_target_only"], r.get("expected_speedup")) for r in fixed
+                         if r["temperature"] == temp and r["speedup_vs_target_only"] is not None)
+            if not pts:
+                continue
+            line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"measured, {_temp_label(temp)}")
+            exp = [(p[0], p[2]) for p in pts if p[2] is not None]
+            if exp:
+                ax.plot([p[0] for p in exp], [p[1] for p in exp], "x--", color=line.get_color(),
+                        label=f"expected (bound), {_temp_label(temp)}")
+            for r in one:
+                if r["temperature"] == temp and r["kind"] == HF_ASSISTED and r["speedup_vs_target_only"]:
+                    ax.axhline(r["speedup_vs_target_only"], color=line.get_color(), linestyle=":",
+                               label=f"HF assisted, {_temp_label(temp)}")
+        ax.axhline(1.0, color="grey", linewidth=0.8)
+        ax.set_xticks(sorted({r["k"] for r in fixed}))
+        ax.set_xlabel("k (draft tokens per round)")
+        ax.set_ylabel("speedup vs target-only (service)")
+        ax.set_title("Speedup vs k")
+        ax.legend(fontsize=7)
+        save(fig, "speedup_vs_k.png")
+
+    # acceptance per position
+    spec = [r for r in one if r.get("acceptance_per_position")]
+    if spec:
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        for r in spec:
+            vals = [(i + 1, v) for i, v in enumerate(r["acceptance_per_position"]) if v is not None]
+            if vals:
+                ax.plot([v[0] for v in vals], [v[1] for v in vals], _style(r["temperature"]),
+                        label=f"{r['config']}, T={r['temperature']:g}")
+        ax.set_xlabel("draft position")
+        ax.set_ylabel("accepted / rounds that drafted there")
+        ax.set_ylim(0, 1.05)
+        ax.set_title("Acceptance per draft position")
+        ax.legend(fontsize=7)
+        save(fig, "acceptance_per_position.png")
+
+    # tokens/s vs concurrency
+    concs = sorted({r["concurrency"] for r in runs})
+    if len(concs) > 1:
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        for temp in temps:
+            for name in dict.fromkeys(r["config"] for r in runs if r["kind"] == SERVICE):
+                pts = sorted((r["concurrency"], r["tokens_per_s"]) for r in runs if r["config"] == name
+                             and r["temperature"] == temp and r["network"] == first_net and r["tokens_per_s"])
+                if len(pts) > 1:
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], _style(temp), label=f"{name}, T={temp:g}")
+        ax.set_xlabel("concurrent requests")
+        ax.set_ylabel("aggregate tokens/s")
+        ax.set_xticks(concs)
+        ax.set_title("Throughput vs concurrency")
+        ax.legend(fontsize=7)
+        save(fig, "tokens_per_s_vs_concurrency.png")
+
+    # tokens/s vs RTT
+    nets = [r for r in runs if r["concurrency"] == 1 and r["kind"] == SERVICE and r["target_rtt_ms"] is not None]
+    if len({(r["draft_rtt_ms"], r["target_rtt_ms"]) for r in nets}) > 1:
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        for temp in temps:
+            for name in dict.fromkeys(r["config"] for r in nets):
+                pts = sorted((r["target_rtt_ms"], r["tokens_per_s"]) for r in nets if r["config"] == name
+                             and r["temperature"] == temp and r["tokens_per_s"])
+                if len(pts) > 1:
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], _style(temp), label=f"{name}, T={temp:g}")
+        ax.set_xlabel("round-trip time to each service, ms")
+        ax.set_ylabel("tokens/s")
+        ax.set_title("Throughput vs network round-trip time")
+        ax.legend(fontsize=7)
+        save(fig, "tokens_per_s_vs_rtt.png")
+    return written

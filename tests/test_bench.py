@@ -1,0 +1,280 @@
+"""`specd bench`: configs, the interleaved schedule, aggregation, the report,
+user errors, and one end-to-end run on a tiny random pair."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from specdec.bench import report
+from specdec.bench.aggregate import build_runs, evaluate_goals
+from specdec.bench.runner import (
+    HF,
+    HF_ASSISTED,
+    SERVICE,
+    TARGET_ONLY,
+    NetworkCondition,
+    Plan,
+    Prompt,
+    build_configs,
+    mark_identity,
+    network_conditions,
+    schedule,
+)
+from specdec.cli.main import main
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+# ------------------------------------------------------------ configs, plan
+
+
+def test_build_configs_is_data_driven():
+    configs = build_configs(["service", "hf", "hf-assisted"], [2, 4], ["fixed", "adaptive", "goodput-pipeline"])
+    names = [c.name for c in configs]
+    assert names == ["target-only", "hf", "hf-assisted", "fixed-k2", "fixed-k4", "adaptive", "goodput-pipeline"]
+    by = {c.name: c for c in configs}
+    assert by["target-only"].request_kwargs() == {"speculate": False}
+    assert by["fixed-k4"].request_kwargs() == {"policy": "fixed", "pipeline": False, "num_draft_tokens": 4}
+    assert by["goodput-pipeline"].request_kwargs() == {"policy": "goodput", "pipeline": True}
+    assert [c.name for c in build_configs([], [3], ["fixed-pipeline"])] == ["fixed-k3-pipeline"]
+    with pytest.raises(ValueError):
+        build_configs([], [3], ["adaptive", "adaptive"])
+
+
+def test_network_conditions():
+    assert network_conditions(None, None, None) == [NetworkCondition("direct")]
+    sweep = network_conditions([0, 10], None, None)
+    assert [c.name for c in sweep] == ["rtt 0 ms", "rtt 10 ms"]
+    assert sweep[1].one_way_delays_ms() == {"draft": 5.0, "target": 5.0} and sweep[0].proxied
+    one = network_conditions(None, 4, 20, jitter_ms=1)
+    assert len(one) == 1 and one[0].one_way_delays_ms() == {"draft": 2.0, "target": 10.0}
+
+
+def _plan(**over) -> Plan:
+    kw = dict(configs=build_configs(["service", "hf"], [2], ["fixed"]),
+              prompts=[Prompt(i, "token-ids", (5, 6, 7), 100 + i) for i in range(3)],
+              temperatures=[0.0], concurrency=[1, 2], repeats=2,
+              conditions=[NetworkCondition("rtt 0 ms", 0, 0), NetworkCondition("rtt 10 ms", 10, 10)], max_tokens=4)
+    kw.update(over)
+    return Plan(**kw)
+
+
+def test_schedule_interleaves_and_rotates():
+    units = schedule(_plan())
+    first = [u for u in units if u.condition == 0 and u.repeat == 0 and u.concurrency == 1]
+    # per prompt, every config, the order rotated by repeat + prompt index
+    assert [u.config.name for u in first[:3]] == ["target-only", "hf", "fixed-k2"]
+    assert [u.config.name for u in first[3:6]] == ["hf", "fixed-k2", "target-only"]
+    second = [u for u in units if u.condition == 0 and u.repeat == 1 and u.concurrency == 1]
+    assert [u.config.name for u in second[:3]] == ["hf", "fixed-k2", "target-only"]
+    # HF only at concurrency 1 and only under the first network condition
+    assert {u.condition for u in units if u.config.kind == HF} == {0}
+    assert all(u.concurrency == 1 for u in units if u.config.kind == HF)
+    # waves: service configs, prompts cycled up to a multiple of c
+    waves = [u for u in units if u.concurrency == 2]
+    assert {u.config.name for u in waves} == {"target-only", "fixed-k2"}
+    assert all(len(u.jobs) == 4 for u in waves)
+    assert [u.id for u in units] == list(range(len(units)))
+    restricted = schedule(_plan(concurrency_configs=["fixed-k2"]))
+    assert {u.config.name for u in restricted if u.concurrency == 2} == {"fixed-k2"}
+
+
+# ------------------------------------------------------- records and runs
+
+
+def _record(config, kind, policy, k, *, unit, prompt=0, temp=0.0, conc=1, network="direct", tokens=(1, 2, 3, 4),
+            wall=1.0, stats=None, repeat=0):
+    return {"unit": unit, "config": config, "kind": kind, "policy": policy, "k": k, "pipeline": False,
+            "temperature": temp, "concurrency": conc, "network": network, "draft_rtt_ms": None,
+            "target_rtt_ms": None, "jitter_ms": 0.0, "repeat": repeat, "prompt_index": prompt,
+            "prompt_kind": "token-ids", "prompt_tokens": 3, "seed": 1, "max_tokens": 4, "ok": True, "error": None,
+            "error_code": None, "completion_tokens": len(tokens), "wall_s": wall, "ttft_s": 0.25,
+            "tokens_per_s": len(tokens) / wall, "finish_reason": "length", "token_ids": list(tokens),
+            "arrivals": [[0.25, 1], [0.5, 1], [0.75, 2]], "stats": stats, "unit_requests": 1, "unit_wall_s": wall,
+            "unit_proxy_bytes": None, "peak_mb": {"target": 100.0, "draft": 50.0, "orchestrator": 30.0}
+            if kind == SERVICE else {"bench": 400.0}, "gpu_mb": None, "identical_to_target_only": None}
+
+
+def _stats(**over):
+    s = {"completion_tokens": 4, "prompt_tokens": 3, "rounds": 2, "proposed_tokens": 4, "accepted_tokens": 2,
+         "k": {"histogram": [0, 0, 2]}, "accepted_per_position": [1, 1], "fallback_rounds": 0,
+         "draft_time_s": 0.2, "verify_time_s": 0.3, "target_compute_time_s": 0.2, "draft_compute_time_s": 0.1,
+         "wire_bytes": 400, "round_trips": 6, "pipelined_rounds": 0, "duration_s": 0.6,
+         "time_to_first_token_s": 0.2, "finish_reason": "length"}
+    s.update(over)
+    return s
+
+
+def _records():
+    base = _stats(proposed_tokens=0, accepted_tokens=0, k={"histogram": [4]}, accepted_per_position=[], rounds=4,
+                  draft_time_s=0.0, draft_compute_time_s=0.0)
+    recs = []
+    for temp in (0.0, 0.7):
+        recs += [
+            _record(TARGET_ONLY, SERVICE, "none", None, unit=len(recs), temp=temp, wall=2.0, stats=base),
+            _record("hf-assisted", HF_ASSISTED, None, None, unit=len(recs) + 1, temp=temp, wall=1.6),
+            _record("fixed-k2", SERVICE, "fixed", 2, unit=len(recs) + 2, temp=temp, wall=1.0, stats=_stats()),
+            _record("fixed-k2", SERVICE, "fixed", 2, unit=len(recs) + 3, temp=temp, wall=1.0, conc=4,
+                    stats=_stats(), tokens=(1, 2, 3, 9)),
+            _record(TARGET_ONLY, SERVICE, "none", None, unit=len(recs) + 4, temp=temp, wall=2.0, conc=4, stats=base),
+        ]
+    return recs
+
+
+def test_mark_identity_against_target_only_at_concurrency_one():
+    recs = _records()
+    mark_identity(recs)
+    greedy = {(r["config"], r["concurrency"]): r["identical_to_target_only"] for r in recs if r["temperature"] == 0}
+    assert greedy == {(TARGET_ONLY, 1): True, ("hf-assisted", 1): True, ("fixed-k2", 1): True,
+                      ("fixed-k2", 4): False, (TARGET_ONLY, 4): True}
+
+
+def test_build_runs_speedups_bound_and_goals():
+    recs = _records()
+    mark_identity(recs)
+    runs = build_runs(recs, {"machine": {"cpu": "test"}})
+    by = {(r["config"], r["temperature"], r["concurrency"]): r for r in runs}
+    spec = by[("fixed-k2", 0.0, 1)]
+    assert spec["tokens_per_s"] == 4.0 and spec["speedup_vs_target_only"] == 2.0
+    assert spec["speedup_vs_hf_assisted"] == pytest.approx(1.6)
+    assert spec["acceptance_rate"] == 0.5 and spec["tokens_per_round"] == 2.0
+    assert spec["acceptance_per_position"] == [0.5, 0.5]
+    # samples: 0.25 (one token), 0.125 x 2 (two tokens 0.25 s later)
+    assert spec["itl_p50_s"] == pytest.approx(0.125) and spec["itl_p95_s"] == pytest.approx(0.2375)
+    assert spec["ttft_s"] == 0.25
+    assert spec["alpha_hat"] == pytest.approx(2 / 3)  # 2 accepted, 1 round with a rejection
+    assert spec["efficiency"] == pytest.approx(spec["speedup_vs_target_only"] / spec["expected_speedup"])
+    assert spec["wire_bytes_per_token"] == 100 and spec["round_trips_per_token"] == 1.5
+    assert spec["identical_to_target_only"] == {"identical": 1, "compared": 1}
+    assert spec["machine"] == {"cpu": "test"}
+    assert by[("fixed-k2", 0.0, 4)]["bound"] is None  # the bound is for one stream
+    goals = evaluate_goals(runs)
+    first = {g["goal"]: g for g in goals if g["temperature"] == 0}
+    assert first["specdec best vs target-only (service)"]["met"] is True
+    assert first["specdec best vs HF assisted"]["met"] is True
+    assert first["8-stream aggregate vs one stream"]["met"] is None  # 4 streams measured, not 8
+
+
+def test_report_markdown_jsonl_and_plots(tmp_path):
+    recs = _records()
+    mark_identity(recs)
+    runs = build_runs(recs)
+    report.write_jsonl(tmp_path / "runs.jsonl", runs)
+    assert report.read_jsonl(tmp_path / "runs.jsonl") == json.loads(json.dumps(runs))
+    plots = report.write_plots(runs, tmp_path)
+    assert set(plots) >= {"speedup_vs_k.png", "acceptance_per_position.png", "tokens_per_s_vs_concurrency.png"}
+    for name in plots:
+        data = (tmp_path / name).read_bytes()
+        assert data.startswith(PNG_MAGIC) and len(data) > 1000
+    meta = {"machine": {"cpu": "Test CPU", "usable_cores": 2, "cores": 2, "gpus": []}, "command": "specd bench --x",
+            "settings": {"max tokens": 4}, "plots": plots}
+    md = report.summary_markdown(runs, meta=meta)
+    assert "Test CPU" in md and "specd bench --x" in md
+    assert "## T=0 (greedy), one stream" in md and "## T=0.7 (sampled), one stream" in md
+    assert "## Concurrency (aggregate tok/s)" in md and "## Goals" in md and "## Analytic bound" in md
+    row = next(line for line in md.splitlines() if line.startswith("| fixed-k2 | 4.00 |"))
+    assert "| 2.00x | 1.60x |" in row and "| 1/1 |" in row and "100 / 50 / 30" in row
+    assert "| specdec best vs target-only (service) | T=0 (greedy) | >= 2.0 | 2.00 | fixed-k2 | met |" in md
+
+
+# -------------------------------------------------------------- user errors
+
+
+def test_user_errors_exit_2_with_one_line(tmp_path, capsys):
+    assert main(["bench", "--draft", "no-such-model", "--out", str(tmp_path / "a")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no-such-model" in err[0] and err[0].startswith("specd bench: error:")
+    assert main(["bench", "--pair", "tiny", "--rtt-ms", "1", "--draft-rtt-ms", "2", "--out", str(tmp_path / "b")]) == 2
+    assert "--rtt-ms" in capsys.readouterr().err
+    assert main(["bench", "--pair", "tiny", "--ks", "0", "--out", str(tmp_path / "c")]) == 2
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "--baselines", "nope"])
+    assert exc.value.code == 2
+
+
+# --------------------------------------------------------------- end to end
+
+
+@pytest.fixture(scope="module")
+def tiny_pair_dirs(tmp_path_factory):
+    from tests.conftest import tiny_model
+
+    root = tmp_path_factory.mktemp("bench-pair")
+    tiny_model("llama", seed=3, init_range=0.2).save_pretrained(root / "target")
+    tiny_model("llama", seed=3, init_range=0.2, layers=1).save_pretrained(root / "draft")
+    return str(root / "draft"), str(root / "target")
+
+
+def _children_serving() -> list[int]:
+    """Our child processes that are specd services."""
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == os.getpid() and b"serve" in cmd:
+            found.append(int(pid))
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_bench_end_to_end_on_a_tiny_pair(tiny_pair_dirs, tmp_path, capsys):
+    draft, target = tiny_pair_dirs
+    out = tmp_path / "out"
+    try:
+        import specdec.latency_proxy  # noqa: F401
+        network = ["--rtt-ms", "0", "4"]
+    except ImportError:
+        network = []
+    rc = main(["bench", "--draft", draft, "--target", target, "--dtype", "float32", "--threads", "1",
+               "--token-prompts", "2", "--token-prompt-len", "8", "--max-tokens", "8", "--ks", "2", "3",
+               "--policies", "fixed", "adaptive", "--temperatures", "0", "0.7", "--concurrency", "1", "2",
+               "--repeats", "1", *network, "--out", str(out), "--no-progress"])
+    printed = capsys.readouterr().out
+    assert rc == 0
+    assert "## Goals" in printed and str(out) in printed
+
+    runs = report.read_jsonl(out / "runs.jsonl")
+    keys = {(r["config"], r["temperature"], r["concurrency"], r["network"]) for r in runs}
+    nets = ["rtt 0 ms", "rtt 4 ms"] if network else ["direct"]
+    service = ["target-only", "fixed-k2", "fixed-k3", "adaptive"]
+    expected = {(c, t, n, net) for c in service for t in (0.0, 0.7) for n in (1, 2) for net in nets}
+    expected |= {(c, t, 1, nets[0]) for c in ("hf", "hf-assisted") for t in (0.0, 0.7)}
+    assert keys == expected
+    assert all(r["errors"] == 0 for r in runs)
+    assert all(r["machine"]["cores"] and r["models"]["target"] == target for r in runs)
+    by = {(r["config"], r["temperature"], r["concurrency"], r["network"]): r for r in runs}
+    for c in service:  # greedy specdec equals target-only, token for token
+        ident = by[(c, 0.0, 1, nets[0])]["identical_to_target_only"]
+        assert ident["compared"] == 2 and ident["identical"] == 2, c
+    fixed = by[("fixed-k2", 0.0, 1, nets[0])]
+    assert fixed["acceptance_rate"] is not None and fixed["bound"]["k"] == 2
+    assert fixed["peak_mb"]["target"] > 0 and fixed["wire_bytes_per_token"] > 0
+    assert by[("hf", 0.0, 1, nets[0])]["peak_mb"]["bench"] > 0
+    requests = report.read_jsonl(out / "requests.jsonl")
+    assert len(requests) == sum(r["requests"] for r in runs)
+
+    summary = (out / "summary.md").read_text()
+    for heading in ("## Machine", "## Command", "## Goals", "## T=0 (greedy), one stream",
+                    "## T=0.7 (sampled), one stream", "## Concurrency (aggregate tok/s)", "## Analytic bound"):
+        assert heading in summary
+    pngs = ["speedup_vs_k.png", "acceptance_per_position.png", "tokens_per_s_vs_concurrency.png"]
+    if network:
+        assert "## Network" in summary
+        pngs.append("tokens_per_s_vs_rtt.png")
+    for name in pngs:
+        assert (out / name).read_bytes().startswith(PNG_MAGIC), name
+
+    services = json.loads((out / "services.json").read_text())
+    assert {s["role"] for s in services} == {"target", "draft", "orchestrator"}
+    for s in services:
+        assert not os.path.exists(f"/proc/{s['pid']}"), f"{s['role']} still running"
+    assert _children_serving() == []
