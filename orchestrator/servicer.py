@@ -191,6 +191,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
             draft_compute_time_s=s.draft_compute_s,
             round_trips=s.round_trips,
             pipelined_rounds=s.pipelined_rounds,
+            rejected_rounds=s.rejected_rounds,
             verify_time_s=s.verify_time_s,
             target_compute_time_s=s.target_compute_s,
             wire_bytes=s.wire_bytes,

@@ -239,9 +239,14 @@ class SpeculativeRequest:
     # ----------------------------------------------------------------- loop
 
     async def run(self) -> AsyncIterator[list[int]]:
-        await self._open_target()
-        if self.spec.speculate:
-            await self._open_draft()
+        # Both prefills at once: the time to first token pays the slower one,
+        # not their sum. A draft failure is absorbed by _open_draft; a target
+        # failure is raised once both calls have ended, so close() sees every
+        # session that was opened.
+        opens = [self._open_target()] + ([self._open_draft()] if self.spec.speculate else [])
+        for outcome in await asyncio.gather(*opens, return_exceptions=True):
+            if isinstance(outcome, BaseException):
+                raise outcome
         while self.stats.completion_tokens < self.spec.max_tokens:
             emitted = await self._round()
             emitted = self._finish_at_eos(emitted)

@@ -93,6 +93,12 @@ def test_final_statistics_are_consistent(greedy_system):
     assert st.acceptance_rate == pytest.approx(st.accepted_tokens / st.proposed_tokens)
     assert st.time_to_first_token_s > 0 and st.tokens_per_second > 0 and st.wire_bytes > 0
     assert st.k.max <= 3
+    # Rounds with k = 3 that did not accept all three ended in a rejection;
+    # capped rounds (k < 3 near max_tokens) may add more.
+    full_k3 = st.accepted_per_position[2] if len(st.accepted_per_position) > 2 else 0
+    assert st.k.histogram[3] - full_k3 <= st.rejected_rounds <= st.rounds
+    # Two opens, a Verify per round, a Propose per round that drafted, two closes.
+    assert st.round_trips == 4 + st.rounds + (st.rounds - st.k.histogram[0])
 
 
 # ------------------------------------------------------------------ sampled
