@@ -4,6 +4,13 @@ Two kinds behind one interface: `ModelDrafter` runs a small causal LM through
 the shared engine; `NgramDrafter` (prompt lookup) needs no model and copies
 what followed the latest earlier occurrence of the context's last n tokens.
 
+A Propose is a `DraftStream`: validated when it is created, then advanced one
+token at a time by `step_many`, which steps many streams (of different
+sessions, each request's own) in ONE batched forward pass. The draft service
+drives it from `draft_service/step_batcher.py`, so concurrent requests share the
+draft's forward passes the way their verifications share the target's. A
+stream is also an iterator (one step per `next()`), for direct use.
+
 Every drafted token comes with its exact proposal distribution q: the draft
 model's distribution after the request's sampling transform, truncated to its
 top `max_q_tokens` tokens and renormalized. Rejection sampling is exact for
@@ -18,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Iterator, Protocol, Sequence
 
 from specdec.engine.engine import EngineInfo, ExtendItem, ModelEngine
-from specdec.errors import InvalidArgument, NotFound, OutOfRange, ResourceExhausted
+from specdec.errors import InvalidArgument, NotFound, OutOfRange, ResourceExhausted, SpecdecError
 from specdec.model_service import EngineBackend, SessionMeta
 from specdec.sampling.rejection import draw_draft
 from specdec.sampling.sparse import SparseDist, truncate
@@ -33,11 +40,42 @@ class DraftToken:
     length: int  # session context length after this token
 
 
+class DraftStream:
+    """One Propose call's drafting: k steps on one session, taken by the
+    drafter's `step_many` (alone or batched with other streams)."""
+
+    def __init__(self, drafter: "Drafter", session_id: str, k: int, owner: object,
+                 first: ExtendItem | None = None, planned: Sequence[int] = ()):
+        self.drafter = drafter
+        self.session_id = session_id
+        self.k = k
+        self.owner = owner  # the StreamGuard token this stream holds
+        self.first = first  # a model drafter's first step (cut + append), None once taken
+        self.planned = list(planned)  # tokens decided up front (prompt lookup)
+        self.produced = 0
+
+    @property
+    def done(self) -> bool:
+        return self.produced >= self.k
+
+    def __iter__(self) -> Iterator[DraftToken]:
+        return self
+
+    def __next__(self) -> DraftToken:
+        result = self.drafter.step_many([self])[0]
+        if isinstance(result, Exception):
+            raise result
+        if result is None:
+            raise StopIteration
+        return result
+
+
 class Drafter(Protocol):
     info: EngineInfo
 
     def open(self, prompt: list[int], meta: SessionMeta, max_new_tokens: int) -> tuple[str, int, int]: ...
-    def propose(self, session_id: str, keep_length: int, append: Sequence[int], k: int) -> Iterator[DraftToken]: ...
+    def propose(self, session_id: str, keep_length: int, append: Sequence[int], k: int) -> DraftStream: ...
+    def step_many(self, streams: Sequence[DraftStream]) -> list[DraftToken | Exception | None]: ...
     def rollback(self, session_id: str, length: int) -> int: ...
     def close(self, session_id: str) -> bool: ...
     def expire_idle(self, ttl_s: float) -> list[str]: ...
@@ -87,8 +125,8 @@ class ModelDrafter(EngineBackend):
         self._streams = StreamGuard()
 
     def propose(self, session_id, keep_length, append, k):
-        """Validate now, then yield the k drafts one by one as they are made
-        (each `next()` runs one forward pass)."""
+        """Validate now; the returned stream makes the k drafts one step at a
+        time (`step_many`, or `next()` on it)."""
         check_num_tokens(k, self.max_draft_tokens)
         session = self.engine.session(session_id)
         kept = session.length if keep_length is None else keep_length
@@ -97,26 +135,46 @@ class ModelDrafter(EngineBackend):
         if kept + len(append) + k > self.info.max_context:  # refuse now, not after streaming some drafts
             raise OutOfRange(f"drafting {k} tokens would take session {session_id!r} beyond the context "
                              f"limit of {self.info.max_context} tokens")
-        return self._drafts(session, first, k, self._streams.take(session_id))
+        return DraftStream(self, session_id, k, self._streams.take(session_id), first)
 
-    def _drafts(self, session, first: ExtendItem, k: int, stream: object) -> Iterator[DraftToken]:
+    def step_many(self, streams):
+        """One draft token for each stream, from one batched forward pass.
+
+        Per stream: a DraftToken; None when the stream has ended (k tokens
+        made, or a newer call took its session over); or the error that
+        stream alone hit (a failing batch is retried stream by stream, so one
+        request's problem never fails another's step)."""
+        results: list = [None] * len(streams)
+        live = [i for i, st in enumerate(streams) if not st.done and self._streams.holds(st.session_id, st.owner)]
+        if not live:
+            return results
+        items = [streams[i].first or ExtendItem(streams[i].session_id, None, (), num_logits=1) for i in live]
+        try:
+            logits = self.engine.extend(items)
+        except SpecdecError as exc:
+            if len(live) == 1:
+                results[live[0]] = exc
+                return results
+            for i in live:
+                results[i] = self.step_many([streams[i]])[0]
+            return results
+        for i, row in zip(live, logits):
+            results[i] = self._take(streams[i], row)
+        return results
+
+    def _take(self, stream: DraftStream, logits) -> DraftToken:
+        session = self.engine.session(stream.session_id)
         meta: SessionMeta = session.meta
-        if not self._streams.holds(session.id, stream):
-            return
-        logits = self.engine.extend([first])[0]
-        for i in range(k):
-            if i:
-                if not self._streams.holds(session.id, stream):
-                    return
-                logits = self.engine.extend([ExtendItem(session.id, None, (), num_logits=1)])[0]
-            position = session.length
-            if meta.params.greedy:
-                token, q = int(argmax_tokens(logits[-1:])[0]), None
-            else:
-                q = truncate(logits_to_probs(logits[-1:], meta.params)[0], self.max_q_tokens)
-                token = draw_draft(q, meta.seed, position)
-            self.engine.append_tokens(session.id, [token])
-            yield DraftToken(index=i, token_id=token, q=q, length=session.length)
+        position = session.length
+        if meta.params.greedy:
+            token, q = int(argmax_tokens(logits[-1:])[0]), None
+        else:
+            q = truncate(logits_to_probs(logits[-1:], meta.params)[0], self.max_q_tokens)
+            token = draw_draft(q, meta.seed, position)
+        self.engine.append_tokens(session.id, [token])
+        stream.first = None
+        stream.produced += 1
+        return DraftToken(index=stream.produced - 1, token_id=token, q=q, length=session.length)
 
     def rollback(self, session_id, length):
         length = super().rollback(session_id, length)
@@ -201,17 +259,22 @@ class NgramDrafter:
         del session.tokens[keep_length:]
         session.tokens.extend(append)
         drafts = self.lookup(session.tokens, k)
-        return self._drafts(session_id, session, drafts, self._streams.take(session_id))
+        return DraftStream(self, session_id, len(drafts), self._streams.take(session_id), planned=drafts)
 
-    def _drafts(self, session_id: str, session: _NgramSession, drafts: list[int],
-                stream: object) -> Iterator[DraftToken]:
-        greedy = session.meta.params.greedy
-        for i, token in enumerate(drafts):
-            if not self._streams.holds(session_id, stream):
-                return
+    def step_many(self, streams):
+        """The next looked-up token of each stream (no model: nothing to batch)."""
+        results: list = []
+        for st in streams:
+            session = self._sessions.get(st.session_id)
+            if st.done or session is None or not self._streams.holds(st.session_id, st.owner):
+                results.append(None)
+                continue
+            token = st.planned[st.produced]
             session.tokens.append(token)
-            q = None if greedy else SparseDist.from_lists([token], [1.0])
-            yield DraftToken(index=i, token_id=token, q=q, length=len(session.tokens))
+            st.produced += 1
+            q = None if session.meta.params.greedy else SparseDist.from_lists([token], [1.0])
+            results.append(DraftToken(index=st.produced - 1, token_id=token, q=q, length=len(session.tokens)))
+        return results
 
     def lookup(self, tokens: list[int], k: int) -> list[int]:
         """The up-to-k tokens that followed the latest earlier occurrence of

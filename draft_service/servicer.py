@@ -1,8 +1,7 @@
 """DraftService over a drafter: translates protobuf to the core and back."""
 from __future__ import annotations
 
-import time
-
+from draft_service.step_batcher import DraftStepBatcher
 from specdec import grpc_errors
 from specdec.model_service import SessionServicer
 from specdec.telemetry import A_APPENDED, A_K, A_TOKENS, NOOP, SPAN_PROPOSE
@@ -13,26 +12,31 @@ class DraftServicer(SessionServicer, draft_pb2_grpc.DraftServiceServicer):
     def __init__(self, worker, limits, backend_kind: str = "model", drafter=None, telemetry=NOOP):
         super().__init__(worker, limits, backend=drafter, telemetry=telemetry)
         self.backend_kind = backend_kind
+        self._steps: DraftStepBatcher | None = None
+
+    @property
+    def steps(self) -> DraftStepBatcher:
+        """The step batcher of the attached drafter (made once it is loaded)."""
+        if self._steps is None or self._steps.drafter is not self.backend:
+            self._steps = DraftStepBatcher(self.worker, self.backend)
+        return self._steps
 
     @grpc_errors.stream
     async def Propose(self, request, context):
         attributes = {A_K: request.num_tokens, A_APPENDED: len(request.append_token_ids)}
         with self.telemetry.server_span(SPAN_PROPOSE, context.invocation_metadata(), attributes) as span:
-            drafts = await self.worker.run(
+            stream = await self.worker.run(
                 self.backend.propose, request.session_id,
                 request.keep_length if request.HasField("keep_length") else None,
                 list(request.append_token_ids), request.num_tokens,
             )
             sent = 0
-            while True:
-                # Each step (one forward pass) runs on the engine thread; the token
-                # is on the wire as soon as it is drafted.
-                start = time.perf_counter()
-                draft = await self.worker.run(next, drafts, None)
-                if draft is None:
-                    break
+            # Each step is one forward pass on the engine thread, shared with
+            # the other requests' streams; the token is on the wire as soon as
+            # it is drafted.
+            async for draft, seconds in self.steps.stream(stream):
                 sent += 1
-                yield _to_wire(draft, time.perf_counter() - start)
+                yield _to_wire(draft, seconds)
             span.set_attribute(A_TOKENS, sent)
 
 

@@ -1,0 +1,78 @@
+"""Draft steps of concurrent Propose streams share forward passes
+(draft_service/step_batcher.py): the same drafts as alone, fewer passes than
+tokens, one stream's failure confined to it."""
+from __future__ import annotations
+
+import concurrent.futures
+
+import pytest
+
+from draft_service.drafters import ModelDrafter
+from specdec.errors import NotFound
+from specdec.model_service import SessionMeta
+from specdec.sampling.params import SamplingParams
+from tests.conftest import tiny_engine, tiny_model
+from tests.harness import running_draft
+from tests.test_services import open_session, propose
+
+PROMPTS = [[5 + (3 * i + j) % 100 for j in range(4 + 3 * i)] for i in range(6)]
+
+
+@pytest.fixture
+def peaked_engine():
+    return tiny_engine(model=tiny_model(seed=2, init_range=0.3))
+
+
+def test_batched_steps_make_the_drafts_each_stream_makes_alone(peaked_engine):
+    greedy = SessionMeta(params=SamplingParams(0.0, 0, 1.0), seed=1)
+    sampled = SessionMeta(params=SamplingParams(0.9, 0, 1.0), seed=7)
+    alone, batched = ModelDrafter(peaked_engine), ModelDrafter(tiny_engine(model=tiny_model(seed=2, init_range=0.3)))
+
+    def drafts_alone(i):
+        sid, _, _ = alone.open(PROMPTS[i], greedy if i % 2 else sampled, 16)
+        return [d.token_id for d in alone.propose(sid, None, [], 5)]
+
+    expected = [drafts_alone(i) for i in range(len(PROMPTS))]
+    streams = []
+    for i, prompt in enumerate(PROMPTS):
+        sid, _, _ = batched.open(prompt, greedy if i % 2 else sampled, 16)
+        streams.append(batched.propose(sid, None, [], 5 if i != 2 else 2))
+    got = [[] for _ in PROMPTS]
+    for _ in range(5):
+        for i, result in enumerate(batched.step_many(streams)):
+            if result is not None:
+                got[i].append(result.token_id)
+    assert got[2] == expected[2][:2], "a stream ends after its own k"
+    assert [g for i, g in enumerate(got) if i != 2] == [e for i, e in enumerate(expected) if i != 2]
+    assert all(s.done for s in streams)
+    assert batched.step_many(streams) == [None] * len(streams)
+
+
+def test_a_stream_whose_step_fails_gets_the_error_and_the_others_their_tokens(peaked_engine):
+    drafter = ModelDrafter(peaked_engine)
+    meta = SessionMeta(params=SamplingParams(0.0, 0, 1.0), seed=1)
+    sids = [drafter.open(p, meta, 16)[0] for p in PROMPTS[:3]]
+    streams = [drafter.propose(sid, None, [], 3) for sid in sids]
+    peaked_engine.close(sids[1])  # gone behind the drafter's back: the batch fails validation
+    results = drafter.step_many(streams)
+    assert isinstance(results[1], NotFound)
+    assert results[0] is not None and results[2] is not None
+    assert not isinstance(results[0], Exception) and not isinstance(results[2], Exception)
+
+
+def test_concurrent_propose_calls_share_forward_passes(peaked_engine):
+    with running_draft(peaked_engine) as (service, stub, _loop):
+        sids = [open_session(stub, p, temperature=0).session_id for p in PROMPTS]
+        expected = {sid: [d.token_id for d in propose(stub, sid, 6)] for sid in sids}
+        steps = service.servicer.steps
+        passes, made = steps.passes, steps.steps
+        keep = {sid: len(p) for sid, p in zip(sids, PROMPTS)}
+
+        def again(sid):  # cut back to the prompt and draft the same 6 tokens again
+            return sid, [d.token_id for d in propose(stub, sid, 6, keep=keep[sid])]
+
+        with concurrent.futures.ThreadPoolExecutor(len(sids)) as pool:
+            results = dict(pool.map(again, sids))
+        assert results == expected
+        assert steps.steps - made == 6 * len(sids)
+        assert steps.passes - passes < steps.steps - made, "no two streams ever shared a pass"
