@@ -20,6 +20,8 @@ class OrchestratorConfig:
     pipeline: bool = opt(False, "pipelined drafting: draft the next round while the target verifies this one")
     pipeline_call_cost_ms: float = opt(2.0, "pipelining: the cost of one speculative Propose call (CPU on both ends), ms; "
                                        "drafting ahead happens when its expected saving is larger")
+    pipeline_always: bool = opt(False, "pipelining: draft ahead in every round instead of when it is expected "
+                                       "to pay (for measurements and tests)")
     batching: bool = opt(True, "batch verification across concurrent requests")
     max_batch: int = opt(16, "verify items per Verify RPC at most")
     batch_window_ms: float = opt(2.0, "longest wait for more verify items, ms")

@@ -129,6 +129,7 @@ async def build_backends(cfg: OrchestratorConfig, tokenizer=None, telemetry: Tel
     infos = [target_info] + ([drafts.any().client.info] if drafts else [])
     settings = LoopSettings(rpc_timeout_s=cfg.rpc_timeout_s, draft_retry_s=cfg.draft_retry_s,
                             pipeline_call_cost_s=cfg.pipeline_call_cost_ms / 1000,
+                            pipeline_always=cfg.pipeline_always,
                             max_context=min(i.max_context for i in infos),
                             max_draft_tokens=min(i.max_draft_tokens for i in infos))
     return Backends(targets=targets, drafts=drafts, tokenizer=tokenizer, settings=settings,

@@ -129,6 +129,7 @@ class LoopSettings:
     max_context: int = 4096  # the smaller of the two services' limits
     max_draft_tokens: int = 16  # the smaller of the two services' limits
     pipeline_call_cost_s: float = 0.002  # what one more speculative Propose costs, for the pipelining decision
+    pipeline_always: bool = False  # draft ahead every round, without weighing it
 
 
 class SpeculativeRequest:
@@ -157,6 +158,11 @@ class SpeculativeRequest:
         self._ahead: asyncio.Task | None = None
         self._next_drafts: list | None = None
         self._last_obs: RoundObservation | None = None
+        # Target compute per round with and without drafting ahead during it
+        # (EWMA), to see whether the two compete for the same hardware.
+        self._verify_alone: float | None = None
+        self._verify_overlapped: float | None = None
+        self._ahead_decisions = 0
 
     # ------------------------------------------------------------ lifecycle
 
@@ -278,11 +284,14 @@ class SpeculativeRequest:
             if drafts is None:
                 drafts, draft_time, draft_compute = await self._propose(k)
             self._draft_ahead(drafts)
+            overlapped = self._ahead is not None
             try:
                 reply = await self._verify(drafts)
             except BaseException:
                 self._drop_ahead()
                 raise
+            if self.spec.pipeline and drafts:
+                self._learn_overlap(overlapped, reply.compute_s)
             with self.telemetry.span(SPAN_ACCEPT) as accept_span:
                 result = self._accept(drafts, reply.result)
                 accept_span.set_attribute(A_ACCEPTED, result.num_accepted)
@@ -367,27 +376,45 @@ class SpeculativeRequest:
         self._ahead = asyncio.ensure_future(
             self.draft.propose(self._draft_session, keep, [], k_next + 1, self._timeout()))
 
+    EXPLORE_EVERY = 10  # every so many decisions, take the other one to re-measure it
+
     def _worth_drafting_ahead(self, k: int, k_next: int) -> bool:
         """Draft ahead when the expected saving beats the expected cost:
 
             saving = h * (rtt_draft + k_next * t_draft)      h = a^(k+1), the hit chance
-            cost   = call_cost + (1 - h) * min(t_draft, busy)
+            cost   = call_cost + (1 - h) * min(t_draft, busy) + slowdown
 
         A hit saves round r+1's whole Propose (its round trip and drafting).
         Every speculative call costs `call_cost` (the CPU of one more streamed
-        call on both ends, `--pipeline-call-cost-ms`), and a miss may find the
+        call on both ends, `--pipeline-call-cost-ms`); a miss may find the
         draft still drafting ahead when round r+1 needs it: `busy` = (k_next + 1)
         * t_draft - (verify time), capped at one step (the stream stops at its
-        next step once cancelled). Before the first timed round: always."""
+        next step once cancelled); and when draft and target share hardware
+        (one CPU, one GPU) drafting ahead slows the verification it overlaps:
+        `slowdown` = the target's compute per round with drafting ahead minus
+        without, both measured. The first round drafts ahead and the second
+        does not, to measure both; after that one decision in EXPLORE_EVERY is
+        reversed to keep the side not taken measured."""
         last = self._last_obs
-        if last is None or last.k == 0:
+        if self.settings.pipeline_always or last is None or last.k == 0:
             return True
+        if self._verify_alone is None:
+            return False
         t_draft = (last.draft_compute_s or last.draft_time_s) / last.k
         hit = self.stats.acceptance_mle() ** (k + 1)
         saving = hit * (last.draft_rtt_s + k_next * t_draft)
         busy = max(0.0, (k_next + 1) * t_draft - last.verify_time_s)
-        cost = self.settings.pipeline_call_cost_s + (1 - hit) * min(t_draft, busy)
-        return saving > cost
+        slowdown = max(0.0, (self._verify_overlapped or 0.0) - self._verify_alone)
+        cost = self.settings.pipeline_call_cost_s + (1 - hit) * min(t_draft, busy) + slowdown
+        self._ahead_decisions += 1
+        explore = self._ahead_decisions % self.EXPLORE_EVERY == 0
+        return (saving > cost) != explore
+
+    def _learn_overlap(self, overlapped: bool, compute_s: float) -> None:
+        if overlapped:
+            self._verify_overlapped = _ewma(self._verify_overlapped, compute_s)
+        else:
+            self._verify_alone = _ewma(self._verify_alone, compute_s)
 
     async def _settle_ahead(self, k: int, result: RoundResult) -> float:
         """Keep the speculative drafts if round r was fully accepted and the
@@ -484,6 +511,10 @@ class SpeculativeRequest:
         self.policy.observe(obs)
         if k:
             self._last_obs = obs
+
+
+def _ewma(old: float | None, new: float, weight: float = 0.3) -> float:
+    return new if old is None else old + weight * (new - old)
 
 
 def _compute_s(drafts: list) -> float:

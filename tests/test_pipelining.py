@@ -34,7 +34,7 @@ from tests.test_orchestrator import (
 def system():
     target = tiny_model(seed=0, init_range=0.3)
     draft = perturbed(target, 0.05, seed=1)
-    with running_system(tiny_engine(model=target), tiny_engine(model=draft), pipeline=True, pipeline_call_cost_ms=0) as s:
+    with running_system(tiny_engine(model=target), tiny_engine(model=draft), pipeline=True, pipeline_always=True) as s:
         s.target_model = target
         yield s
 
@@ -73,7 +73,7 @@ def test_pipelining_is_the_servers_default_and_a_request_can_turn_it_off(system)
 
 def test_a_draft_equal_to_the_target_makes_every_later_round_pipelined_and_saves_round_trips():
     target = tiny_model(seed=0, init_range=0.3)
-    with running_system(tiny_engine(model=target), tiny_engine(model=target), pipeline_call_cost_ms=0) as s:
+    with running_system(tiny_engine(model=target), tiny_engine(model=target), pipeline_always=True) as s:
         ref = greedy_reference(target, GREEDY_PROMPTS[6], 30)
         stats = {}
         for pipeline in (False, True):
@@ -163,7 +163,7 @@ def test_sampled_output_is_distributed_as_the_target_with_pipelining(kind):
     exact = exact_distribution(target, params, N_TOKENS)
     counts: dict[tuple, int] = {}
     pipelined = 0
-    with running_system(tiny_engine(model=target), tiny_engine(model=draft), pipeline=True, pipeline_call_cost_ms=0) as s:
+    with running_system(tiny_engine(model=target), tiny_engine(model=draft), pipeline=True, pipeline_always=True) as s:
         for seed in range(SAMPLES):
             r = s.client.complete(PROMPT, max_tokens=N_TOKENS, temperature=params.temperature, seed=seed,
                                   num_draft_tokens=1)
@@ -202,7 +202,7 @@ def test_a_newer_call_on_a_draft_session_stops_an_abandoned_propose_stream():
 def test_cancelling_a_pipelined_request_frees_both_sessions():
     target_engine = tiny_engine(model=without_eos(tiny_model(seed=0)))
     draft_engine = tiny_engine(model=without_eos(tiny_model(seed=0)))  # always accepted: always drafting ahead
-    with running_system(target_engine, draft_engine, pipeline=True, pipeline_call_cost_ms=0) as s:
+    with running_system(target_engine, draft_engine, pipeline=True, pipeline_always=True) as s:
         stream = s.client.stub.Generate(build_request(GREEDY_PROMPTS[4], max_tokens=500, temperature=0), timeout=60)
         for _ in range(3):
             next(iter(stream))
@@ -214,3 +214,31 @@ def test_cancelling_a_pipelined_request_frees_both_sessions():
                 pass
         assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         assert _wait_until(lambda: target_engine.num_sessions == 0 and draft_engine.num_sessions == 0)
+
+
+# ------------------------------------------------------- the ahead decision
+
+def _loop():
+    from orchestrator.gamma_policy import FixedPolicy, RoundObservation
+    from orchestrator.speculation import LoopSettings, RequestSpec, SpeculativeRequest
+
+    spec = RequestSpec(prompt=[1, 2, 3], max_tokens=100, temperature=0, top_k=0, top_p=1.0, seed=0,
+                       eos_ids=frozenset(), speculate=True, pipeline=True)
+    loop = SpeculativeRequest(spec, FixedPolicy(4), target=None, batcher=None, draft=None,
+                              settings=LoopSettings(pipeline_call_cost_s=0.002))
+    loop.stats.accepted, loop.stats.rejected_rounds = 90, 10  # a = 0.9: a hit every 1.7 rounds at k = 4
+    loop._last_obs = RoundObservation(k=4, accepted=4, draft_time_s=0.04 + 0.1, verify_time_s=0.15,
+                                      verify_compute_s=0.05, batch_size=1, draft_rtt_s=0.1, target_rtt_s=0.1,
+                                      draft_compute_s=0.04)
+    return loop
+
+
+def test_the_ahead_decision_weighs_the_saved_round_trip_against_a_measured_slowdown():
+    loop = _loop()
+    assert not loop._worth_drafting_ahead(4, 4), "the second round measures the target without overlap"
+    loop._learn_overlap(False, 0.050)
+    loop._learn_overlap(True, 0.052)
+    assert loop._worth_drafting_ahead(4, 4), "a 100 ms draft round trip saved more than half the time"
+    loop._learn_overlap(True, 0.400)  # drafting ahead now slows verification a lot (shared hardware)
+    decisions = [loop._worth_drafting_ahead(4, 4) for _ in range(20)]
+    assert decisions.count(True) == 2, "only the exploring decisions draft ahead"
