@@ -163,6 +163,7 @@ class SpeculativeRequest:
         self._verify_alone: float | None = None
         self._verify_overlapped: float | None = None
         self._ahead_decisions = 0
+        self._ahead_wait: float | None = None  # EWMA: waiting for drafts made ahead after the verify ended
 
     # ------------------------------------------------------------ lifecycle
 
@@ -381,10 +382,12 @@ class SpeculativeRequest:
     def _worth_drafting_ahead(self, k: int, k_next: int) -> bool:
         """Draft ahead when the expected saving beats the expected cost:
 
-            saving = h * (rtt_draft + k_next * t_draft)      h = a^(k+1), the hit chance
+            saving = h * max(0, rtt_draft + k_next * t_draft - wait)    h = a^(k+1), the hit chance
             cost   = call_cost + (1 - h) * min(t_draft, busy) + slowdown
 
-        A hit saves round r+1's whole Propose (its round trip and drafting).
+        A hit saves round r+1's Propose (its round trip and drafting) less the
+        time the loop still waited for the drafts made ahead once the verify
+        had ended (`wait`, measured).
         Every speculative call costs `call_cost` (the CPU of one more streamed
         call on both ends, `--pipeline-call-cost-ms`); a miss may find the
         draft still drafting ahead when round r+1 needs it: `busy` = (k_next + 1)
@@ -402,7 +405,7 @@ class SpeculativeRequest:
             return False
         t_draft = (last.draft_compute_s or last.draft_time_s) / last.k
         hit = self.stats.acceptance_mle() ** (k + 1)
-        saving = hit * (last.draft_rtt_s + k_next * t_draft)
+        saving = hit * max(0.0, last.draft_rtt_s + k_next * t_draft - (self._ahead_wait or 0.0))
         busy = max(0.0, (k_next + 1) * t_draft - last.verify_time_s)
         slowdown = max(0.0, (self._verify_overlapped or 0.0) - self._verify_alone)
         cost = self.settings.pipeline_call_cost_s + (1 - hit) * min(t_draft, busy) + slowdown
@@ -436,6 +439,7 @@ class SpeculativeRequest:
             log.info("speculative Propose failed: %s", exc.code().name)
             return time.perf_counter() - start
         waited = time.perf_counter() - start
+        self._ahead_wait = _ewma(self._ahead_wait, waited)
         self._account(cost, "draft", "Propose", round_trip=False)  # counted when it was sent
         self.stats.draft_compute_s += _compute_s(drafts)
         self.stats.draft_time_s += waited
