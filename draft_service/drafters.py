@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Iterator, Protocol, Sequence
 
 from specdec.engine.engine import EngineInfo, ExtendItem, ModelEngine
-from specdec.errors import InvalidArgument, NotFound, OutOfRange, ResourceExhausted, SpecdecError
+from specdec.errors import InvalidArgument, NotFound, OutOfRange, ResourceExhausted
 from specdec.model_service import EngineBackend, SessionMeta
 from specdec.sampling.rejection import draw_draft
 from specdec.sampling.sparse import SparseDist, truncate
@@ -151,15 +151,20 @@ class ModelDrafter(EngineBackend):
         items = [streams[i].first or ExtendItem(streams[i].session_id, None, (), num_logits=1) for i in live]
         try:
             logits = self.engine.extend(items)
-        except SpecdecError as exc:
+        except Exception as exc:  # noqa: BLE001 - isolate it: retry stream by stream
             if len(live) == 1:
                 results[live[0]] = exc
                 return results
+            # Safe to retry: a stream's first step (cut + append) is repeated
+            # whole until _take clears it.
             for i in live:
                 results[i] = self.step_many([streams[i]])[0]
             return results
         for i, row in zip(live, logits):
-            results[i] = self._take(streams[i], row)
+            try:
+                results[i] = self._take(streams[i], row)
+            except Exception as exc:  # noqa: BLE001 - this stream's problem only
+                results[i] = exc
         return results
 
     def _take(self, stream: DraftStream, logits) -> DraftToken:

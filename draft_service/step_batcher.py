@@ -32,7 +32,7 @@ class DraftStepBatcher:
         self.steps = 0  # draft tokens made
 
     async def stream(self, stream: DraftStream) -> AsyncIterator[tuple[DraftToken, float]]:
-        """Yield (token, seconds of the pass that made it) until the stream ends;
+        """Yield (token, compute seconds of the pass that made it) until the stream ends;
         raises the stream's own error if it hits one."""
         queue: asyncio.Queue = asyncio.Queue()
         self._active[stream] = queue
@@ -50,31 +50,47 @@ class DraftStepBatcher:
             self._active.pop(stream, None)
 
     async def _drive(self) -> None:
-        while self._active:
-            streams = list(self._active)[: self.max_batch]
-            start = time.perf_counter()
-            try:
-                results = await self.worker.run(self.drafter.step_many, streams)
-            except Exception as exc:  # a bug, not one stream's problem: fail the batch, keep serving
-                log.exception("draft step failed")
-                results = [exc] * len(streams)
-            seconds = time.perf_counter() - start
-            self.passes += 1
-            for stream, result in zip(streams, results):
-                queue = self._active.get(stream)
-                if queue is None:  # its caller went away during the pass
-                    continue
-                if result is None or isinstance(result, BaseException):
-                    queue.put_nowait(result)
-                    self._active.pop(stream, None)
-                    continue
-                self.steps += 1
-                queue.put_nowait((result, seconds))
-                if stream.done:
-                    queue.put_nowait(None)
-                    self._active.pop(stream, None)
-            # Streams are served in arrival order; rotate so that a full batch
-            # does not always leave the same streams out.
-            if len(self._active) > self.max_batch:
-                first = next(iter(self._active))
-                self._active[first] = self._active.pop(first)
+        try:
+            while self._active:
+                await self._one_pass()
+        except BaseException as exc:
+            # Never leave a caller waiting on a driver that is gone.
+            log.exception("the draft step driver stopped")
+            for queue in self._active.values():
+                queue.put_nowait(exc if isinstance(exc, Exception) else None)
+            self._active.clear()
+            raise
+
+    async def _one_pass(self) -> None:
+        streams = list(self._active)[: self.max_batch]
+        try:
+            results, seconds = await self.worker.run(_timed, self.drafter.step_many, streams)
+        except Exception as exc:  # a bug, not one stream's problem: fail this pass, keep serving
+            log.exception("draft step failed")
+            results, seconds = [exc] * len(streams), 0.0
+        self.passes += 1
+        for stream, result in zip(streams, results):
+            queue = self._active.get(stream)
+            if queue is None:  # its caller went away during the pass
+                continue
+            if result is None or isinstance(result, BaseException):
+                queue.put_nowait(result)
+                self._active.pop(stream, None)
+                continue
+            self.steps += 1
+            queue.put_nowait((result, seconds))
+            if stream.done:
+                queue.put_nowait(None)
+                self._active.pop(stream, None)
+            elif len(self._active) > self.max_batch:
+                # Served streams go to the back, so that a full batch does not
+                # always leave the same streams out.
+                self._active[stream] = self._active.pop(stream)
+
+
+def _timed(fn, *args):
+    """fn(*args) and its duration, measured on the engine thread itself (not
+    the wait for the thread)."""
+    start = time.perf_counter()
+    result = fn(*args)
+    return result, time.perf_counter() - start

@@ -2,6 +2,7 @@
 them: every call has a deadline, and bytes on the wire are counted."""
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass
 
@@ -57,12 +58,22 @@ class DraftClient(ModelClient):
     def __init__(self, channel: grpc.aio.Channel):
         super().__init__(channel, draft_pb2_grpc.DraftServiceStub(channel), "draft")
 
-    async def propose(self, session_id: str, keep_length: int, append: list[int], k: int,
-                      timeout: float) -> tuple[list[draft_pb2.ProposeResponse], CallCost]:
+    async def propose(self, session_id: str, keep_length: int, append: list[int], k: int, timeout: float,
+                      first: asyncio.Future | None = None) -> tuple[list[draft_pb2.ProposeResponse], CallCost]:
+        """The whole stream of drafts; `first`, if given, gets the first token
+        id as soon as it arrives (or None if the stream ends without one)."""
         request = draft_pb2.ProposeRequest(session_id=session_id, keep_length=keep_length,
                                            append_token_ids=append, num_tokens=k)
         start = time.perf_counter()
-        drafts = [d async for d in self.stub.Propose(request, timeout=timeout)]
+        drafts = []
+        try:
+            async for d in self.stub.Propose(request, timeout=timeout):
+                drafts.append(d)
+                if first is not None and not first.done():
+                    first.set_result(d.token_id)
+        finally:
+            if first is not None and not first.done():
+                first.set_result(None)
         size = request.ByteSize() + sum(d.ByteSize() for d in drafts)
         return drafts, CallCost(time.perf_counter() - start, size)
 

@@ -216,8 +216,8 @@ class GoodputPolicy:
             y = obs.verify_compute_s
             decayed = [self.FIT_DECAY * v for v in self._fit]
             self._fit = [a + b for a, b in zip(decayed, (1.0, obs.k, obs.k * obs.k, y, obs.k * y))]
-        if self.t_draft is None:
-            return  # cold: keep the starting k until a round has been timed
+        if self.t_draft is None or self.round_cost(self._k_max) <= 0:
+            return  # cold (no round timed yet), or nothing costs anything: keep k
         best = max(range(self._k_min, self._k_max + 1), key=lambda k: (self.goodput(k), -k))
         self._k = best
 

@@ -18,9 +18,13 @@ a full acceptance). When round r is fully accepted and the target's bonus token
 equals the first of them, the other k' are round r+1's drafts, already made:
 round r+1 sends no Propose. Otherwise the speculative work is dropped (the
 stream is cancelled; the draft is cut back by the keep_length riding on its
-next call). Tokens never change: round r's outcome is decided as without
-pipelining, and round r+1's drafts are the ones the draft would have made from
-the same context (drafts are keyed by (seed, position)). The win is the draft
+next call). Exactness does not depend on it: round r is decided as without
+pipelining, and round r+1's drafts are drafts from the same context. Greedy
+output is identical with or without it; sampled output has the same
+distribution, and for a seed the same tokens whenever the rounds' k are the
+same (a model drafter's drafts are keyed by (seed, position); k drafted ahead
+is capped at the services' max_draft_tokens - 1, and a prompt-lookup drafter's
+continuation can differ). The win is the draft
 time of the rounds that follow a full acceptance, hidden behind verification.
 
 If the draft fails, the round decodes plainly (a Verify with k = 0 draws the
@@ -164,6 +168,7 @@ class SpeculativeRequest:
         self._verify_overlapped: float | None = None
         self._ahead_decisions = 0
         self._ahead_wait: float | None = None  # EWMA: waiting for drafts made ahead after the verify ended
+        self._ahead_first: asyncio.Future | None = None  # the first token drafted ahead (the bonus guess)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -292,7 +297,7 @@ class SpeculativeRequest:
                 self._drop_ahead()
                 raise
             if self.spec.pipeline and drafts:
-                self._learn_overlap(overlapped, reply.compute_s)
+                self._learn_overlap(overlapped, reply.compute_s / max(1, reply.items))
             with self.telemetry.span(SPAN_ACCEPT) as accept_span:
                 result = self._accept(drafts, reply.result)
                 accept_span.set_attribute(A_ACCEPTED, result.num_accepted)
@@ -330,7 +335,8 @@ class SpeculativeRequest:
         compute = _compute_s(drafts)
         self.stats.draft_time_s += cost.seconds
         self.stats.draft_compute_s += compute
-        self._draft_prefix = len(self.history)  # the draft now holds history + drafts
+        if drafts:  # the draft now holds history + drafts (with none, the cut may not have happened)
+            self._draft_prefix = len(self.history)
         return drafts, cost.seconds, compute
 
     # ------------------------------------------------------ pipelined drafting
@@ -351,18 +357,16 @@ class SpeculativeRequest:
         k = len(drafts)
         if not (self.spec.pipeline and k and self._draft_session is not None):
             return
+        if any(d.token_id in self.spec.eos_ids for d in drafts):
+            return  # a full acceptance would end the request
         # After a full acceptance: history + k drafts + the bonus token.
         history_after = len(self.history) + k + 1
         remaining_after = self.spec.max_tokens - self.stats.completion_tokens - (k + 1)
         room_after = self.settings.max_context - history_after - 1
-        last = self._last_obs
-        what_if = RoundObservation(k=k, accepted=k, draft_time_s=last.draft_time_s if last else 0.0,
-                                   verify_time_s=last.verify_time_s if last else 0.0,
-                                   verify_compute_s=last.verify_compute_s if last else 0.0,
-                                   batch_size=last.batch_size if last else 1,
-                                   draft_rtt_s=last.draft_rtt_s if last else 0.0,
-                                   target_rtt_s=last.target_rtt_s if last else 0.0,
-                                   draft_compute_s=last.draft_compute_s if last else 0.0)
+        # The what-if carries counts only (no timings): the policy's copy moves
+        # its acceptance estimate, not its cost model.
+        what_if = RoundObservation(k=k, accepted=k, draft_time_s=0.0, verify_time_s=0.0, verify_compute_s=0.0,
+                                   batch_size=1, draft_rtt_s=0.0, target_rtt_s=0.0)
         k_next = min(k_after_full_acceptance(self.policy, what_if), remaining_after - 1, room_after,
                      self.settings.max_draft_tokens - 1)
         if k_next < 1:
@@ -374,8 +378,9 @@ class SpeculativeRequest:
         # at the bonus token, then round r+1's drafts.
         keep = len(self.history) + k
         self.stats.round_trips += 1
-        self._ahead = asyncio.ensure_future(
-            self.draft.propose(self._draft_session, keep, [], k_next + 1, self._timeout()))
+        self._ahead_first = asyncio.get_running_loop().create_future()
+        self._ahead = asyncio.ensure_future(self.draft.propose(
+            self._draft_session, keep, [], k_next + 1, self._timeout(), first=self._ahead_first))
 
     EXPLORE_EVERY = 10  # every so many decisions, take the other one to re-measure it
 
@@ -427,10 +432,17 @@ class SpeculativeRequest:
         ahead, self._ahead = self._ahead, None
         if ahead is None:
             return 0.0
-        if result.num_accepted < k or not result.emitted_ids:
+        bonus = result.emitted_ids[-1] if result.emitted_ids else None
+        if result.num_accepted < k or bonus is None or bonus in self.spec.eos_ids:
             await _cancel(ahead)
             return 0.0
         start = time.perf_counter()
+        # Judge the guess as soon as its first token arrives: a wrong guess
+        # drops the rest of the stream instead of waiting for it.
+        await asyncio.wait({self._ahead_first, ahead}, return_when=asyncio.FIRST_COMPLETED)
+        if self._ahead_first.done() and self._ahead_first.result() != bonus:
+            await _cancel(ahead)
+            return time.perf_counter() - start
         try:
             drafts, cost = await ahead
         except grpc.aio.AioRpcError as exc:
@@ -502,10 +514,13 @@ class SpeculativeRequest:
         self.stats.record_round(k, accepted)
         if self.spec.speculate:
             self.telemetry.metrics.record_round(k_chosen, k, accepted)
-        if k and draft_time == 0 and self._last_obs is not None:
+        last = self._last_obs
+        if k and draft_time == 0 and last is not None and last.k:
             # Pipelined drafts: their cost was hidden; the policy models an
-            # unpipelined round, so it learns the draft's last measured costs.
-            draft_time, draft_compute = self._last_obs.draft_time_s, self._last_obs.draft_compute_s
+            # unpipelined round, so it learns the draft's last measured costs
+            # (per token, scaled to this k).
+            draft_compute = (last.draft_compute_s or last.draft_time_s) / last.k * k
+            draft_time = last.draft_rtt_s + draft_compute
         obs = RoundObservation(
             k=k, accepted=accepted, draft_time_s=draft_time, verify_time_s=reply.rtt_s,
             verify_compute_s=reply.compute_s, batch_size=max(1, reply.batch_size),

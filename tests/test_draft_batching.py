@@ -76,3 +76,32 @@ def test_concurrent_propose_calls_share_forward_passes(peaked_engine):
         assert results == expected
         assert steps.steps - made == 6 * len(sids)
         assert steps.passes - passes < steps.steps - made, "no two streams ever shared a pass"
+
+
+def test_an_unexpected_error_in_one_streams_step_stays_with_that_stream(peaked_engine, monkeypatch):
+    drafter = ModelDrafter(peaked_engine)
+    meta = SessionMeta(params=SamplingParams(0.0, 0, 1.0), seed=1)
+    streams = [drafter.propose(drafter.open(p, meta, 16)[0], None, [], 3) for p in PROMPTS[:3]]
+    take = drafter._take
+
+    def flaky(stream, logits):
+        if stream is streams[1]:
+            raise RuntimeError("a fault in one stream's sampling")
+        return take(stream, logits)
+
+    monkeypatch.setattr(drafter, "_take", flaky)
+    results = drafter.step_many(streams)
+    assert isinstance(results[1], RuntimeError)
+    assert [r.index for r in (results[0], results[2])] == [0, 0]
+
+
+def test_more_streams_than_a_pass_holds_all_finish_with_their_own_drafts(peaked_engine):
+    with running_draft(peaked_engine) as (service, stub, _loop):
+        sids = [open_session(stub, p, temperature=0).session_id for p in PROMPTS]
+        expected = {sid: [d.token_id for d in propose(stub, sid, 5)] for sid in sids}
+        service.servicer.steps.max_batch = 2
+        keep = {sid: len(p) for sid, p in zip(sids, PROMPTS)}
+        with concurrent.futures.ThreadPoolExecutor(len(sids)) as pool:
+            results = dict(pool.map(lambda sid: (sid, [d.token_id for d in propose(stub, sid, 5, keep=keep[sid])]),
+                                    sids))
+        assert results == expected

@@ -107,9 +107,9 @@ def test_drafting_ahead_is_skipped_when_a_call_costs_more_than_it_can_save():
 
 @pytest.mark.parametrize("policy", ["fixed", "adaptive"])
 def test_seeded_sampled_tokens_equal_the_unpipelined_loop(system, policy):
-    """Pipelining never changes a token: round r is decided as without it, and the
-    drafts it made ahead are the ones the draft would have made (keyed by seed
-    and position) from the same context."""
+    """With the same k per round, pipelining does not change a sampled token:
+    round r is decided as without it, and the drafts it made ahead are the ones
+    the draft would have made (keyed by seed and position) from the same context."""
     differing, pipelined = 0, 0
     for seed in range(24):
         kwargs = dict(max_tokens=20, temperature=0.8, seed=seed, policy=policy, num_draft_tokens=2)
@@ -242,3 +242,29 @@ def test_the_ahead_decision_weighs_the_saved_round_trip_against_a_measured_slowd
     loop._learn_overlap(True, 0.400)  # drafting ahead now slows verification a lot (shared hardware)
     decisions = [loop._worth_drafting_ahead(4, 4) for _ in range(20)]
     assert decisions.count(True) == 2, "only the exploring decisions draft ahead"
+
+
+def test_a_draft_that_stops_while_drafting_ahead_falls_back_exactly():
+    from tests.test_orchestrator import _port
+    from tests.harness import running_draft
+
+    target = tiny_model(seed=0, init_range=0.3)
+    draft_engine = tiny_engine(model=target)  # always accepted: every round drafts ahead
+    ref = greedy_reference(target, GREEDY_PROMPTS[2], 40)
+    with running_system(tiny_engine(model=target), draft_engine, pipeline=True, pipeline_always=True,
+                        draft_retry_s=0.05) as s:
+        stream = s.client.stub.Generate(build_request(GREEDY_PROMPTS[2], max_tokens=40, temperature=0,
+                                                      num_draft_tokens=2), timeout=60)
+        tokens, stats = [], None
+        for i, reply in enumerate(stream):
+            if reply.HasField("stats"):
+                stats = reply.stats
+                break
+            tokens.extend(reply.chunk.token_ids)
+            if i == 1:
+                s.draft_loop.run(s.draft.stop(0))
+        assert tokens == ref[: len(tokens)] and len(tokens) == 40
+        assert stats.fallback_rounds > 0
+        with running_draft(draft_engine, server_cfg=_port(s.draft.port)):
+            again = s.client.complete(GREEDY_PROMPTS[2], max_tokens=20, temperature=0, num_draft_tokens=2)
+        assert again.token_ids == ref[:20]
