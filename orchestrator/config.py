@@ -24,6 +24,8 @@ class OrchestratorConfig:
                                        "to pay (for measurements and tests)")
     batching: bool = opt(True, "batch verification across concurrent requests")
     max_batch: int = opt(16, "verify items per Verify RPC at most")
+    max_batches_in_flight: int = opt(1, "Verify batches on their way to one target replica at once; more wait and "
+                                         "merge (raise it when the network round trip is long next to the forward pass)")
     batch_window_ms: float = opt(2.0, "longest wait for more verify items, ms")
     default_max_tokens: int = opt(256, "max_tokens when a request leaves it 0")
     max_tokens_limit: int = opt(8192, "largest max_tokens a request may ask for")

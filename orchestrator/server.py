@@ -100,7 +100,8 @@ async def build_backends(cfg: OrchestratorConfig, tokenizer=None, telemetry: Tel
         await _wait_for_info(client, cfg.connect_timeout_s)
         batcher = VerifyBatcher(client, max_batch=min(cfg.max_batch, client.info.max_verify_batch or cfg.max_batch),
                                 window_s=cfg.batch_window_ms / 1000, rpc_timeout_s=cfg.rpc_timeout_s,
-                                enabled=cfg.batching, telemetry=telemetry)
+                                enabled=cfg.batching, telemetry=telemetry,
+                                max_in_flight=cfg.max_batches_in_flight)
         return Replica(address, client, batcher)
 
     async def make_draft(address: str) -> Replica:

@@ -1,0 +1,96 @@
+"""The verification batcher on its own, against a fake target: when batches
+go, how many are in flight, and that every item gets its own result."""
+from __future__ import annotations
+
+import asyncio
+
+from orchestrator.batcher import VerifyBatcher
+from specdec.v1 import target_pb2
+
+
+class FakeTarget:
+    """Answers Verify after `seconds`, echoing each item's session id."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self.calls: list[list[str]] = []
+        self.in_flight = self.max_in_flight = 0
+
+    async def verify(self, items, timeout):
+        self.calls.append([i.session_id for i in items])
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        await asyncio.sleep(self.seconds)
+        self.in_flight -= 1
+        results = [target_pb2.VerifyResult(argmax_token_ids=[int(i.session_id[1:])]) for i in items]
+        return target_pb2.VerifyResponse(results=results, batch_size=len(items), compute_micros=1000), 10
+
+
+def item(n: int) -> target_pb2.VerifyItem:
+    return target_pb2.VerifyItem(session_id=f"s{n}")
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 30))
+
+
+def test_items_arriving_while_a_batch_computes_go_together_when_it_returns():
+    async def main():
+        target = FakeTarget(0.2)
+        batcher = VerifyBatcher(target, max_batch=16, window_s=0.001)
+        for _ in range(6):
+            batcher.request_started()
+        first = asyncio.ensure_future(batcher.verify(item(0)))
+        await asyncio.sleep(0.05)  # the first item went alone, after the window
+        later = [asyncio.ensure_future(batcher.verify(item(n))) for n in range(1, 6)]
+        replies = await asyncio.gather(first, *later)
+        return target, replies
+
+    target, replies = run(main())
+    assert target.calls == [["s0"], ["s1", "s2", "s3", "s4", "s5"]]
+    assert target.max_in_flight == 1
+    assert [r.result.argmax_token_ids[0] for r in replies] == [0, 1, 2, 3, 4, 5]
+    assert [r.items for r in replies] == [1, 5, 5, 5, 5, 5]
+
+
+def test_more_batches_in_flight_when_allowed_and_none_held_without_batching():
+    async def main(**kwargs):
+        target = FakeTarget(0.1)
+        batcher = VerifyBatcher(target, max_batch=2, window_s=0.001, **kwargs)
+        for _ in range(6):
+            batcher.request_started()
+        tasks = [asyncio.ensure_future(batcher.verify(item(n))) for n in range(6)]
+        await asyncio.gather(*tasks)
+        return target
+
+    two = run(main(max_in_flight=2))
+    assert two.max_in_flight == 2 and len(two.calls) == 3
+    unbatched = run(main(enabled=False))
+    assert unbatched.max_in_flight == 6 and len(unbatched.calls) == 6
+
+
+def test_a_failed_batch_frees_its_slot():
+    import grpc
+
+    class Failing(FakeTarget):
+        async def verify(self, items, timeout):
+            self.calls.append([i.session_id for i in items])
+            if len(self.calls) == 1:
+                raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                           "down")
+            return await super().verify(items, timeout)
+
+    async def main():
+        target = Failing(0.01)
+        batcher = VerifyBatcher(target, max_batch=4, window_s=0.001)
+        batcher.request_started()
+        try:
+            await batcher.verify(item(1))
+        except Exception as exc:  # the item's own error
+            failed = exc
+        reply = await batcher.verify(item(2))
+        return failed, reply
+
+    failed, reply = run(main())
+    assert "target" in str(failed)
+    assert reply.result.argmax_token_ids[0] == 2
