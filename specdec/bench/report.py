@@ -237,10 +237,9 @@ DEFINITIONS = (
     "(draft_compute_time_s; * = not reported, the propose RPC time instead), the target's verify compute "
     "(target_compute_time_s), and the rest = network + orchestration (gRPC, batching window, session "
     "open/close, acceptance, added network delay).",
-    "α̂: per-draft acceptance MLE = accepted / (accepted + rounds ending in a rejection); rejections in the "
-    "rounds of the largest k are counted exactly; smaller rounds (k capped near max_tokens; most rounds of "
-    "adaptive/goodput) count their expected rejections 1 − α_m^j, α_m matching the accepted count to the k "
-    "histogram; k = 0 rounds are left out.",
+    "α̂: per-draft acceptance MLE = accepted / (accepted + rounds ending in a rejection), with the "
+    "rejections counted by the orchestrator (GenerateStats.rejected_rounds); for records without that count, "
+    "the rejections of smaller rounds are estimated from the k histogram (analysis.estimate_alpha).",
     "expected speedup: E(α̂, k) / (k·t_draft + t_verify + overhead) ÷ measured target-only tok/s, with "
     "t_draft = draft_time_s / drafted tokens, t_verify = verify_time_s / rounds, overhead = (duration − "
     "draft_time − verify_time) / rounds, all as the orchestrator measured them; for adaptive/goodput "
