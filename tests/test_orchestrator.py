@@ -232,16 +232,7 @@ def test_draft_stopped_mid_stream_falls_back_exactly_and_recovers():
     draft_engine = tiny_engine(model=perturbed(target, 0.15, 1))
     ref = greedy_reference(target, GREEDY_PROMPTS[2], 40)
     with running_system(tiny_engine(model=target), draft_engine, draft_retry_s=0.05) as s:
-        stream = s.client.stub.Generate(build_request(GREEDY_PROMPTS[2], max_tokens=40, temperature=0,
-                                                      num_draft_tokens=2), timeout=60)
-        tokens, stats = [], None
-        for i, reply in enumerate(stream):
-            if reply.HasField("stats"):
-                stats = reply.stats
-                break
-            tokens.extend(reply.chunk.token_ids)
-            if i == 1:
-                s.draft_loop.run(s.draft.stop(0))
+        tokens, stats = generate_stopping_the_draft(s, GREEDY_PROMPTS[2], 40)
         assert tokens == ref[: len(tokens)] and len(tokens) == 40
         assert stats.fallback_rounds > 0
 
@@ -256,6 +247,37 @@ def test_draft_stopped_mid_stream_falls_back_exactly_and_recovers():
                     break
                 time.sleep(0.2)
         assert again.stats.proposed_tokens > 0, "speculation did not resume"
+
+
+def generate_stopping_the_draft(s, prompt, n):
+    """Greedy k=2 generation of n tokens; the draft service stops after the
+    second chunk. Returns (tokens, final stats)."""
+    stream = s.client.stub.Generate(build_request(prompt, max_tokens=n, temperature=0, num_draft_tokens=2),
+                                    timeout=60)
+    tokens, stats = [], None
+    for i, reply in enumerate(stream):
+        if reply.HasField("stats"):
+            stats = reply.stats
+            break
+        tokens.extend(reply.chunk.token_ids)
+        if i == 1:
+            s.draft_loop.run(s.draft.stop(0))
+    return tokens, stats
+
+
+def assert_cancel_and_deadline_free_the_sessions(s, target_engine, draft_engine, chunks_first=1):
+    """A cancelled stream and a request past its deadline leave no session open."""
+    stream = s.client.stub.Generate(build_request(GREEDY_PROMPTS[4], max_tokens=500, temperature=0), timeout=60)
+    for _ in range(chunks_first):
+        next(iter(stream))
+    stream.cancel()
+    assert _wait_until(lambda: target_engine.num_sessions == 0 and draft_engine.num_sessions == 0)
+    with pytest.raises(grpc.RpcError) as err:
+        for _ in s.client.stub.Generate(build_request(GREEDY_PROMPTS[4], max_tokens=900, temperature=0),
+                                        timeout=0.3):
+            pass
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert _wait_until(lambda: target_engine.num_sessions == 0 and draft_engine.num_sessions == 0)
 
 
 def _port(port):
@@ -291,13 +313,7 @@ def test_cancellation_and_deadlines_free_the_sessions_on_both_services():
         assert target_engine.num_sessions == 1 and draft_engine.num_sessions == 1
         stream.cancel()
         assert _wait_until(lambda: target_engine.num_sessions == 0 and draft_engine.num_sessions == 0)
-
-        with pytest.raises(grpc.RpcError) as err:
-            for _ in s.client.stub.Generate(build_request(GREEDY_PROMPTS[4], max_tokens=900, temperature=0),
-                                            timeout=0.3):
-                pass
-        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        assert _wait_until(lambda: target_engine.num_sessions == 0 and draft_engine.num_sessions == 0)
+        assert_cancel_and_deadline_free_the_sessions(s, target_engine, draft_engine)
 
 
 def test_target_failure_ends_the_request_with_unavailable():

@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import concurrent.futures
 
-import grpc
 import pytest
 import torch
 
 from draft_service.drafters import ModelDrafter
-from orchestrator.client import build_request
 from specdec.model_service import SessionMeta
 from specdec.sampling.params import SamplingParams
 from specdec.sampling.transform import logits_to_probs
@@ -22,8 +20,9 @@ from tests.test_orchestrator import (
     GREEDY_PROMPTS,
     PROMPT,
     VOCAB,
-    _wait_until,
+    assert_cancel_and_deadline_free_the_sessions,
     assert_matches,
+    generate_stopping_the_draft,
     greedy_reference,
     perturbed,
     without_eos,
@@ -203,17 +202,7 @@ def test_cancelling_a_pipelined_request_frees_both_sessions():
     target_engine = tiny_engine(model=without_eos(tiny_model(seed=0)))
     draft_engine = tiny_engine(model=without_eos(tiny_model(seed=0)))  # always accepted: always drafting ahead
     with running_system(target_engine, draft_engine, pipeline=True, pipeline_always=True) as s:
-        stream = s.client.stub.Generate(build_request(GREEDY_PROMPTS[4], max_tokens=500, temperature=0), timeout=60)
-        for _ in range(3):
-            next(iter(stream))
-        stream.cancel()
-        assert _wait_until(lambda: target_engine.num_sessions == 0 and draft_engine.num_sessions == 0)
-        with pytest.raises(grpc.RpcError) as err:
-            for _ in s.client.stub.Generate(build_request(GREEDY_PROMPTS[4], max_tokens=900, temperature=0),
-                                            timeout=0.3):
-                pass
-        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        assert _wait_until(lambda: target_engine.num_sessions == 0 and draft_engine.num_sessions == 0)
+        assert_cancel_and_deadline_free_the_sessions(s, target_engine, draft_engine, chunks_first=3)
 
 
 # ------------------------------------------------------- the ahead decision
@@ -253,16 +242,7 @@ def test_a_draft_that_stops_while_drafting_ahead_falls_back_exactly():
     ref = greedy_reference(target, GREEDY_PROMPTS[2], 40)
     with running_system(tiny_engine(model=target), draft_engine, pipeline=True, pipeline_always=True,
                         draft_retry_s=0.05) as s:
-        stream = s.client.stub.Generate(build_request(GREEDY_PROMPTS[2], max_tokens=40, temperature=0,
-                                                      num_draft_tokens=2), timeout=60)
-        tokens, stats = [], None
-        for i, reply in enumerate(stream):
-            if reply.HasField("stats"):
-                stats = reply.stats
-                break
-            tokens.extend(reply.chunk.token_ids)
-            if i == 1:
-                s.draft_loop.run(s.draft.stop(0))
+        tokens, stats = generate_stopping_the_draft(s, GREEDY_PROMPTS[2], 40)
         assert tokens == ref[: len(tokens)] and len(tokens) == 40
         assert stats.fallback_rounds > 0
         with running_draft(draft_engine, server_cfg=_port(s.draft.port)):
