@@ -23,7 +23,7 @@ acceptances as independent, a round with lookahead k emits
 tokens (the accepted prefix plus the recovered or bonus token; see
 ``expected_tokens_per_round``). Its wall-clock cost is
 
-    cost(k) = rtt_draft + k * t_draft + rtt_target + t_verify(k)
+    cost(k) = rtt_draft + k * t_draft + rtt_target + t_verify(k) + overhead
 
 - t_draft: the draft service's compute per drafted token (it reports each
   token's compute time on the Propose stream);
@@ -34,7 +34,11 @@ tokens (the accepted prefix plus the recovered or bonus token; see
   nearly flat in k on an accelerator and on a CPU until the batch saturates
   it; with one k seen so far the slope is taken as 0);
 - rtt_target: the rest of the Verify call's time (network round trip and the
-  wait for the batch to fill).
+  wait for the batch to fill);
+- overhead: the rest of the round's wall time, outside both calls (the
+  orchestrator's own work, streaming the tokens to the client). Small next to
+  a real model's forward pass, but a tiny model's round can be half overhead,
+  and leaving it out makes every round look cheaper than it is, so k too small.
 
 Each round the policy picks the k in [k_min, k_max] that maximizes
 E[tokens](a, k) / cost(k). The per-round costs (the two RTTs and c0) are what
@@ -70,6 +74,7 @@ class RoundObservation:
     draft_rtt_s: float  # round-trip network time estimate to the draft service; 0 when unknown
     target_rtt_s: float  # round-trip network time estimate to the target service; 0 when unknown
     draft_compute_s: float = 0.0  # draft compute reported by the draft service for these k tokens
+    overhead_s: float = 0.0  # the rest of the round's wall time: orchestration, streaming to the client; 0 when unknown
 
     def __post_init__(self) -> None:
         # Observations come from our own orchestrator: a bad one is a bug, not bad input.
@@ -172,6 +177,7 @@ class GoodputPolicy:
         self.t_draft: float | None = None  # seconds per drafted token
         self.rtt_draft: float | None = None
         self.rtt_target: float | None = None
+        self.overhead: float | None = None
         self._fit = [0.0] * 5  # decayed sums: w, w*k, w*k^2, w*y, w*k*y (y = verify compute)
 
     @property
@@ -192,7 +198,8 @@ class GoodputPolicy:
 
     def round_cost(self, k: int) -> float:
         """Modelled wall-clock seconds of a round with lookahead k."""
-        return (self.rtt_draft or 0.0) + k * (self.t_draft or 0.0) + (self.rtt_target or 0.0) + self.verify_cost(k)
+        return ((self.rtt_draft or 0.0) + k * (self.t_draft or 0.0) + (self.rtt_target or 0.0)
+                + self.verify_cost(k) + (self.overhead or 0.0))
 
     def goodput(self, k: int) -> float:
         """Modelled tokens per second with lookahead k (inf before any timing)."""
@@ -213,6 +220,7 @@ class GoodputPolicy:
             self.t_draft = _ewma(self.t_draft, draft_compute / obs.k, self.ALPHA)
             self.rtt_draft = _ewma(self.rtt_draft, max(0.0, obs.draft_time_s - draft_compute), self.ALPHA)
             self.rtt_target = _ewma(self.rtt_target, max(0.0, obs.verify_time_s - obs.verify_compute_s), self.ALPHA)
+            self.overhead = _ewma(self.overhead, obs.overhead_s, self.ALPHA)
             y = obs.verify_compute_s
             decayed = [self.FIT_DECAY * v for v in self._fit]
             self._fit = [a + b for a, b in zip(decayed, (1.0, obs.k, obs.k * obs.k, y, obs.k * y))]

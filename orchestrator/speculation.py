@@ -169,6 +169,7 @@ class SpeculativeRequest:
         self._ahead_decisions = 0
         self._ahead_wait: float | None = None  # EWMA: waiting for drafts made ahead after the verify ended
         self._ahead_first: asyncio.Future | None = None  # the first token drafted ahead (the bonus guess)
+        self._last_round_end: float | None = None  # when the previous round was observed
 
     # ------------------------------------------------------------ lifecycle
 
@@ -521,11 +522,16 @@ class SpeculativeRequest:
             # (per token, scaled to this k).
             draft_compute = (last.draft_compute_s or last.draft_time_s) / last.k * k
             draft_time = last.draft_rtt_s + draft_compute
+        # The whole cycle since the previous round was observed (its tokens
+        # streamed to the client included), less the two calls.
+        now = time.perf_counter()
+        cycle = now - self._last_round_end if self._last_round_end is not None else 0.0
+        self._last_round_end = now
         obs = RoundObservation(
             k=k, accepted=accepted, draft_time_s=draft_time, verify_time_s=reply.rtt_s,
             verify_compute_s=reply.compute_s, batch_size=max(1, reply.batch_size),
             draft_rtt_s=max(0.0, draft_time - draft_compute), target_rtt_s=max(0.0, reply.rtt_s - reply.compute_s),
-            draft_compute_s=draft_compute,
+            draft_compute_s=draft_compute, overhead_s=max(0.0, cycle - draft_time - reply.rtt_s) if cycle else 0.0,
         )
         self.policy.observe(obs)
         if k:

@@ -128,3 +128,22 @@ def test_what_if_a_full_acceptance_leaves_the_policy_alone():
     goodput = GoodputPolicy(4, 1, 8)
     k_after_full_acceptance(goodput, obs)
     assert goodput.next_k() == 4 and goodput.t_draft is None
+
+
+def test_a_per_round_overhead_outside_the_calls_pushes_k_up():
+    """Orchestration and streaming cost the same per round whatever k is: a
+    policy that ignores them thinks rounds are cheap and picks k too small."""
+    sim = Simulated(0.75, t_draft=0.001, c0=0.003, seed=5)
+    overhead = 0.008
+
+    def with_overhead(obs):
+        return RoundObservation(**{**obs.__dict__, "overhead_s": overhead})
+
+    policy = GoodputPolicy(4, 1, 8)
+    for _ in range(60):
+        policy.observe(with_overhead(sim.round(policy.next_k())))
+    blind = run(GoodputPolicy(4, 1, 8), sim, 60)[-1]
+    true_best = max(range(1, 9), key=lambda k: expected_tokens_per_round(0.75, k) / (sim.cost(k) + overhead))
+    assert policy.overhead == pytest.approx(overhead)
+    assert policy.next_k() >= blind
+    assert abs(policy.next_k() - true_best) <= 1
