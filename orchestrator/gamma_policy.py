@@ -183,8 +183,7 @@ class GoodputPolicy:
     @property
     def acceptance(self) -> float:
         """Per-draft acceptance probability estimate."""
-        prior = self.PRIOR_TRIALS
-        return (self._accepted + prior * self.PRIOR_ACCEPTANCE) / (self._accepted + self._rejections + prior)
+        return acceptance_estimate(self._accepted, self._rejections, self.PRIOR_ACCEPTANCE, self.PRIOR_TRIALS)
 
     def verify_cost(self, k: int) -> float:
         """Fitted target compute for a round with lookahead k, seconds."""
@@ -217,10 +216,10 @@ class GoodputPolicy:
         self._rejections = self.COUNT_DECAY * self._rejections + (obs.accepted < obs.k)
         if obs.verify_time_s > 0:  # a round with timings (not a what-if)
             draft_compute = obs.draft_compute_s if obs.draft_compute_s > 0 else obs.draft_time_s
-            self.t_draft = _ewma(self.t_draft, draft_compute / obs.k, self.ALPHA)
-            self.rtt_draft = _ewma(self.rtt_draft, max(0.0, obs.draft_time_s - draft_compute), self.ALPHA)
-            self.rtt_target = _ewma(self.rtt_target, max(0.0, obs.verify_time_s - obs.verify_compute_s), self.ALPHA)
-            self.overhead = _ewma(self.overhead, obs.overhead_s, self.ALPHA)
+            self.t_draft = ewma(self.t_draft, draft_compute / obs.k, self.ALPHA)
+            self.rtt_draft = ewma(self.rtt_draft, max(0.0, obs.draft_time_s - draft_compute), self.ALPHA)
+            self.rtt_target = ewma(self.rtt_target, max(0.0, obs.verify_time_s - obs.verify_compute_s), self.ALPHA)
+            self.overhead = ewma(self.overhead, obs.overhead_s, self.ALPHA)
             y = obs.verify_compute_s
             decayed = [self.FIT_DECAY * v for v in self._fit]
             self._fit = [a + b for a, b in zip(decayed, (1.0, obs.k, obs.k * obs.k, y, obs.k * y))]
@@ -230,8 +229,17 @@ class GoodputPolicy:
         self._k = best
 
 
-def _ewma(old: float | None, new: float, alpha: float) -> float:
-    return new if old is None else old + alpha * (new - old)
+def ewma(old: float | None, new: float, weight: float) -> float:
+    """Exponentially weighted mean; the first value starts it."""
+    return new if old is None else old + weight * (new - old)
+
+
+def acceptance_estimate(accepted: float, rejections: float, prior: float = 0.7, prior_trials: float = 2.0) -> float:
+    """Per-draft acceptance probability: accepted / (accepted + rounds that ended
+    in a rejection), the maximum-likelihood estimate under independence, with a
+    prior worth `prior_trials` trials. Example: 6 accepted, 2 rejections, the
+    default prior: (6 + 1.4) / (8 + 2) = 0.74."""
+    return (accepted + prior * prior_trials) / (accepted + rejections + prior_trials)
 
 
 def make_policy(name: str, k: int, k_min: int, k_max: int) -> GammaPolicy:

@@ -49,7 +49,8 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from orchestrator.batcher import VerifyBatcher
 from orchestrator.downstream import CallCost, DraftClient, TargetClient, open_request
-from orchestrator.gamma_policy import GammaPolicy, RoundObservation, k_after_full_acceptance
+from orchestrator.gamma_policy import (GammaPolicy, RoundObservation, acceptance_estimate, ewma,
+                                       k_after_full_acceptance)
 from specdec.errors import DeadlineExceeded, NotFound, SpecdecError
 from specdec.grpc_errors import from_rpc_error
 from specdec.sampling.rejection import RoundResult, VerifyOutcome, accept_greedy, accept_sampled
@@ -62,6 +63,7 @@ from specdec.v1 import target_pb2
 log = logging.getLogger(__name__)
 
 CLOSE_TIMEOUT_S = 5.0
+OVERLAP_WEIGHT = 0.3  # EWMA weight of the newest round in the pipelining decision's measurements
 
 
 @dataclass(frozen=True)
@@ -103,12 +105,6 @@ class RequestStats:
     pipelined_rounds: int = 0  # rounds whose drafts were made during the previous round's verify
 
     rejected_rounds: int = 0  # speculative rounds that ended in a rejection
-    skipped_ahead: int = 0  # rounds where drafting ahead was judged not worth it
-
-    def acceptance_mle(self, prior: float = 0.7, prior_trials: float = 2.0) -> float:
-        """Per-draft acceptance probability: accepted / (accepted + rejections),
-        the maximum-likelihood estimate under independence, with a prior."""
-        return (self.accepted + prior * prior_trials) / (self.accepted + self.rejected_rounds + prior_trials)
 
     def record_round(self, k: int, accepted: int) -> None:
         self.rejected_rounds += accepted < k
@@ -373,7 +369,6 @@ class SpeculativeRequest:
         if k_next < 1:
             return
         if not self._worth_drafting_ahead(k, k_next):
-            self.stats.skipped_ahead += 1
             return
         # The draft holds history + the k drafts; m = k_next + 1 more: a guess
         # at the bonus token, then round r+1's drafts.
@@ -410,7 +405,7 @@ class SpeculativeRequest:
         if self._verify_alone is None:
             return False
         t_draft = (last.draft_compute_s or last.draft_time_s) / last.k
-        hit = self.stats.acceptance_mle() ** (k + 1)
+        hit = acceptance_estimate(self.stats.accepted, self.stats.rejected_rounds) ** (k + 1)
         saving = hit * max(0.0, last.draft_rtt_s + k_next * t_draft - (self._ahead_wait or 0.0))
         busy = max(0.0, (k_next + 1) * t_draft - last.verify_time_s)
         slowdown = max(0.0, (self._verify_overlapped or 0.0) - self._verify_alone)
@@ -421,9 +416,9 @@ class SpeculativeRequest:
 
     def _learn_overlap(self, overlapped: bool, compute_s: float) -> None:
         if overlapped:
-            self._verify_overlapped = _ewma(self._verify_overlapped, compute_s)
+            self._verify_overlapped = ewma(self._verify_overlapped, compute_s, OVERLAP_WEIGHT)
         else:
-            self._verify_alone = _ewma(self._verify_alone, compute_s)
+            self._verify_alone = ewma(self._verify_alone, compute_s, OVERLAP_WEIGHT)
 
     async def _settle_ahead(self, k: int, result: RoundResult) -> float:
         """Keep the speculative drafts if round r was fully accepted and the
@@ -452,7 +447,7 @@ class SpeculativeRequest:
             log.info("speculative Propose failed: %s", exc.code().name)
             return time.perf_counter() - start
         waited = time.perf_counter() - start
-        self._ahead_wait = _ewma(self._ahead_wait, waited)
+        self._ahead_wait = ewma(self._ahead_wait, waited, OVERLAP_WEIGHT)
         self._account(cost, "draft", "Propose", round_trip=False)  # counted when it was sent
         self.stats.draft_compute_s += _compute_s(drafts)
         self.stats.draft_time_s += waited
@@ -536,10 +531,6 @@ class SpeculativeRequest:
         self.policy.observe(obs)
         if k:
             self._last_obs = obs
-
-
-def _ewma(old: float | None, new: float, weight: float = 0.3) -> float:
-    return new if old is None else old + weight * (new - old)
 
 
 def _compute_s(drafts: list) -> float:

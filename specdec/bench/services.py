@@ -13,13 +13,12 @@ import dataclasses
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from specdec.cli.up_cmd import wait_serving
+from specdec.cli.up_cmd import stop_processes, wait_serving
 
 _LISTENING = re.compile(r"listening on [^\s]*:(\d+)")
 
@@ -232,19 +231,7 @@ class ServiceSet:
 
     def stop(self) -> None:
         """Stop every process this set started (orchestrator first) and the proxies."""
-        order = [self.services[r] for r in ("orchestrator", "draft", "target") if r in self.services]
-        for s in order:
-            if s.proc.poll() is None:
-                try:
-                    s.proc.send_signal(signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
-        for s in order:
-            try:
-                s.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                s.proc.kill()
-                s.proc.wait(timeout=10)
+        stop_processes([self.services[r].proc for r in ("orchestrator", "draft", "target") if r in self.services])
         for proxy in self.proxies.values():
             try:
                 proxy.stop()

@@ -80,15 +80,20 @@ def wait_serving(port: int, procs: list[subprocess.Popen], timeout_s: float) -> 
     raise RuntimeError(f"the service on port {port} was not SERVING after {timeout_s:.0f} s")
 
 
-def _stop(procs: list[subprocess.Popen]) -> None:
+def stop_processes(procs: list[subprocess.Popen], grace_s: float = 30.0) -> None:
+    """SIGTERM every process (they drain), then SIGKILL what is left after grace_s."""
     for p in procs:
         if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
+            try:
+                p.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                pass
     for p in procs:
         try:
-            p.wait(timeout=30)
+            p.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
             p.kill()
+            p.wait(timeout=10)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -146,4 +151,4 @@ def run(args: argparse.Namespace) -> int:
         return 1
     finally:
         print("specd up: stopping...", file=sys.stderr)
-        _stop(procs)
+        stop_processes(procs)
