@@ -198,12 +198,20 @@ def resolve(args: argparse.Namespace) -> dict:
 
 
 def _resolve_model(name: str) -> str:
+    """A model directory; a catalog model not fetched yet is fetched first, as
+    `specd up` does, so `specd bench` works on a fresh machine."""
     from specdec.models.cache import ModelNotFoundError, resolve_model
+    from specdec.models.catalog import CATALOG
 
     try:
         return str(resolve_model(name))
     except ModelNotFoundError as exc:
-        raise UsageError(f"{exc} (`specd models fetch` downloads the default pair)") from None
+        if name not in CATALOG:
+            raise UsageError(f"{exc} (`specd models list` shows the catalog)") from None
+    from specdec.models.fetch import fetch
+
+    fetch(name)
+    return str(resolve_model(name))
 
 
 def _tiny_pair(o: dict) -> None:
