@@ -19,13 +19,12 @@ greedy decoding no q is sent.
 """
 from __future__ import annotations
 
-import secrets
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterator, Protocol, Sequence
 
 from specdec.engine.engine import EngineInfo, ExtendItem, ModelEngine
-from specdec.errors import InvalidArgument, NotFound, OutOfRange, ResourceExhausted
+from specdec.engine.sessions import ContextRules, Session, SessionTable, new_session_id
+from specdec.errors import InvalidArgument, OutOfRange
 from specdec.model_service import EngineBackend, SessionMeta
 from specdec.sampling.rejection import draw_draft
 from specdec.sampling.sparse import SparseDist, truncate
@@ -196,13 +195,6 @@ class ModelDrafter(EngineBackend):
         return stale
 
 
-@dataclass
-class _NgramSession:
-    tokens: list[int]
-    meta: SessionMeta
-    last_used: float = field(default_factory=time.monotonic)
-
-
 class NgramDrafter:
     """Prompt lookup: propose the continuation of the latest earlier match of
     the context's last n tokens (n from max_ngram down to min_ngram).
@@ -219,48 +211,25 @@ class NgramDrafter:
             model_name="ngram", vocab_size=vocab_size, max_context=max_context, eos_token_ids=(),
             tokenizer_fingerprint="", device="cpu", dtype="none", kv_bytes_per_token=0,
         )
-        self.max_sessions = max_sessions
         self.max_draft_tokens = max_draft_tokens
         self.min_ngram, self.max_ngram = min_ngram, max_ngram
-        self._sessions: dict[str, _NgramSession] = {}
+        self._sessions: SessionTable[Session] = SessionTable(max_sessions)
+        self.rules = ContextRules(vocab_size, max_context)
         self._streams = StreamGuard()
 
-    def _session(self, session_id: str) -> _NgramSession:
-        try:
-            s = self._sessions[session_id]
-        except KeyError:
-            raise NotFound(f"unknown or expired session {session_id!r}") from None
-        s.last_used = time.monotonic()
-        return s
-
-    def _check_tokens(self, tokens: Sequence[int]) -> None:
-        for t in tokens:
-            if not 0 <= t < self.info.vocab_size:
-                raise InvalidArgument(f"token id {t} outside the vocabulary [0, {self.info.vocab_size})")
-
     def open(self, prompt, meta, max_new_tokens):
-        if not prompt:
-            raise InvalidArgument("the prompt is empty: at least one token is needed")
-        self._check_tokens(prompt)
-        if max_new_tokens < 0:
-            raise InvalidArgument(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        if len(prompt) + max_new_tokens > self.info.max_context:
-            raise InvalidArgument(f"prompt plus max_new_tokens exceeds the context limit of {self.info.max_context}")
-        if len(self._sessions) >= self.max_sessions:
-            raise ResourceExhausted(f"too many open sessions (limit {self.max_sessions})")
-        session_id = secrets.token_urlsafe(18)
-        self._sessions[session_id] = _NgramSession(tokens=list(prompt), meta=meta)
-        return session_id, len(prompt), 0
+        self.rules.check_open(prompt, max_new_tokens)
+        session = self._sessions.add(Session(id=new_session_id(), tokens=list(prompt), meta=meta))
+        return session.id, session.length, 0
 
     def propose(self, session_id, keep_length, append, k):
         check_num_tokens(k, self.max_draft_tokens)
-        session = self._session(session_id)
+        session = self._sessions.get(session_id)
         if keep_length is None:
-            keep_length = len(session.tokens)
-        self._check_keep(session, keep_length)
-        self._check_tokens(append)
-        if keep_length + len(append) + k > self.info.max_context:
-            raise OutOfRange(f"the context would exceed its limit of {self.info.max_context} tokens")
+            keep_length = session.length
+        self.rules.check_keep(session, keep_length)
+        self.rules.check_tokens(append, "appended tokens")
+        self.rules.check_length(session, keep_length + len(append) + k)
         del session.tokens[keep_length:]
         session.tokens.extend(append)
         drafts = self.lookup(session.tokens, k)
@@ -270,7 +239,7 @@ class NgramDrafter:
         """The next looked-up token of each stream (no model: nothing to batch)."""
         results: list = []
         for st in streams:
-            session = self._sessions.get(st.session_id)
+            session = self._sessions.peek(st.session_id)
             if st.done or session is None or not self._streams.holds(st.session_id, st.owner):
                 results.append(None)
                 continue
@@ -291,28 +260,21 @@ class NgramDrafter:
                     return tokens[start + n : start + n + k]
         return []
 
-    def _check_keep(self, session: _NgramSession, length: int) -> None:
-        if length < 0:
-            raise InvalidArgument(f"length must be >= 0, got {length}")
-        if length > len(session.tokens):
-            raise OutOfRange(f"cannot keep {length} tokens: the session holds only {len(session.tokens)}")
-
     def rollback(self, session_id, length):
-        session = self._session(session_id)
-        self._check_keep(session, length)
+        session = self._sessions.get(session_id)
+        self.rules.check_keep(session, length)
         self._streams.take(session_id)
         del session.tokens[length:]
-        return len(session.tokens)
+        return session.length
 
     def close(self, session_id):
         self._streams.release(session_id)
-        return self._sessions.pop(session_id, None) is not None
+        return self._sessions.pop(session_id) is not None
 
     def expire_idle(self, ttl_s):
-        now = time.monotonic()
-        stale = [sid for sid, s in self._sessions.items() if now - s.last_used > ttl_s]
+        stale = [s.id for s in self._sessions.idle(ttl_s)]
         for sid in stale:
-            del self._sessions[sid]
+            self._sessions.pop(sid)
         self._streams.release(*stale)
         return stale
 

@@ -48,7 +48,7 @@ class EngineBackend:
     def open(self, prompt, meta: SessionMeta, max_new_tokens: int) -> tuple[str, int, int]:
         session = self.engine.open_session(prompt, max_new_tokens)
         session.meta = meta
-        return session.id, session.length, session.kv.nbytes
+        return session.id, session.length, self.engine.slot_bytes
 
     def rollback(self, session_id: str, length: int) -> int:
         return self.engine.rollback(session_id, length)

@@ -52,9 +52,9 @@ def test_rollback_to_current_length_is_a_noop_and_past_the_end_is_an_error():
     seq = random_tokens(12)
     s = engine.open_session(seq)
     engine.extend([ExtendItem(s.id, None, [5, 6], 1)])
-    kv_before = s.kv.length
+    cached_before = s.cached
     assert engine.rollback(s.id, 14) == 14
-    assert s.kv.length == kv_before and s.tokens == seq + [5, 6]
+    assert s.cached == cached_before and s.tokens == seq + [5, 6]
     with pytest.raises(OutOfRange, match="holds only 14"):
         engine.rollback(s.id, 15)
     with pytest.raises(InvalidArgument):
@@ -72,12 +72,14 @@ def test_keep_length_rides_on_extend():
 
 
 def test_rollback_is_constant_time_in_context_length():
-    # A rollback moves a pointer; the buffers are not touched.
+    # A rollback moves a pointer; the store is not touched.
     engine = tiny_engine(max_context=1024)
     s = engine.open_session(random_tokens(1000))
-    keys_ptr = s.kv.keys.data_ptr()
+    keys_ptr = engine.store.keys.data_ptr()
+    before = engine.store.keys.clone()
     engine.rollback(s.id, 3)
-    assert s.kv.keys.data_ptr() == keys_ptr and s.kv.capacity >= 1000
+    assert engine.store.keys.data_ptr() == keys_ptr and s.cached == 3
+    assert torch.equal(engine.store.keys, before)
 
 
 def test_batched_forward_equals_per_session_forward_with_mixed_lengths(arch):
@@ -107,12 +109,12 @@ def test_a_bad_item_leaves_every_session_untouched():
     engine = tiny_engine()
     a = engine.open_session(random_tokens(8, seed=6))
     b = engine.open_session(random_tokens(8, seed=7))
-    before = (list(a.tokens), a.kv.length, list(b.tokens), b.kv.length)
+    before = (list(a.tokens), a.cached, list(b.tokens), b.cached)
     with pytest.raises(InvalidArgument, match="outside the vocabulary"):
         engine.extend([ExtendItem(a.id, 4, [5], 1), ExtendItem(b.id, None, [TINY_VOCAB], 1)])
     with pytest.raises(OutOfRange):
         engine.extend([ExtendItem(a.id, 4, [5], 1), ExtendItem(b.id, 9, [5], 1)])
-    assert (list(a.tokens), a.kv.length, list(b.tokens), b.kv.length) == before
+    assert (list(a.tokens), a.cached, list(b.tokens), b.cached) == before
 
 
 def test_prefill_in_chunks_equals_one_pass():
@@ -131,26 +133,24 @@ def test_long_append_is_prefed_in_chunks():
     torch.testing.assert_close(logits, reference_logits(engine, seq)[-3:], atol=ATOL, rtol=0)
 
 
-def test_kv_grows_beyond_initial_capacity():
-    engine = tiny_engine(initial_capacity=4)
+def test_a_session_grows_step_by_step_to_the_end_of_its_slot():
+    engine = tiny_engine(max_context=80)
     seq = random_tokens(80, seed=11)
     s = engine.open_session(seq[:3])
-    cap0 = s.kv.capacity
     for i in range(3, 80, 5):
         engine.extend([ExtendItem(s.id, None, seq[i:i + 5], 1)])
-    assert s.kv.capacity > cap0
+    assert s.cached == 80 and s.length == 80
     logits = engine.extend([ExtendItem(s.id, 70, seq[70:80], 10)])[0]
     torch.testing.assert_close(logits, reference_logits(engine, seq)[70:80], atol=ATOL, rtol=0)
 
 
 def test_kv_accounting_per_session():
-    engine = tiny_engine()
+    engine = tiny_engine(max_context=256)
     per_token = engine.kv_shape.bytes_per_token
     assert per_token == 2 * 2 * 2 * 16 * 4  # layers * (k+v) * kv_heads * head_dim * fp32
+    assert engine.slot_bytes == 256 * per_token
     s = engine.open_session(random_tokens(10), max_new_tokens=50)
-    assert s.kv.nbytes == s.kv.capacity * per_token
-    assert s.kv.capacity >= 60
-    assert engine.kv_bytes_reserved == s.kv.nbytes
+    assert engine.kv_bytes_reserved == engine.slot_bytes
     engine.close(s.id)
     assert engine.kv_bytes_reserved == 0
 
@@ -173,12 +173,21 @@ def test_limits_give_clear_errors():
         engine.extend([ExtendItem(a.id, None, [3], 1), ExtendItem(a.id, None, [4], 1)])
 
 
-def test_kv_byte_budget_is_enforced():
-    engine = tiny_engine()
-    engine.max_kv_bytes = 100 * engine.kv_shape.bytes_per_token
-    engine.open_session(random_tokens(10), max_new_tokens=50)
-    with pytest.raises(ResourceExhausted, match="KV cache budget"):
-        engine.open_session(random_tokens(10), max_new_tokens=50)
+def test_the_kv_budget_decides_how_many_sessions_fit():
+    per_token = 2 * 2 * 2 * 16 * 4
+    engine = tiny_engine(max_context=100, max_kv_bytes=250 * per_token)
+    assert engine.store.num_slots == 2
+    a = engine.open_session(random_tokens(10), max_new_tokens=50)
+    engine.open_session(random_tokens(10))
+    with pytest.raises(ResourceExhausted, match="KV cache budget exhausted: all 2 session slots"):
+        engine.open_session(random_tokens(10))
+    engine.close(a.id)  # its slot is free again
+    engine.open_session(random_tokens(10))
+
+
+def test_a_budget_too_small_for_one_session_is_refused_at_start():
+    with pytest.raises(ResourceExhausted, match="holds no session of 100 tokens"):
+        tiny_engine(max_context=100, max_kv_bytes=1000)
 
 
 def test_close_twice_is_harmless_and_idle_sessions_expire():

@@ -494,7 +494,7 @@ def test_idle_session_expires_and_frees_its_kv(short_ttl):
     busy = open_session(t_stub, tokens(20, seed=6)).session_id
     d_idle = open_session(d_stub, tokens(20, seed=5)).session_id
     assert t_engine.num_sessions == 2 and t_engine.kv_bytes_reserved > 0 and d_engine.num_sessions == 1
-    kv_busy = t_engine.session(busy).kv.nbytes
+    kv_busy = t_engine.slot_bytes
     for _ in range(12):  # a session in use does not expire; the idle ones do (reaped every 0.075 s)
         assert rollback(t_stub, busy, 20) == 20
         time.sleep(0.08)

@@ -21,29 +21,31 @@ class EngineConfig:
     dtype: str = opt("auto", "weights and KV dtype", choices=("auto", "bfloat16", "float16", "float32"))
     # Intra-op threads for CPU forward passes; 0 leaves torch's default.
     threads: int = opt(0, "CPU threads for forward passes (0: torch default)")
-    # "sdpa" or "eager".
-    attn_implementation: str = opt("sdpa", "attention kernel", choices=("sdpa", "eager"))
+    # Attention over the KV store (specdec/engine/attention.py): "sdpa" runs
+    # one SDPA call per session (any device; the reference), "triton" one
+    # fused kernel per step (CUDA; what CUDA graphs capture); "auto" picks
+    # triton on CUDA when the triton package is present, else sdpa.
+    attention: str = opt("auto", "attention kernel over the KV store", choices=("auto", "sdpa", "triton"))
     # Open sessions at most (>= 1).
     max_sessions: int = opt(64, "open sessions at most")
-    # Tokens one session may hold (prompt + generated + drafted), >= 2.
-    max_context: int = opt(4096, "tokens one session may hold")
-    # Bytes of KV cache all sessions may reserve together; 0: automatic
+    # Tokens one session may hold (prompt + generated + drafted), >= 2. Each
+    # session reserves a KV slot of this many tokens.
+    max_context: int = opt(4096, "tokens one session may hold (the size of its KV slot)")
+    # Bytes of the KV store, allocated at start-up; it holds
+    # min(max_sessions, max_kv_bytes // slot bytes) sessions. 0: automatic
     # (half of the free memory of the device after loading).
-    max_kv_bytes: int = opt(0, "KV cache bytes for all sessions (0: half the free device memory)")
+    max_kv_bytes: int = opt(0, "KV store bytes for all sessions (0: half the free device memory)")
     # Prompt tokens per forward pass during prefill (bounds activation memory).
     prefill_chunk: int = opt(512, "prompt tokens per prefill forward pass")
-    # KV capacity reserved when a session opens without a token budget; the
-    # buffer grows geometrically up to max_context.
-    initial_capacity: int = opt(256, "KV tokens reserved when a session opens without a budget")
 
     def validate(self) -> None:
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
             raise ValueError(f"dtype must be auto, bfloat16, float16 or float32, not {self.dtype!r}")
         if not (self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:")):
             raise ValueError(f"device must be cpu, cuda or cuda:N, not {self.device!r}")
-        if self.attn_implementation not in ("sdpa", "eager"):
-            raise ValueError("attn_implementation must be sdpa or eager")
+        if self.attention not in ("auto", "sdpa", "triton"):
+            raise ValueError(f"attention must be auto, sdpa or triton, not {self.attention!r}")
         for name, low in (("max_sessions", 1), ("max_context", 2), ("prefill_chunk", 1),
-                          ("initial_capacity", 1), ("threads", 0), ("max_kv_bytes", 0)):
+                          ("threads", 0), ("max_kv_bytes", 0)):
             if getattr(self, name) < low:
                 raise ValueError(f"{name} must be >= {low}, got {getattr(self, name)}")

@@ -1,12 +1,14 @@
 """The model engine shared by the draft and target services.
 
-A session is a token context plus a KV cache covering a prefix of it. Every
+A session is a token context plus a KV slot covering a prefix of it. Every
 call that changes a session names (keep_length, tokens): cut the context to its
 first keep_length tokens (an O(1) rollback), append the tokens, and run the
 model over whatever the cache does not cover yet, returning the logits of the
 last `num_logits` positions. Many sessions of different lengths run in ONE
-forward pass: rows are left-padded, each row has its own positions, and a
-per-row causal mask hides padding and other rows' lengths (see kv_cache.py).
+forward pass: their new tokens are concatenated into one sequence, each token
+carries its own position and slot, keys/values are written into the static
+store in place, and attention reads each session's prefix where it lies
+(kv_store.py, attention.py).
 
 Not thread-safe: a service runs every engine call on one worker thread.
 """
@@ -14,39 +16,29 @@ from __future__ import annotations
 
 import inspect
 import logging
-import secrets
-import time
-from dataclasses import dataclass, field
+import os
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from specdec.engine.attention import STEP_KWARG, row_mask, use_store_attention
 from specdec.engine.config import EngineConfig
-from specdec.engine.kv_cache import BatchKVView, KVShape, SessionKV
+from specdec.engine.kv_store import KVShape, KVStore, RowSpan, StepLayout, StoreCache, slots_for_budget
 from specdec.engine.loading import free_device_memory, load_model, tokenizer_fingerprint
-from specdec.errors import InvalidArgument, NotFound, OutOfRange, ResourceExhausted
+from specdec.engine.sessions import ContextRules, Session, SessionTable, new_session_id
+from specdec.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
 
-# Capacity a session reserves beyond its announced budget, for drafted tokens
-# that are written and then rolled back.
-_DRAFT_SLACK = 16
-
 
 @dataclass
-class Session:
-    id: str
-    # The context: prompt, accepted tokens, and any tokens drafted since.
-    tokens: list[int]
-    kv: SessionKV
-    last_used: float = field(default_factory=time.monotonic)
-    # The service's own per-session state (sampling parameters, seed, ...).
-    meta: object = None
-
-    @property
-    def length(self) -> int:
-        return len(self.tokens)
+class EngineSession(Session):
+    # The session's slot in the KV store.
+    slot: int = -1
+    # Positions [0, cached) of the slot hold valid keys/values.
+    cached: int = 0
 
 
 @dataclass(frozen=True)
@@ -76,7 +68,7 @@ class EngineInfo:
 
 
 class ModelEngine:
-    """Sessions, KV caches and batched forward passes over one causal LM."""
+    """Sessions, the KV store and batched forward passes over one causal LM."""
 
     def __init__(self, model: PreTrainedModel, cfg: EngineConfig, tokenizer=None, name: str = ""):
         cfg.validate()
@@ -90,8 +82,13 @@ class ModelEngine:
         self.max_context = self._context_limit(cfg.max_context)
         self.kv_shape = self._probe_kv_shape()
         self.max_kv_bytes = cfg.max_kv_bytes or free_device_memory(self.device) // 2
+        num_slots = slots_for_budget(self.kv_shape, self.max_context, self.max_kv_bytes, cfg.max_sessions)
+        self.store = KVStore(self.kv_shape, num_slots, self.max_context)
+        self.kernel = self._choose_kernel(cfg.attention)
+        use_store_attention(self.model)
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
-        self._sessions: dict[str, Session] = {}
+        self._sessions: SessionTable[EngineSession] = SessionTable(cfg.max_sessions)
+        self.rules = ContextRules(self.vocab_size, self.max_context)
         self.info = EngineInfo(
             model_name=self.name,
             vocab_size=self.vocab_size,
@@ -102,6 +99,8 @@ class ModelEngine:
             dtype=str(self.dtype).removeprefix("torch."),
             kv_bytes_per_token=self.kv_shape.bytes_per_token,
         )
+        log.info("KV store: %d session slots of %d tokens, %.1f MiB; attention kernel %s",
+                 num_slots, self.max_context, self.store.nbytes / 2**20, self.kernel)
 
     @classmethod
     def load(cls, cfg: EngineConfig) -> "ModelEngine":
@@ -121,7 +120,7 @@ class ModelEngine:
         windowed = any(t != "full_attention" for t in layer_types)
         window = getattr(config, "sliding_window", None)
         if (windowed or getattr(config, "use_sliding_window", False)) and window:
-            # The engine's mask is plain causal attention (kv_cache.py).
+            # The store's attention is plain causal attention.
             limit = min(limit, int(window))
         return limit
 
@@ -141,6 +140,15 @@ class ModelEngine:
             dtype=keys.dtype,
             device=keys.device,
         )
+
+    def _choose_kernel(self, requested: str) -> str:
+        if requested == "auto":
+            requested = "triton" if self.device.type == "cuda" and _triton_available() else "sdpa"
+        if requested == "triton" and self.device.type != "cuda" and not _triton_interpreted():
+            raise ValueError("--attention triton needs a CUDA device")
+        if requested == "triton" and not _triton_available():
+            raise ValueError("--attention triton needs the triton package")
+        return requested
 
     def _eos_ids(self) -> tuple[int, ...]:
         ids: set[int] = set()
@@ -171,47 +179,33 @@ class ModelEngine:
         return len(self._sessions)
 
     @property
+    def slot_bytes(self) -> int:
+        """KV bytes one session reserves (its slot)."""
+        return self.store.bytes_per_slot
+
+    @property
     def kv_bytes_reserved(self) -> int:
-        # list() snapshots the sessions in one step: the metrics thread reads
-        # this while the engine thread opens and closes sessions.
-        return sum(s.kv.nbytes for s in list(self._sessions.values()))
+        """KV bytes held by open sessions; safe from any thread."""
+        return len(self._sessions) * self.store.bytes_per_slot
 
-    def session(self, session_id: str) -> Session:
-        try:
-            session = self._sessions[session_id]
-        except KeyError:
-            raise NotFound(f"unknown or expired session {session_id!r}") from None
-        session.last_used = time.monotonic()
-        return session
+    def session(self, session_id: str) -> EngineSession:
+        return self._sessions.get(session_id)
 
-    def open_session(self, prompt: Sequence[int], max_new_tokens: int = 0) -> Session:
+    def open_session(self, prompt: Sequence[int], max_new_tokens: int = 0) -> EngineSession:
         """Create a session and prefill its prompt.
 
         The last prompt token is left out of the cache: the first extend needs
         its logits anyway, so it is computed there and not twice.
         """
         prompt = list(prompt)
-        if not prompt:
-            raise InvalidArgument("the prompt is empty: at least one token is needed")
-        self._check_tokens(prompt, "prompt")
-        if max_new_tokens < 0:
-            raise InvalidArgument(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        if len(prompt) + max_new_tokens > self.max_context:
-            raise InvalidArgument(
-                f"prompt ({len(prompt)} tokens) plus max_new_tokens ({max_new_tokens}) exceeds "
-                f"the context limit of {self.max_context} tokens"
-            )
-        if len(self._sessions) >= self.cfg.max_sessions:
-            raise ResourceExhausted(f"too many open sessions (limit {self.cfg.max_sessions})")
-        budget = max_new_tokens or self.cfg.initial_capacity
-        capacity = min(self.max_context, len(prompt) + budget + _DRAFT_SLACK)
-        self._check_budget(capacity * self.kv_shape.bytes_per_token)
-        session = Session(id=secrets.token_urlsafe(18), tokens=[], kv=SessionKV(self.kv_shape, capacity))
-        self._sessions[session.id] = session
+        self.rules.check_open(prompt, max_new_tokens)
+        self._sessions.check_room()
+        session = EngineSession(id=new_session_id(), tokens=[], slot=self.store.allocate())
+        self._sessions.add(session)
         try:
             self._prefill(session, prompt[:-1])
         except BaseException:
-            del self._sessions[session.id]
+            self.close(session.id)
             raise
         session.tokens = prompt
         return session
@@ -220,29 +214,30 @@ class ModelEngine:
         """Append to the context without a forward pass (the next extend
         computes them); returns the new length."""
         session = self.session(session_id)
-        self._check_tokens(tokens, "appended tokens")
-        if session.length + len(tokens) > self.max_context:
-            raise OutOfRange(f"session {session_id!r} would exceed the context limit of {self.max_context}")
+        self.rules.check_tokens(tokens, "appended tokens")
+        self.rules.check_length(session, session.length + len(tokens))
         session.tokens.extend(int(t) for t in tokens)
-        self._ensure_capacity(session, session.length)
         return session.length
 
     def rollback(self, session_id: str, length: int) -> int:
         """Keep the first `length` tokens of the context: O(1)."""
         session = self.session(session_id)
-        self._check_keep(session, length)
+        self.rules.check_keep(session, length)
         del session.tokens[length:]
-        session.kv.truncate(min(session.kv.length, length))
+        session.cached = min(session.cached, length)
         return session.length
 
     def close(self, session_id: str) -> bool:
         """Free a session; False if it was already gone (closing twice is harmless)."""
-        return self._sessions.pop(session_id, None) is not None
+        session = self._sessions.pop(session_id)
+        if session is None:
+            return False
+        self.store.release(session.slot)
+        return True
 
     def expire_idle(self, ttl_s: float) -> list[str]:
         """Close sessions unused for ttl_s seconds; returns their ids."""
-        now = time.monotonic()
-        stale = [sid for sid, s in self._sessions.items() if now - s.last_used > ttl_s]
+        stale = [s.id for s in self._sessions.idle(ttl_s)]
         for sid in stale:
             self.close(sid)
         return stale
@@ -263,7 +258,7 @@ class ModelEngine:
             self._prefeed_long(session, item.num_logits)
         return self._forward(sessions, [item.num_logits for item in items])
 
-    def validate(self, items: Sequence[ExtendItem]) -> list[Session]:
+    def validate(self, items: Sequence[ExtendItem]) -> list[EngineSession]:
         """Check a batch without changing anything; raises the first problem."""
         if not items:
             raise InvalidArgument("empty batch")
@@ -271,17 +266,12 @@ class ModelEngine:
         if len(set(ids)) != len(ids):
             raise InvalidArgument("a session appears twice in one batch")
         sessions = [self.session(sid) for sid in ids]
-        extra_bytes = 0
         for item, session in zip(items, sessions):
             keep = session.length if item.keep_length is None else item.keep_length
-            self._check_keep(session, keep)
-            self._check_tokens(item.tokens, "appended tokens")
+            self.rules.check_keep(session, keep)
+            self.rules.check_tokens(item.tokens, "appended tokens")
             new_length = keep + len(item.tokens)
-            if new_length > self.max_context:
-                raise OutOfRange(
-                    f"session {session.id!r} would hold {new_length} tokens, beyond the context "
-                    f"limit of {self.max_context}"
-                )
+            self.rules.check_length(session, new_length)
             if item.num_logits < 0:
                 raise InvalidArgument(f"num_logits must be >= 0, got {item.num_logits}")
             if item.num_logits > new_length:
@@ -290,109 +280,94 @@ class ModelEngine:
                     f"nothing precedes the positions asked for ({item.num_logits} logits from a context of "
                     f"{new_length} tokens): keep or append at least one token"
                 )
-            extra_bytes += self._growth_bytes(session, new_length)
-        self._check_budget(extra_bytes)
         return sessions
 
-    def _apply_cut_and_append(self, session: Session, item: ExtendItem) -> None:
+    def _apply_cut_and_append(self, session: EngineSession, item: ExtendItem) -> None:
         keep = session.length if item.keep_length is None else item.keep_length
         del session.tokens[keep:]
         session.tokens.extend(int(t) for t in item.tokens)
         # The positions whose logits are wanted must be recomputed.
-        session.kv.truncate(min(session.kv.length, keep, session.length - item.num_logits))
-        self._ensure_capacity(session, session.length)
+        session.cached = min(session.cached, keep, session.length - item.num_logits)
 
-    def _prefeed_long(self, session: Session, num_logits: int) -> None:
+    def _prefeed_long(self, session: EngineSession, num_logits: int) -> None:
         """Feed, alone and in chunks, the part of a long pending run whose
         logits are not wanted, so a batched step stays small."""
         chunk = self.cfg.prefill_chunk
-        while session.length - session.kv.length > max(chunk, num_logits):
-            start = session.kv.length
-            stop = min(start + chunk, session.length - max(num_logits, 1))
-            self._run([session], [session.tokens[start:stop]], logits_to_keep=0)
+        while session.length - session.cached > max(chunk, num_logits):
+            stop = min(session.cached + chunk, session.length - max(num_logits, 1))
+            self._run([session], [stop], [0])
 
-    def _prefill(self, session: Session, tokens: list[int]) -> None:
+    def _prefill(self, session: EngineSession, tokens: list[int]) -> None:
         session.tokens = list(tokens)
         chunk = self.cfg.prefill_chunk
         for start in range(0, len(tokens), chunk):
-            self._run([session], [tokens[start : start + chunk]], logits_to_keep=0)
+            self._run([session], [min(start + chunk, len(tokens))], [0])
 
-    def _forward(self, sessions: list[Session], num_logits: list[int]) -> list[torch.Tensor]:
-        feeds = [s.tokens[s.kv.length :] for s in sessions]
-        keep = max(num_logits)
-        logits = self._run(sessions, feeds, logits_to_keep=keep)  # [B, keep, V]
-        return [logits[b, keep - n :] for b, n in enumerate(num_logits)]
+    def _forward(self, sessions: list[EngineSession], num_logits: list[int]) -> list[torch.Tensor]:
+        return self._run(sessions, [s.length for s in sessions], num_logits)
 
-    def _run(self, sessions: list[Session], feeds: list[list[int]], logits_to_keep: int) -> torch.Tensor:
-        """One forward pass; rows left-padded; returns the last logits_to_keep columns."""
-        counts = [len(f) for f in feeds]
-        n_max = max(counts)
-        if n_max == 0:
-            return torch.empty((len(feeds), 0, self.vocab_size), dtype=self.dtype, device=self.device)
-        view = BatchKVView([s.kv for s in sessions], counts)
-        input_ids = torch.zeros((len(feeds), n_max), dtype=torch.long)
-        positions = torch.zeros((len(feeds), n_max), dtype=torch.long)
-        for b, feed in enumerate(feeds):
-            n = counts[b]
-            input_ids[b, n_max - n :] = torch.tensor(feed, dtype=torch.long)
-            # Padding columns (j < 0) repeat the first real position.
-            j = (torch.arange(n_max) - (n_max - n)).clamp(min=0)
-            positions[b] = view.starts[b] + j
-        mask = self._mask(positions, view.kv_length)
-        kwargs = {"logits_to_keep": max(logits_to_keep, 1)} if self._keeps_logits else {}
+    def _run(self, sessions: list[EngineSession], stops: list[int], num_logits: list[int]) -> list[torch.Tensor]:
+        """One forward pass over tokens [cached, stop) of each session;
+        returns, per session, the logits of its last num_logits new tokens."""
+        layout, input_ids = self._layout(sessions, stops)
+        if not input_ids:
+            return [torch.empty((0, self.vocab_size), dtype=self.dtype, device=self.device) for _ in sessions]
+        wanted = [i for row, n in zip(layout.rows, num_logits) for i in range(row.stop - n, row.stop)]
+        logits = self._call_model(input_ids, layout, wanted)  # [len(wanted), V]
+        for session, row in zip(sessions, layout.rows):
+            session.cached = row.end
+        return list(torch.split(logits, num_logits))
+
+    def _layout(self, sessions: list[EngineSession], stops: list[int]) -> tuple[StepLayout, list[int]]:
+        rows, tokens, positions, bases = [], [], [], []
+        for session, stop in zip(sessions, stops):
+            start, n = session.cached, stop - session.cached
+            base = self.store.base(session.slot)
+            rows.append(RowSpan(len(tokens), len(tokens) + n, base, start, row_mask(n, start, self.device)))
+            tokens.extend(session.tokens[start:stop])
+            positions.extend(range(start, stop))
+            bases.extend([base] * n)
+        position = torch.tensor(positions, dtype=torch.int32)
+        key_base = torch.tensor(bases, dtype=torch.int32)
+        layout = StepLayout(
+            rows=rows,
+            write_index=(key_base.long() + position.long()).to(self.device),
+            key_base=key_base.to(self.device),
+            position=position.to(self.device),
+            kernel=self.kernel,
+        )
+        return layout, tokens
+
+    def _call_model(self, tokens: list[int], layout: StepLayout, wanted: list[int]) -> torch.Tensor:
+        kwargs = {}
+        if self._keeps_logits:
+            # Only the wanted rows go through the LM head (at least one:
+            # transformers reads an empty selection as "all").
+            kwargs["logits_to_keep"] = torch.tensor(wanted or [len(tokens) - 1], device=self.device)
         with torch.inference_mode():
             out = self.model(
-                input_ids=input_ids.to(self.device),
-                position_ids=positions.to(self.device),
-                attention_mask=mask,
-                past_key_values=view,
+                input_ids=torch.tensor([tokens], dtype=torch.long, device=self.device),
+                position_ids=layout.position.long().unsqueeze(0),
+                past_key_values=StoreCache(self.store, layout),
                 use_cache=True,
+                **{STEP_KWARG: layout},
                 **kwargs,
             )
-        view.commit()
-        return out.logits[:, out.logits.shape[1] - logits_to_keep :] if logits_to_keep else out.logits[:, :0]
+        logits = out.logits[0]
+        if not wanted:
+            return logits[:0]
+        return logits if self._keeps_logits else logits[torch.tensor(wanted, device=self.device)]
 
-    def _mask(self, positions: torch.Tensor, kv_length: int) -> torch.Tensor:
-        """[B, 1, n, kv_length]: query at position t sees keys 0..t of its row."""
-        allowed = torch.arange(kv_length).view(1, 1, 1, -1) <= positions.view(*positions.shape[:2], 1).unsqueeze(1)
-        allowed = allowed.to(self.device)
-        if self.cfg.attn_implementation == "sdpa":
-            return allowed
-        zero = torch.zeros((), dtype=self.dtype, device=self.device)
-        return torch.where(allowed, zero, torch.finfo(self.dtype).min)
 
-    # ------------------------------------------------------------ the limits
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
-    def _check_tokens(self, tokens: Sequence[int], what: str) -> None:
-        for t in tokens:
-            if not 0 <= int(t) < self.vocab_size:
-                raise InvalidArgument(f"{what}: token id {int(t)} outside the vocabulary [0, {self.vocab_size})")
 
-    def _check_keep(self, session: Session, length: int) -> None:
-        if length < 0:
-            raise InvalidArgument(f"length must be >= 0, got {length}")
-        if length > session.length:
-            raise OutOfRange(
-                f"cannot keep {length} tokens: session {session.id!r} holds only {session.length}"
-            )
-
-    def _growth_bytes(self, session: Session, length: int) -> int:
-        new_capacity = self._grown_capacity(session.kv.capacity, length)
-        return (new_capacity - session.kv.capacity) * self.kv_shape.bytes_per_token
-
-    def _grown_capacity(self, capacity: int, length: int) -> int:
-        if length <= capacity:
-            return capacity
-        return min(self.max_context, max(2 * capacity, length + _DRAFT_SLACK))
-
-    def _ensure_capacity(self, session: Session, length: int) -> None:
-        capacity = self._grown_capacity(session.kv.capacity, length)
-        if capacity > session.kv.capacity:
-            session.kv.grow(capacity)
-
-    def _check_budget(self, extra_bytes: int) -> None:
-        if self.kv_bytes_reserved + extra_bytes > self.max_kv_bytes:
-            raise ResourceExhausted(
-                f"KV cache budget exhausted: {self.kv_bytes_reserved + extra_bytes} bytes needed, "
-                f"limit {self.max_kv_bytes} (close sessions or raise --max-kv-bytes)"
-            )
+def _triton_interpreted() -> bool:
+    """TRITON_INTERPRET=1 runs Triton kernels on the CPU (slowly): how the
+    fused kernel is tested without a GPU."""
+    return os.environ.get("TRITON_INTERPRET") == "1"

@@ -76,7 +76,7 @@ def load_model(cfg: EngineConfig) -> LoadedModel:
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            where, dtype=dtype, attn_implementation=cfg.attn_implementation, **kwargs
+            where, dtype=dtype, attn_implementation="sdpa", **kwargs
         )
     except OSError as exc:
         raise NotFound(f"cannot load model {cfg.model!r}: {exc}") from exc
