@@ -35,6 +35,13 @@ class EngineConfig:
     # min(max_sessions, max_kv_bytes // slot bytes) sessions. 0: automatic
     # (half of the free memory of the device after loading).
     max_kv_bytes: int = opt(0, "KV store bytes for all sessions (0: half the free device memory)")
+    # Decode and verify steps at fixed shapes captured as CUDA graphs
+    # (static_steps.py): "auto" = on for CUDA, off elsewhere; "off" keeps the
+    # eager path, the reference.
+    cuda_graphs: str = opt("auto", "capture decode/verify steps as CUDA graphs", choices=("auto", "on", "off"))
+    # The largest step (tokens over all sessions of one forward) that runs
+    # as a captured graph; larger ones (prefill chunks) run eagerly.
+    graph_max_tokens: int = opt(160, "largest step, in tokens, captured as a CUDA graph")
     # Prompt tokens per forward pass during prefill (bounds activation memory).
     prefill_chunk: int = opt(512, "prompt tokens per prefill forward pass")
 
@@ -45,7 +52,11 @@ class EngineConfig:
             raise ValueError(f"device must be cpu, cuda or cuda:N, not {self.device!r}")
         if self.attention not in ("auto", "sdpa", "triton"):
             raise ValueError(f"attention must be auto, sdpa or triton, not {self.attention!r}")
-        for name, low in (("max_sessions", 1), ("max_context", 2), ("prefill_chunk", 1),
+        if self.cuda_graphs not in ("auto", "on", "off"):
+            raise ValueError(f"cuda_graphs must be auto, on or off, not {self.cuda_graphs!r}")
+        if self.cuda_graphs == "on" and not self.device.startswith("cuda"):
+            raise ValueError("--cuda-graphs on needs a CUDA device (--device cuda or cuda:N)")
+        for name, low in (("max_sessions", 1), ("max_context", 2), ("prefill_chunk", 1), ("graph_max_tokens", 1),
                           ("threads", 0), ("max_kv_bytes", 0)):
             if getattr(self, name) < low:
                 raise ValueError(f"{name} must be >= {low}, got {getattr(self, name)}")

@@ -28,6 +28,7 @@ from specdec.engine.config import EngineConfig
 from specdec.engine.kv_store import KVShape, KVStore, RowSpan, StepLayout, StoreCache, slots_for_budget
 from specdec.engine.loading import free_device_memory, load_model, tokenizer_fingerprint
 from specdec.engine.sessions import ContextRules, Session, SessionTable, new_session_id
+from specdec.engine.static_steps import CaptureReport, StaticSteps
 from specdec.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
@@ -87,6 +88,10 @@ class ModelEngine:
         self.kernel = self._choose_kernel(cfg.attention)
         use_store_attention(self.model)
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self.steps: StaticSteps | None = None
+        self.capture_report: CaptureReport | None = None
+        if self._wants_graphs(cfg.cuda_graphs):
+            self.use_static_steps(cfg.graph_max_tokens)
         self._sessions: SessionTable[EngineSession] = SessionTable(cfg.max_sessions)
         self.rules = ContextRules(self.vocab_size, self.max_context)
         self.info = EngineInfo(
@@ -150,6 +155,22 @@ class ModelEngine:
             raise ValueError("--attention triton needs the triton package")
         return requested
 
+    def _wants_graphs(self, setting: str) -> bool:
+        if self.device.type != "cuda" or setting == "off":
+            return False
+        if self.kernel != "triton":
+            if setting == "on":
+                raise ValueError("--cuda-graphs on needs the fused attention kernel (--attention triton)")
+            log.warning("CUDA graphs off: the fused attention kernel is unavailable (no triton package)")
+            return False
+        return True
+
+    def use_static_steps(self, max_tokens: int) -> StaticSteps:
+        """Run steps of up to max_tokens tokens at padded fixed shapes
+        (captured as CUDA graphs by `warmup()` on CUDA)."""
+        self.steps = StaticSteps(self.model, self.store, max_tokens, self.kernel, self._keeps_logits)
+        return self.steps
+
     def _eos_ids(self) -> tuple[int, ...]:
         ids: set[int] = set()
         for source in (getattr(self.model, "generation_config", None), self.model.config):
@@ -171,6 +192,8 @@ class ModelEngine:
         finally:
             self.close(a.id)
             self.close(b.id)
+        if self.steps is not None and self.device.type == "cuda" and not self.steps.captured:
+            self.capture_report = self.steps.capture()
 
     # -------------------------------------------------------------- sessions
 
@@ -309,34 +332,33 @@ class ModelEngine:
     def _run(self, sessions: list[EngineSession], stops: list[int], num_logits: list[int]) -> list[torch.Tensor]:
         """One forward pass over tokens [cached, stop) of each session;
         returns, per session, the logits of its last num_logits new tokens."""
-        layout, input_ids = self._layout(sessions, stops)
-        if not input_ids:
+        tokens, positions, bases, spans = [], [], [], []
+        for session, stop in zip(sessions, stops):
+            start = session.cached
+            base = self.store.base(session.slot)
+            spans.append(RowSpan(len(tokens), len(tokens) + stop - start, base, start))
+            tokens.extend(session.tokens[start:stop])
+            positions.extend(range(start, stop))
+            bases.extend([base] * (stop - start))
+        if not tokens:
             return [torch.empty((0, self.vocab_size), dtype=self.dtype, device=self.device) for _ in sessions]
-        wanted = [i for row, n in zip(layout.rows, num_logits) for i in range(row.stop - n, row.stop)]
-        logits = self._call_model(input_ids, layout, wanted)  # [len(wanted), V]
-        for session, row in zip(sessions, layout.rows):
+        wanted = [i for row, n in zip(spans, num_logits) for i in range(row.stop - n, row.stop)]
+        if self.steps is not None and self.steps.fits(len(tokens)):
+            every = self.steps.run(tokens, positions, bases)  # [len(tokens), V]
+            logits = every[torch.tensor(wanted, dtype=torch.long, device=self.device)]
+        else:
+            logits = self._call_model(tokens, self._eager_layout(spans, positions, bases), wanted)
+        for session, row in zip(sessions, spans):
             session.cached = row.end
         return list(torch.split(logits, num_logits))
 
-    def _layout(self, sessions: list[EngineSession], stops: list[int]) -> tuple[StepLayout, list[int]]:
-        rows, tokens, positions, bases = [], [], [], []
-        for session, stop in zip(sessions, stops):
-            start, n = session.cached, stop - session.cached
-            base = self.store.base(session.slot)
-            rows.append(RowSpan(len(tokens), len(tokens) + n, base, start, row_mask(n, start, self.device)))
-            tokens.extend(session.tokens[start:stop])
-            positions.extend(range(start, stop))
-            bases.extend([base] * n)
-        position = torch.tensor(positions, dtype=torch.int32)
-        key_base = torch.tensor(bases, dtype=torch.int32)
-        layout = StepLayout(
-            rows=rows,
-            write_index=(key_base.long() + position.long()).to(self.device),
-            key_base=key_base.to(self.device),
-            position=position.to(self.device),
-            kernel=self.kernel,
-        )
-        return layout, tokens
+    def _eager_layout(self, spans: list[RowSpan], positions: list[int], bases: list[int]) -> StepLayout:
+        for row in spans:
+            row.mask = row_mask(row.stop - row.start, row.first_position, self.device)
+        position = torch.tensor(positions, dtype=torch.long, device=self.device)
+        key_base = torch.tensor(bases, dtype=torch.long, device=self.device)
+        return StepLayout(rows=spans, write_index=key_base + position, key_base=key_base, position=position,
+                          kernel=self.kernel)
 
     def _call_model(self, tokens: list[int], layout: StepLayout, wanted: list[int]) -> torch.Tensor:
         kwargs = {}
@@ -347,7 +369,7 @@ class ModelEngine:
         with torch.inference_mode():
             out = self.model(
                 input_ids=torch.tensor([tokens], dtype=torch.long, device=self.device),
-                position_ids=layout.position.long().unsqueeze(0),
+                position_ids=layout.position.unsqueeze(0),
                 past_key_values=StoreCache(self.store, layout),
                 use_cache=True,
                 **{STEP_KWARG: layout},

@@ -145,8 +145,8 @@ class StepLayout:
     between sessions; a captured graph pads the end with scratch tokens).
     Device tensors, one entry per token:
       write_index [T] int64: flat store index its keys/values are written to;
-      key_base    [T] int32: flat index of position 0 of its session's slot;
-      position    [T] int32: its position; it sees keys at positions 0..position.
+      key_base    [T] int64: flat index of position 0 of its session's slot;
+      position    [T] int64: its position; it sees keys at positions 0..position.
     """
 
     rows: list[RowSpan]

@@ -69,7 +69,7 @@ def _store_attention_kernel(
 def attend(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_base: torch.Tensor,
            position: torch.Tensor, scale: float, block_n: int = 64) -> torch.Tensor:
     """q [T, Hq, D] (any strides, last dim contiguous), key [Hkv, N, D],
-    value [Hkv, N, Dv], key_base/position [T] int32 -> [T, Hq, Dv]."""
+    value [Hkv, N, Dv], key_base/position [T] integers -> [T, Hq, Dv]."""
     tokens, q_heads, head_dim = q.shape
     kv_heads, _, value_dim = value.shape
     assert q_heads % kv_heads == 0, (q_heads, kv_heads)

@@ -1,0 +1,107 @@
+"""The GPU engine: captured CUDA-graph steps against the eager reference,
+batched against alone, and exact speculative decoding with the orchestrator on
+the GPU. Marked `gpu`; skipped without CUDA (CI has none)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec.engine.config import EngineConfig
+from specdec.engine.engine import ExtendItem, ModelEngine
+from tests.conftest import tiny_model
+from tests.test_engine import random_tokens
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+def cuda_engine(dtype: str, graphs: bool, arch: str = "qwen2", seed: int = 0, **cfg) -> ModelEngine:
+    model = tiny_model(arch, seed=seed, init_range=0.3).to(device="cuda", dtype=getattr(torch, dtype))
+    cfg = EngineConfig(device="cuda", dtype=dtype, max_context=256, max_kv_bytes=1 << 28,
+                       cuda_graphs="on" if graphs else "off", graph_max_tokens=64, **cfg)
+    engine = ModelEngine(model, cfg, name=f"tiny-{arch}-cuda")
+    engine.warmup()
+    return engine
+
+
+def run_script(engine):
+    """Prefill, a verify-shaped batch of mixed lengths, decode steps, a
+    rollback: every logits row the engine returns, on the CPU."""
+    seqs = [random_tokens(n, seed=40 + n) for n in (5, 33, 12, 70)]
+    sessions = [engine.open_session(seq) for seq in seqs]
+    out = engine.extend([ExtendItem(s.id, None, [7, 8, 9, 10], 5) for s in sessions])
+    for step in range(6):
+        out += engine.extend([ExtendItem(s.id, None, [11 + step], 1) for s in sessions])
+    engine.rollback(sessions[1].id, 20)
+    out += engine.extend([ExtendItem(s.id, None, [3, 4], 3) for s in sessions])
+    for s in sessions:
+        engine.close(s.id)
+    return [o.float().cpu() for o in out]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
+def test_graph_steps_equal_eager_steps_in_fp32(arch):
+    graphs = cuda_engine("float32", True, arch)
+    assert graphs.steps is not None and graphs.steps.captured and graphs.capture_report.buckets > 0
+    eager = cuda_engine("float32", False, arch)
+    assert eager.steps is None
+    for a, b in zip(run_script(graphs), run_script(eager)):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+def test_graph_steps_are_close_to_eager_steps_in_bf16():
+    graphs, eager = cuda_engine("bfloat16", True), cuda_engine("bfloat16", False)
+    outs = list(zip(run_script(graphs), run_script(eager)))
+    same = sum(int(torch.equal(a.argmax(-1), b.argmax(-1))) for a, b in outs)
+    for a, b in outs:
+        torch.testing.assert_close(a, b, atol=0.1, rtol=0.05)
+    print(f"bf16 argmax identity, graphs vs eager: {same}/{len(outs)} steps")
+
+
+def test_batched_equals_alone_on_the_gpu_in_fp32():
+    engine = cuda_engine("float32", True)
+    seqs = [random_tokens(n, seed=60 + n) for n in (9, 40, 17)]
+    alone = []
+    for seq in seqs:
+        s = engine.open_session(seq[:-4])
+        alone.append(engine.extend([ExtendItem(s.id, None, seq[-4:], 5)])[0].cpu())
+        engine.close(s.id)
+    sessions = [engine.open_session(seq[:-4]) for seq in seqs]
+    batched = engine.extend([ExtendItem(s.id, None, seq[-4:], 5) for s, seq in zip(sessions, seqs)])
+    for a, b in zip(alone, batched):
+        torch.testing.assert_close(a, b.cpu(), atol=1e-4, rtol=0)
+        assert torch.equal(a.argmax(-1), b.cpu().argmax(-1))
+
+
+def test_speculative_greedy_on_the_gpu_equals_target_alone():
+    from tests.harness import running_system
+    from tests.test_orchestrator import perturbed
+
+    target = tiny_model(seed=0, init_range=0.3)
+    draft = perturbed(target, 0.15, seed=1)
+    prompts = [random_tokens(n, seed=n) for n in (4, 9, 15)]
+    refs = []
+    with torch.inference_mode():
+        for p in prompts:
+            ids = list(p)
+            for _ in range(24):
+                ids.append(int(target(torch.tensor([ids])).logits[0, -1].argmax()))
+            refs.append(ids[len(p):])
+
+    def engine(model):
+        e = ModelEngine(model.to("cuda"), EngineConfig(device="cuda", dtype="float32", max_context=256,
+                                                       max_kv_bytes=1 << 28, graph_max_tokens=64))
+        e.warmup()
+        return e
+
+    with running_system(engine(copy_of(target)), engine(draft)) as system:
+        for p, ref in zip(prompts, refs):
+            result = system.client.complete(p, max_tokens=24, temperature=0, num_draft_tokens=4)
+            assert result.token_ids == ref
+            assert result.stats.accepted_tokens > 0
+
+
+def copy_of(model):
+    import copy
+    return copy.deepcopy(model)
