@@ -60,7 +60,7 @@ def rollback_time(engine: ModelEngine, context: int, repeat: int = 2000) -> floa
     def run():
         engine.rollback(s.id, context - 4)
         engine.append_tokens(s.id, [5] * 4)
-        s.kv.length = context  # restore the pointer: the KV stays valid
+        s.cached = context  # restore the pointer: the KV stays valid
     t = median_time(run, repeat)
     engine.close(s.id)
     return t

@@ -42,9 +42,8 @@ and k = 2: x_1 is at 10, x_2 at 11, the bonus at 12. If x_1 is rejected the roun
 emits [r_1] (at 10) and the next round's x_1 is at 11; if x_1 is accepted and x_2
 rejected it emits [x_1, r_2]; if both are accepted, [x_1, x_2, bonus].
 
-Limitation: the recovered and bonus tokens are drawn on the CPU in float64 for
-reproducibility, so `score_drafts` copies k+1 full-vocabulary rows from the device
-to the host (about 0.6 MB per row for Qwen) per session per round.
+The recovered and bonus tokens are drawn where the logits are (the GPU, on a GPU
+target), in float64 (`sparse.sample_rows`): only O(k) numbers cross to the host.
 """
 
 from __future__ import annotations

@@ -19,7 +19,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from specdec.sampling.transform import top_indices
@@ -96,25 +95,29 @@ def truncate(probs_row: torch.Tensor, max_tokens: int) -> SparseDist:
 def sample_rows(rows: torch.Tensor, us: Sequence[float]) -> list[int]:
     """For each row of weights rows [R, V] (any device), the index its uniform selects.
 
-    Row r is treated as the distribution rows[r] / rows[r].sum(). Done on the CPU in
-    float64 (a sequential cumulative sum) so that the same weights and uniform give
-    the same index everywhere. Never returns an index of weight 0: the first index
-    whose cumulative weight exceeds u * total cannot be one (its cumulative weight
-    equals its predecessor's), and when u * total rounds up to the total (u within
-    2**-53 of 1) no index qualifies, so the last index of positive weight is used.
+    Row r is treated as the distribution rows[r] / rows[r].sum(). Done where the
+    rows are (no full-vocabulary row crosses to the host; one transfer of R
+    integers comes back), in float64: the same weights and uniform give the
+    same index on a given device whatever else is in the batch, since each
+    row's cumulative sum depends on that row alone. Never returns an index of
+    weight 0: the first index whose cumulative weight exceeds u * total cannot
+    be one (its cumulative weight equals its predecessor's), and when
+    u * total rounds up to the total (u within 2**-53 of 1) no index
+    qualifies, so the last index of positive weight is used.
     """
     assert rows.dim() == 2 and rows.shape[0] == len(us), (tuple(rows.shape), len(us))
-    weights = rows.detach().to("cpu", torch.float64).numpy()  # [R, V]
-    cumulative = np.cumsum(weights, axis=-1)  # [R, V]
+    weights = rows.detach().to(torch.float64)  # [R, V]
+    vocab = weights.shape[-1]
+    cumulative = torch.cumsum(weights, dim=-1)  # [R, V]
     totals = cumulative[:, -1]  # [R]
-    assert ((totals > 0) & np.isfinite(totals)).all(), f"rows without finite mass: {totals}"
-    picked = []
-    for row, cum, total, u in zip(weights, cumulative, totals, us):
-        index = int(np.searchsorted(cum, u * total, side="right"))
-        if index == len(cum):
-            index = int(np.flatnonzero(row)[-1])
-        picked.append(index)
-    return picked
+    u = torch.tensor(list(us), dtype=torch.float64, device=weights.device)
+    picked = torch.searchsorted(cumulative, (u * totals)[:, None], right=True)[:, 0]  # [R]
+    last_positive = vocab - 1 - torch.argmax((weights > 0).flip(-1).to(torch.int8), dim=-1)
+    picked = torch.where(picked >= vocab, last_positive, picked)
+    ok = ((totals > 0) & torch.isfinite(totals)).long()
+    host = torch.cat([picked, ok]).tolist()  # the one device-to-host transfer
+    assert all(host[len(us):]), f"rows without finite mass: {totals.tolist()}"
+    return host[: len(us)]
 
 
 def sample(dist: SparseDist, u: float) -> int:
