@@ -1,0 +1,109 @@
+"""Projected speedups from measured round costs, at acceptances the user gives.
+
+A pair of random-weight models (`specd models synth`) has real step costs
+but no acceptance worth the name, so `specd bench` measures the costs and
+projects the speedup at assumed per-draft acceptances α. Every figure it
+prints from here is labelled *projected*. The formulas use measured numbers
+only:
+
+    E(α, k)  = (1 − α^(k+1)) / (1 − α)        expected tokens per round
+    t_d      = draft compute per drafted token (Propose compute ÷ k)
+    t_v(k)   = target compute of one verify of k + 1 tokens
+    o        = the rest of a round: round wall time − t_v − k·t_d
+               (round trips, the orchestrator's own work)
+
+- **one GPU** (both models on one device, rounds strictly sequential):
+  cost = k·t_d + t_v(k) + o.
+- **separate GPUs, pipelined drafting** (the rule `orchestrator/pipelining`
+  implements): while the target verifies round r, the draft already makes
+  k + 1 tokens as if all k drafts will be accepted. When round r is fully
+  accepted and its bonus equals the first token drafted ahead (probability
+  h = α^(k+1), taking the bonus match as one more acceptance), round r + 1
+  sends no Propose and costs max(t_v(k) + o, (k+1)·t_d); otherwise it costs
+  k·t_d + t_v(k) + o as without pipelining:
+  cost = h · max(t_v + o, (k+1)·t_d) + (1 − h) · (k·t_d + t_v + o).
+
+The projected rate is E / cost; the projected speedup divides it by the
+measured target-only rate of the same run. The same formulas at the
+*measured* acceptance of a real pair give the figure that checks them
+(`check_row`): they should land within ±10% of the measured speedup.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+LAYOUTS = ("one-gpu", "two-gpus-pipelined")
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """E(α, k) = (1 − α^(k+1)) / (1 − α); k + 1 at α = 1."""
+    assert 0.0 <= alpha <= 1.0 and k >= 0, (alpha, k)
+    if alpha >= 1.0:
+        return float(k + 1)
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+@dataclass(frozen=True)
+class RoundCosts:
+    """Measured costs of rounds of one k, in seconds."""
+
+    k: int
+    t_draft: float  # per drafted token
+    t_verify: float  # one verify of k + 1 tokens
+    overhead: float  # per round, outside both models
+
+    def sequential(self) -> float:
+        return self.k * self.t_draft + self.t_verify + self.overhead
+
+    def after_hit(self) -> float:
+        """A round whose drafts were made ahead during the previous verify."""
+        return max(self.t_verify + self.overhead, (self.k + 1) * self.t_draft)
+
+
+def round_cost(costs: RoundCosts, alpha: float, layout: str) -> float:
+    if layout == "one-gpu":
+        return costs.sequential()
+    if layout == "two-gpus-pipelined":
+        hit = alpha ** (costs.k + 1)
+        return hit * costs.after_hit() + (1.0 - hit) * costs.sequential()
+    raise ValueError(f"unknown layout {layout!r}; expected one of {LAYOUTS}")
+
+
+def projected_rate(costs: RoundCosts, alpha: float, layout: str) -> float:
+    """Projected tokens/s of one stream."""
+    return expected_tokens(alpha, costs.k) / round_cost(costs, alpha, layout)
+
+
+@dataclass(frozen=True)
+class Projection:
+    alpha: float
+    layout: str
+    k: int  # the measured k that projects best
+    tokens_per_s: float
+    speedup: float  # over the measured target-only rate
+
+
+def best_projection(measured: Sequence[RoundCosts], alpha: float, layout: str,
+                    target_only_tokens_per_s: float) -> Projection:
+    """The k (among those measured) with the highest projected rate."""
+    assert measured and target_only_tokens_per_s > 0
+    best = max(measured, key=lambda c: (projected_rate(c, alpha, layout), -c.k))
+    rate = projected_rate(best, alpha, layout)
+    return Projection(alpha, layout, best.k, rate, rate / target_only_tokens_per_s)
+
+
+def projection_table(measured: Sequence[RoundCosts], alphas: Iterable[float],
+                     target_only_tokens_per_s: float) -> list[Projection]:
+    return [best_projection(measured, a, layout, target_only_tokens_per_s)
+            for a in alphas for layout in LAYOUTS]
+
+
+def check_row(costs: RoundCosts, measured_alpha: float, measured_tokens_per_s: float,
+              target_only_tokens_per_s: float, layout: str = "one-gpu") -> dict:
+    """The projection at the measured acceptance beside the measured speedup:
+    how far the formula is from reality on a pair whose acceptance is real."""
+    projected = projected_rate(costs, measured_alpha, layout) / target_only_tokens_per_s
+    measured = measured_tokens_per_s / target_only_tokens_per_s
+    return {"k": costs.k, "alpha": measured_alpha, "layout": layout, "projected_speedup": projected,
+            "measured_speedup": measured, "error": projected / measured - 1.0}

@@ -1,0 +1,52 @@
+"""The projected-speedup formulas of specd bench (specdec/bench/projection.py)."""
+from __future__ import annotations
+
+import pytest
+
+from specdec.bench.projection import (RoundCosts, best_projection, check_row, expected_tokens, projected_rate,
+                                      projection_table, round_cost)
+
+
+def test_expected_tokens():
+    assert expected_tokens(0.0, 4) == 1.0
+    assert expected_tokens(1.0, 4) == 5.0
+    assert expected_tokens(0.8, 4) == pytest.approx((1 - 0.8 ** 5) / 0.2)
+
+
+def test_one_gpu_cost_is_the_sequential_round():
+    c = RoundCosts(k=4, t_draft=0.002, t_verify=0.010, overhead=0.001)
+    assert round_cost(c, 0.8, "one-gpu") == pytest.approx(4 * 0.002 + 0.010 + 0.001)
+    # at α = 0.85: E = 4.437 tokens per 19 ms against a 10 ms target step
+    assert projected_rate(c, 0.85, "one-gpu") * 0.010 == pytest.approx(expected_tokens(0.85, 4) / 1.9)
+
+
+def test_pipelining_saves_the_drafting_after_a_hit_only():
+    c = RoundCosts(k=4, t_draft=0.002, t_verify=0.010, overhead=0.001)
+    assert round_cost(c, 0.0, "two-gpus-pipelined") == pytest.approx(c.sequential())
+    assert round_cost(c, 1.0, "two-gpus-pipelined") == pytest.approx(0.011)  # max(t_v + o, 5 t_d)
+    slow_draft = RoundCosts(k=4, t_draft=0.004, t_verify=0.010, overhead=0.001)
+    assert round_cost(slow_draft, 1.0, "two-gpus-pipelined") == pytest.approx(0.020)  # drafting ahead is the bound
+    h = 0.8 ** 5
+    assert round_cost(c, 0.8, "two-gpus-pipelined") == pytest.approx(h * 0.011 + (1 - h) * 0.019)
+    with pytest.raises(ValueError, match="unknown layout"):
+        round_cost(c, 0.8, "three-gpus")
+
+
+def test_best_k_is_chosen_among_the_measured_ones():
+    measured = [RoundCosts(k, 0.002, 0.010 + 0.0002 * k, 0.001) for k in (1, 2, 4, 8)]
+    low = best_projection(measured, 0.3, "one-gpu", target_only_tokens_per_s=90.0)
+    high = best_projection(measured, 0.95, "one-gpu", target_only_tokens_per_s=90.0)
+    assert low.k < high.k
+    assert high.speedup == pytest.approx(high.tokens_per_s / 90.0)
+    rows = projection_table(measured, [0.7, 0.85], 90.0)
+    assert [(r.alpha, r.layout) for r in rows] == [(0.7, "one-gpu"), (0.7, "two-gpus-pipelined"),
+                                                   (0.85, "one-gpu"), (0.85, "two-gpus-pipelined")]
+    assert all(r.speedup > 0 for r in rows)
+
+
+def test_check_row_compares_projection_with_measurement():
+    c = RoundCosts(k=2, t_draft=0.1, t_verify=0.25, overhead=0.02)
+    row = check_row(c, measured_alpha=0.85, measured_tokens_per_s=5.0, target_only_tokens_per_s=3.8)
+    assert row["measured_speedup"] == pytest.approx(5.0 / 3.8)
+    assert row["projected_speedup"] == pytest.approx(expected_tokens(0.85, 2) / 0.47 / 3.8)
+    assert row["error"] == pytest.approx(row["projected_speedup"] / row["measured_speedup"] - 1)
