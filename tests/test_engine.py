@@ -79,7 +79,7 @@ def test_rollback_is_constant_time_in_context_length():
     before = engine.store.keys.clone()
     engine.rollback(s.id, 3)
     assert engine.store.keys.data_ptr() == keys_ptr and s.cached == 3
-    assert torch.equal(engine.store.keys, before)
+    assert torch.equal(engine.store.keys.nan_to_num(), before.nan_to_num())  # unwritten memory may hold NaN
 
 
 def test_batched_forward_equals_per_session_forward_with_mixed_lengths(arch):

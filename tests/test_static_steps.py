@@ -50,7 +50,9 @@ def test_a_step_is_padded_to_its_bucket_and_padding_touches_only_scratch():
     static.extend([ExtendItem(s.id, None, [5, 6], 3) for s in sessions])  # 3 rows x 3 tokens = 9 -> bucket 9
     static.extend([ExtendItem(s.id, None, [5, 6, 7, 8], 2) for s in sessions])  # 3 x 4 new = 12 -> 12
     static.extend([ExtendItem(sessions[0].id, None, list(range(3, 20)), 1)])  # 18 -> bucket 24: 6 padding
-    changed = (static.store.keys != before).any(dim=(0, 1, 3)).nonzero().flatten().tolist()
+    now = static.store.keys
+    same = (now == before) | (now.isnan() & before.isnan())  # unwritten memory may hold NaN
+    changed = (~same).any(dim=(0, 1, 3)).nonzero().flatten().tolist()
     allowed = set()
     for s in sessions:
         base = static.store.base(s.slot)
@@ -103,11 +105,14 @@ def test_budget_exhaustion_and_a_bad_item_leave_static_sessions_untouched():
     b = static.open_session(random_tokens(8, seed=7))
     with pytest.raises(ResourceExhausted, match="all 2 session slots"):
         static.open_session([3])
-    keys = static.store.keys.clone()
+    def written():  # the valid prefixes (the rest of the store is uninitialized memory)
+        return [static.store.keys[:, :, static.store.base(s.slot): static.store.base(s.slot) + s.cached].clone()
+                for s in (a, b)]
+    keys = written()
     state = (list(a.tokens), a.cached, list(b.tokens), b.cached)
     with pytest.raises(InvalidArgument, match="outside the vocabulary"):
         static.extend([ExtendItem(a.id, 4, [5], 1), ExtendItem(b.id, None, [TINY_VOCAB], 1)])
     with pytest.raises(OutOfRange):
         static.extend([ExtendItem(a.id, 4, [5], 1), ExtendItem(b.id, 9, [5], 1)])
     assert (list(a.tokens), a.cached, list(b.tokens), b.cached) == state
-    assert torch.equal(static.store.keys, keys)
+    assert all(torch.equal(x, y) for x, y in zip(written(), keys))
