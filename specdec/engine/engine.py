@@ -22,6 +22,7 @@ from typing import Sequence
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from specdec.engine import vocab
 from specdec.engine.config import EngineConfig
 from specdec.engine.kv_cache import BatchKVView, KVShape, SessionKV
 from specdec.engine.loading import free_device_memory, load_model, tokenizer_fingerprint
@@ -73,6 +74,9 @@ class EngineInfo:
     device: str
     dtype: str
     kv_bytes_per_token: int
+    # Ids [0, usable_vocab_size) are read and emitted; the output rows beyond
+    # are padding, masked to -inf (engine/vocab.py). 0: all vocab_size ids.
+    usable_vocab_size: int = 0
 
 
 class ModelEngine:
@@ -87,6 +91,7 @@ class ModelEngine:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self.usable_vocab_size = vocab.usable_size(self.vocab_size, tokenizer)
         self.max_context = self._context_limit(cfg.max_context)
         self.kv_shape = self._probe_kv_shape()
         self.max_kv_bytes = cfg.max_kv_bytes or free_device_memory(self.device) // 2
@@ -101,6 +106,7 @@ class ModelEngine:
             device=str(self.device),
             dtype=str(self.dtype).removeprefix("torch."),
             kv_bytes_per_token=self.kv_shape.bytes_per_token,
+            usable_vocab_size=self.usable_vocab_size,
         )
 
     @classmethod
@@ -321,6 +327,7 @@ class ModelEngine:
         feeds = [s.tokens[s.kv.length :] for s in sessions]
         keep = max(num_logits)
         logits = self._run(sessions, feeds, logits_to_keep=keep)  # [B, keep, V]
+        vocab.mask_padding_(logits, self.usable_vocab_size)  # padded rows never sampled
         return [logits[b, keep - n :] for b, n in enumerate(num_logits)]
 
     def _run(self, sessions: list[Session], feeds: list[list[int]], logits_to_keep: int) -> torch.Tensor:
@@ -365,8 +372,8 @@ class ModelEngine:
 
     def _check_tokens(self, tokens: Sequence[int], what: str) -> None:
         for t in tokens:
-            if not 0 <= int(t) < self.vocab_size:
-                raise InvalidArgument(f"{what}: token id {int(t)} outside the vocabulary [0, {self.vocab_size})")
+            if not 0 <= int(t) < self.usable_vocab_size:
+                raise InvalidArgument(f"{what}: token id {int(t)} outside the vocabulary [0, {self.usable_vocab_size})")
 
     def _check_keep(self, session: Session, length: int) -> None:
         if length < 0:
