@@ -92,6 +92,10 @@ def load_tokenizer(name: str):
     """A tokenizer from a catalog name or directory; None when there is none."""
     if not name:
         return None
+    from specdec.models import synth
+
+    if synth.is_synth_name(name):
+        return synth.load_tokenizer(name)
     from transformers import AutoTokenizer
 
     from specdec.engine.loading import locate

@@ -71,6 +71,10 @@ def locate(source: str) -> tuple[str, str | None]:
 def load_model(cfg: EngineConfig) -> LoadedModel:
     """Load `cfg.model` for inference; raises NotFound for an unknown model."""
     cfg.validate()
+    from specdec.models import synth
+
+    if synth.is_synth_name(cfg.model):  # random weights of a real architecture, built in place
+        return synth.load(cfg)
     apply_threads(cfg.threads)
     where, gguf_file = locate(cfg.model)
     dtype = resolve_dtype(cfg.dtype, cfg.device)
