@@ -15,7 +15,8 @@ from orchestrator.server import check_compatible
 from specdec.engine.config import EngineConfig
 from specdec.engine.engine import ExtendItem, ModelEngine
 from specdec.engine.loading import tokenizer_fingerprint
-from specdec.engine.vocab import known_token_count, mask_padding_, usable_size, usable_size_of
+from specdec.engine.vocab import (known_token_count, mask_padding_, usable_size, usable_size_of,
+                                  usable_size_of_directory)
 from specdec.errors import FailedPrecondition, InvalidArgument
 from specdec.v1 import common_pb2
 from tests.conftest import tiny_config
@@ -161,6 +162,13 @@ def test_a_padded_model_emits_and_reads_only_the_tokenizers_ids(padded_pair):
         target.close(session.id)
     finally:
         hook.remove()
+
+
+def test_a_saved_models_usable_size_comes_from_its_tokenizer_files(padded_pair, tmp_path):
+    _, target = padded_pair  # its name is its directory
+    assert usable_size_of_directory(target.name, target.vocab_size) == len(target.tokenizer)
+    target.model.save_pretrained(tmp_path)  # no tokenizer files: every row
+    assert usable_size_of_directory(str(tmp_path), target.vocab_size) == target.vocab_size
 
 
 # ------------------------------------------------------------------ end to end

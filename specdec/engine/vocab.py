@@ -74,6 +74,19 @@ def usable_size(rows: int, tokenizer) -> int:
     return min(rows, known_token_count(tokenizer))
 
 
+def usable_size_of_directory(model_dir: str, rows: int) -> int:
+    """The usable size of a saved model with `rows` output rows: its
+    tokenizer's, when the directory ships one."""
+    if not ships_tokenizer(model_dir, None):
+        return rows
+    from transformers import AutoTokenizer
+
+    try:
+        return usable_size(rows, AutoTokenizer.from_pretrained(model_dir))
+    except (OSError, ValueError):
+        return rows
+
+
 def usable_size_of(info) -> int:
     """The usable size a ModelInfo or EngineInfo announces; 0 in
     `usable_vocab_size` (a service older than the field, or the n-gram
