@@ -42,6 +42,10 @@ def build_drafter(engine_cfg: EngineConfig, drafter_cfg: DrafterConfig, limits: 
 
 def _vocab_size(model: str) -> int:
     """The vocabulary size of a model, from its config alone (no weights)."""
+    from specdec.models import synth
+
+    if synth.is_synth_name(model):
+        return synth.get_synth(model).vocab_rows
     from transformers import AutoConfig
 
     from specdec.engine.loading import locate

@@ -15,6 +15,7 @@ from orchestrator.downstream import DraftClient, TargetClient, channel_to
 from orchestrator.replicas import Replica, ReplicaPool
 from orchestrator.servicer import Backends, OrchestratorServicer
 from orchestrator.speculation import LoopSettings
+from specdec.engine.vocab import usable_size_of
 from specdec.errors import FailedPrecondition, Unavailable
 from specdec.grpc_tracing import client_interceptors
 from specdec.serving import RunningServer, ServerConfig, start_server
@@ -59,25 +60,42 @@ async def _wait_for_info(client, timeout_s: float):
 
 
 def check_compatible(draft_info, target_info) -> None:
-    """The draft's token ids must mean the same as the target's."""
+    """The draft's token ids must mean the same as the target's.
+
+    Two models with tokenizers must share the tokenizer; their embedding rows
+    may differ (Qwen2.5-0.5B pads to 151936 rows, the 7B to 152064), since each
+    engine emits only the ids its tokenizer knows. Without a tokenizer on both
+    sides the ids are all there is, so the vocabulary sizes must be equal.
+    """
     if draft_info.backend == "ngram":
         if draft_info.vocab_size != target_info.vocab_size:
             raise FailedPrecondition(f"the ngram drafter's vocabulary ({draft_info.vocab_size}) differs from the target's ({target_info.vocab_size})")
         return
-    if draft_info.vocab_size != target_info.vocab_size:
+    names = f"draft {draft_info.model_name!r} and target {target_info.model_name!r}"
+    fingerprints = (draft_info.tokenizer_fingerprint, target_info.tokenizer_fingerprint)
+    if all(fp and not fp.startswith("untokenized") for fp in fingerprints):
+        if fingerprints[0] != fingerprints[1]:
+            raise FailedPrecondition(f"{names} have different tokenizers: the two models must share a tokenizer")
+    elif draft_info.vocab_size != target_info.vocab_size:
         raise FailedPrecondition(
-            f"draft vocabulary size {draft_info.vocab_size} != target's {target_info.vocab_size}: "
+            f"{names}: draft vocabulary size {draft_info.vocab_size} != target's {target_info.vocab_size}: "
             "the two models must share a tokenizer"
         )
-    fingerprints = (draft_info.tokenizer_fingerprint, target_info.tokenizer_fingerprint)
-    if all(fp and not fp.startswith("untokenized") for fp in fingerprints) and fingerprints[0] != fingerprints[1]:
-        raise FailedPrecondition("draft and target tokenizers differ: the two models must share a tokenizer")
+    if usable_size_of(draft_info) != usable_size_of(target_info):
+        raise FailedPrecondition(
+            f"{names} read and emit different token ids ([0, {usable_size_of(draft_info)}) and "
+            f"[0, {usable_size_of(target_info)})): give both the same tokenizer, with an embedding row for each token"
+        )
 
 
 def load_tokenizer(name: str):
     """A tokenizer from a catalog name or directory; None when there is none."""
     if not name:
         return None
+    from specdec.models import synth
+
+    if synth.is_synth_name(name):
+        return synth.load_tokenizer(name)
     from transformers import AutoTokenizer
 
     from specdec.engine.loading import locate
@@ -134,7 +152,7 @@ async def build_backends(cfg: OrchestratorConfig, tokenizer=None, telemetry: Tel
                             max_context=min(i.max_context for i in infos),
                             max_draft_tokens=min(i.max_draft_tokens for i in infos))
     return Backends(targets=targets, drafts=drafts, tokenizer=tokenizer, settings=settings,
-                    eos_ids=frozenset(eos), vocab_size=target_info.vocab_size)
+                    eos_ids=frozenset(eos), vocab_size=usable_size_of(target_info))
 
 
 async def start_orchestrator(server_cfg: ServerConfig, cfg: OrchestratorConfig, tokenizer=None,

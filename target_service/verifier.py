@@ -95,7 +95,7 @@ class Verifier(EngineBackend):
         dists = []
         for i, ((ids, probs), x) in enumerate(zip(item.draft_q, item.drafts)):
             try:
-                dists.append(validate_sparse(ids, probs, self.info.vocab_size, drafted_id=x))
+                dists.append(validate_sparse(ids, probs, self.engine.usable_vocab_size, drafted_id=x))
             except ValueError as exc:
                 raise InvalidArgument(f"draft_q[{i}]: {exc}") from None
         return dists

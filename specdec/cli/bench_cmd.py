@@ -277,7 +277,9 @@ def _random_token_prompts(model_dir: str, n: int, length: int, seed: int) -> lis
     eos = config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id]
     special = {t for t in [*eos, config.bos_token_id, getattr(config, "pad_token_id", None)] if t is not None}
     rng = random.Random(seed)
-    vocab = int(config.vocab_size)
+    from specdec.engine.vocab import usable_size_of_directory
+
+    vocab = usable_size_of_directory(model_dir, int(config.vocab_size))  # padded rows are refused as input
     out = []
     for _ in range(n):
         prompt = []

@@ -46,7 +46,7 @@ def _fetch_missing(args) -> None:
     from specdec.models.fetch import fetch
 
     for name in {args.draft_model, args.target_model} - ({args.draft_model} if args.drafter == "ngram" else set()):
-        if os.path.exists(name):
+        if os.path.exists(name) or name.startswith("synth:"):  # synth: built at start-up
             continue
         fetch(name, cache_dir=args.cache_dir)
 

@@ -23,6 +23,7 @@ from typing import Sequence
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from specdec.engine import vocab
 from specdec.engine.attention import STEP_KWARG, row_mask, use_store_attention
 from specdec.engine.config import EngineConfig
 from specdec.engine.kv_store import KVShape, KVStore, RowSpan, StepLayout, StoreCache, slots_for_budget
@@ -66,6 +67,9 @@ class EngineInfo:
     device: str
     dtype: str
     kv_bytes_per_token: int
+    # Ids [0, usable_vocab_size) are read and emitted; the output rows beyond
+    # are padding, masked to -inf (engine/vocab.py). 0: all vocab_size ids.
+    usable_vocab_size: int = 0
 
 
 class ModelEngine:
@@ -80,6 +84,7 @@ class ModelEngine:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self.usable_vocab_size = vocab.usable_size(self.vocab_size, tokenizer)
         self.max_context = self._context_limit(cfg.max_context)
         self.kv_shape = self._probe_kv_shape()
         self.max_kv_bytes = cfg.max_kv_bytes or free_device_memory(self.device) // 2
@@ -93,7 +98,7 @@ class ModelEngine:
         if self._wants_graphs(cfg.cuda_graphs):
             self.use_static_steps(cfg.graph_max_tokens)
         self._sessions: SessionTable[EngineSession] = SessionTable(cfg.max_sessions)
-        self.rules = ContextRules(self.vocab_size, self.max_context)
+        self.rules = ContextRules(self.usable_vocab_size, self.max_context)
         self.info = EngineInfo(
             model_name=self.name,
             vocab_size=self.vocab_size,
@@ -103,6 +108,7 @@ class ModelEngine:
             device=str(self.device),
             dtype=str(self.dtype).removeprefix("torch."),
             kv_bytes_per_token=self.kv_shape.bytes_per_token,
+            usable_vocab_size=self.usable_vocab_size,
         )
         log.info("KV store: %d session slots of %d tokens, %.1f MiB; attention kernel %s",
                  num_slots, self.max_context, self.store.nbytes / 2**20, self.kernel)
@@ -348,6 +354,7 @@ class ModelEngine:
             logits = every[torch.tensor(wanted, dtype=torch.long, device=self.device)]
         else:
             logits = self._call_model(tokens, self._eager_layout(spans, positions, bases), wanted)
+        vocab.mask_padding_(logits, self.usable_vocab_size)  # padded rows are never sampled
         for session, row in zip(sessions, spans):
             session.cached = row.end
         return list(torch.split(logits, num_logits))

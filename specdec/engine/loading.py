@@ -12,6 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from specdec.engine.config import EngineConfig
+from specdec.engine.vocab import known_vocab, ships_tokenizer
 from specdec.errors import NotFound
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,10 @@ def locate(source: str) -> tuple[str, str | None]:
 def load_model(cfg: EngineConfig) -> LoadedModel:
     """Load `cfg.model` for inference; raises NotFound for an unknown model."""
     cfg.validate()
+    from specdec.models import synth
+
+    if synth.is_synth_name(cfg.model):  # random weights of a real architecture, built in place
+        return synth.load(cfg)
     apply_threads(cfg.threads)
     where, gguf_file = locate(cfg.model)
     dtype = resolve_dtype(cfg.dtype, cfg.device)
@@ -86,14 +91,17 @@ def load_model(cfg: EngineConfig) -> LoadedModel:
     except (OSError, ValueError) as exc:
         log.warning("no tokenizer for %s: %s", cfg.model, exc)
         tokenizer = None
+    if not ships_tokenizer(where, gguf_file):
+        tokenizer = None  # one transformers made up (Qwen2: one token), not the model's
     return LoadedModel(model=model, tokenizer=tokenizer, name=cfg.model)
 
 
 def tokenizer_fingerprint(tokenizer, vocab_size: int) -> str:
-    """sha256 of the token-to-id map, so two services can check they agree."""
+    """sha256 of the token-to-id map, so two services can check they agree
+    (GGUF placeholder tokens left out: see engine/vocab.py)."""
     if tokenizer is None:
         return f"untokenized-vocab-{vocab_size}"
-    items = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    items = sorted(known_vocab(tokenizer).items(), key=lambda kv: kv[1])
     digest = hashlib.sha256()
     for token, idx in items:
         digest.update(f"{idx}\t{token}\n".encode("utf-8", "surrogatepass"))
