@@ -26,6 +26,7 @@ from transformers import DynamicCache, PreTrainedModel
 from specdec.engine import vocab
 from specdec.engine.attention import STEP_KWARG, row_mask, use_store_attention
 from specdec.engine.config import EngineConfig
+from specdec.engine.draft_vocab import restrict_head
 from specdec.engine.kv_store import KVShape, KVStore, RowSpan, StepLayout, StoreCache, slots_for_budget
 from specdec.engine.loading import free_device_memory, load_model, tokenizer_fingerprint
 from specdec.engine.sessions import ContextRules, Session, SessionTable, new_session_id
@@ -94,6 +95,7 @@ class ModelEngine:
         use_store_attention(self.model)
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.steps: StaticSteps | None = None
+        self.output_ids = self.vocab_size  # ids the output head computes (restrict_output)
         self.capture_report: CaptureReport | None = None
         if self._wants_graphs(cfg.cuda_graphs):
             self.use_static_steps(cfg.graph_max_tokens)
@@ -176,6 +178,15 @@ class ModelEngine:
         (captured as CUDA graphs by `warmup()` on CUDA)."""
         self.steps = StaticSteps(self.model, self.store, max_tokens, self.kernel, self._keeps_logits)
         return self.steps
+
+    def restrict_output(self, ids: torch.Tensor) -> None:
+        """Compute logits for these token ids only, -inf for the rest (a
+        trimmed draft vocabulary, draft_vocab.py). Before warmup: a captured
+        graph keeps the head it was captured with."""
+        assert self.steps is None or not self.steps.captured, "restrict the head before capturing graphs"
+        restrict_head(self.model, ids)
+        self.output_ids = int(ids.numel())
+        log.info("output head restricted to %d of %d token ids", self.output_ids, self.vocab_size)
 
     def _eos_ids(self) -> tuple[int, ...]:
         ids: set[int] = set()
