@@ -110,3 +110,34 @@ def test_sampled_output_with_a_trimmed_draft_has_the_targets_distribution():
     obs = torch.cat([counts[big], counts[~big].sum().view(1)])
     exp = torch.cat([expected[big], expected[~big].sum().view(1)])
     assert chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue > 1e-3
+
+
+def test_rank_vocab_command_and_draft_vocab_flag(tmp_path):
+    """`specd models rank-vocab DIR` writes the ranking beside the model, and
+    --draft-vocab N loads the engine with a head over the N most frequent ids."""
+    import argparse
+
+    from specdec.cli import rank_vocab_cmd
+    from specdec.engine.config import EngineConfig
+    from specdec.engine.engine import ModelEngine
+    from specdec.errors import InvalidArgument
+    from tests.test_padded_vocab import saved_model, trained_tokenizer
+
+    tok = trained_tokenizer()
+    directory = tmp_path / "draft"
+    saved_model(directory, tok, rows=320, seed=0)
+    with pytest.raises(InvalidArgument, match="rank-vocab"):
+        ModelEngine.load(EngineConfig(model=str(directory), dtype="float32", draft_vocab=64, max_kv_bytes=1 << 26))
+    args = argparse.Namespace(model=str(directory), generate_with="", generated_tokens=0, max_files=20)
+    assert rank_vocab_cmd.run_rank_vocab(args) == 0
+    from transformers import AutoTokenizer
+
+    from specdec.engine.loading import tokenizer_fingerprint
+    ranked = load_ranking(directory, tokenizer_fingerprint(AutoTokenizer.from_pretrained(directory), 0))
+    assert len(ranked) > 64
+    engine = ModelEngine.load(EngineConfig(model=str(directory), dtype="float32", draft_vocab=64, max_kv_bytes=1 << 26))
+    assert engine.output_ids == 64
+    s = engine.open_session([ranked[0], ranked[1]])
+    logits = engine.extend([ExtendItem(s.id, None, [ranked[2]], 2)])[0]
+    assert int(torch.isfinite(logits[0]).sum()) == 64
+    assert set(torch.isfinite(logits[0]).nonzero().flatten().tolist()) <= set(ranked[:64]) | set(engine.info.eos_token_ids)

@@ -3,6 +3,7 @@
     specd models fetch [NAME ...] [--cache-dir DIR] [--no-progress] [--keep-gguf] [--dtype D]
     specd models list [--cache-dir DIR] [--json]
     specd models synth NAME --out DIR [--dtype D] [--device DEV]   (synth_cmd.py)
+    specd models rank-vocab MODEL [--generate-with TARGET]         (rank_vocab_cmd.py)
 
 Mistakes a user can make (an unknown name, a failed download, a hash mismatch)
 end with one line on stderr and exit code 1, not a traceback.
@@ -13,7 +14,7 @@ import argparse
 import json
 import sys
 
-from specdec.cli import synth_cmd
+from specdec.cli import rank_vocab_cmd, synth_cmd
 from specdec.models.cache import CachedModel, default_cache_dir, list_cached
 from specdec.models.catalog import CATALOG, DEFAULT_DRAFT, DEFAULT_TARGET, ModelNotFoundError, get_spec
 from specdec.models.fetch import DTYPES, FetchError, fetch
@@ -28,10 +29,11 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     models = subparsers.add_parser(
         "models", help="fetch and list real models", description="Fetch real models into the cache and list them."
     )
-    commands = models.add_subparsers(dest="models_command", required=True, metavar="{fetch,list,synth}")
+    commands = models.add_subparsers(dest="models_command", required=True, metavar="{fetch,list,synth,rank-vocab}")
     _add_fetch(commands)
     _add_list(commands)
     synth_cmd.register(commands)
+    rank_vocab_cmd.register(commands)
     return models
 
 

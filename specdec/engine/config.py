@@ -42,6 +42,9 @@ class EngineConfig:
     # The largest step (tokens over all sessions of one forward) that runs
     # as a captured graph; larger ones (prefill chunks) run eagerly.
     graph_max_tokens: int = opt(160, "largest step, in tokens, captured as a CUDA graph")
+    # A draft's output head over only its N most frequent token ids (the
+    # ranking `specd models rank-vocab` stores with the model); 0: all ids.
+    draft_vocab: int = opt(0, "draft: output head over the N most frequent token ids (0: all)")
     # Prompt tokens per forward pass during prefill (bounds activation memory).
     prefill_chunk: int = opt(512, "prompt tokens per prefill forward pass")
 
@@ -56,7 +59,7 @@ class EngineConfig:
             raise ValueError(f"cuda_graphs must be auto, on or off, not {self.cuda_graphs!r}")
         if self.cuda_graphs == "on" and not self.device.startswith("cuda"):
             raise ValueError("--cuda-graphs on needs a CUDA device (--device cuda or cuda:N)")
-        for name, low in (("max_sessions", 1), ("max_context", 2), ("prefill_chunk", 1), ("graph_max_tokens", 1),
+        for name, low in (("max_sessions", 1), ("max_context", 2), ("prefill_chunk", 1), ("graph_max_tokens", 1), ("draft_vocab", 0),
                           ("threads", 0), ("max_kv_bytes", 0)):
             if getattr(self, name) < low:
                 raise ValueError(f"{name} must be >= {low}, got {getattr(self, name)}")

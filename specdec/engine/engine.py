@@ -26,9 +26,9 @@ from transformers import DynamicCache, PreTrainedModel
 from specdec.engine import vocab
 from specdec.engine.attention import STEP_KWARG, row_mask, use_store_attention
 from specdec.engine.config import EngineConfig
-from specdec.engine.draft_vocab import restrict_head
+from specdec.engine.draft_vocab import load_ranking, restrict_head, subset_ids
 from specdec.engine.kv_store import KVShape, KVStore, RowSpan, StepLayout, StoreCache, slots_for_budget
-from specdec.engine.loading import free_device_memory, load_model, tokenizer_fingerprint
+from specdec.engine.loading import free_device_memory, load_model, locate, tokenizer_fingerprint
 from specdec.engine.sessions import ContextRules, Session, SessionTable, new_session_id
 from specdec.engine.static_steps import CaptureReport, StaticSteps
 from specdec.errors import InvalidArgument
@@ -118,7 +118,19 @@ class ModelEngine:
     @classmethod
     def load(cls, cfg: EngineConfig) -> "ModelEngine":
         loaded = load_model(cfg)
-        return cls(loaded.model, cfg, tokenizer=loaded.tokenizer, name=loaded.name)
+        engine = cls(loaded.model, cfg, tokenizer=loaded.tokenizer, name=loaded.name)
+        if cfg.draft_vocab:
+            engine.restrict_output(engine._ranked_subset(cfg.draft_vocab))
+        return engine
+
+    def _ranked_subset(self, size: int) -> torch.Tensor:
+        """The `size` most frequent ids of the ranking stored with the model."""
+        where, _ = locate(self.cfg.model)
+        try:
+            ranked = load_ranking(where, self.info.tokenizer_fingerprint)
+            return subset_ids(ranked, size, self.info.eos_token_ids, self.usable_vocab_size)
+        except (OSError, ValueError) as exc:
+            raise InvalidArgument(f"--draft-vocab {size}: {exc}") from None
 
     # ----------------------------------------------------------- model facts
 
