@@ -62,17 +62,28 @@ def store_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
 def sdpa_rows(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, rows: list[RowSpan],
               scaling: float) -> torch.Tensor:
     """The reference kernel: query [1, Hq, T, D], key/value [Hkv, N, D] ->
-    [1, T, Hq, D]."""
+    [1, T, Hq, D].
+
+    Grouped-query attention without copying keys: the `group` query heads
+    that share a KV head are folded into the query length, [Hkv, group·n, D],
+    so SDPA reads each KV head once, in place (enable_gqa would send the CPU
+    to its math kernel, which repeats the keys per query head)."""
+    q_heads, kv_heads = query.shape[1], key.shape[0]
+    group = q_heads // kv_heads
     q = query[0]
     outs = []
     for row in rows:
-        if row.stop == row.start:
+        n = row.stop - row.start
+        if n == 0:
             continue
         k = key[:, row.base : row.base + row.end]  # [Hkv, end, D]: a view, no copy
         v = value[:, row.base : row.base + row.end]
-        outs.append(F.scaled_dot_product_attention(q[:, row.start : row.stop], k, v, attn_mask=row.mask,
-                                                   scale=scaling, enable_gqa=True))
-    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)  # [Hq, T, D]
+        qr = q[:, row.start : row.stop].reshape(kv_heads, group * n, q.shape[-1])  # [Hkv, group·n, D]
+        mask = None if row.mask is None else row.mask.repeat(group, 1)  # [group·n, end]
+        # 4D: the fused CPU kernel takes [batch, heads, length, dim] only.
+        o = F.scaled_dot_product_attention(qr[None], k[None], v[None], attn_mask=mask, scale=scaling)[0]
+        outs.append(o.view(q_heads, n, v.shape[-1]))  # [Hkv, group·n, Dv] -> [Hq, n, Dv]
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)  # [Hq, T, Dv]
     return out.transpose(0, 1).unsqueeze(0)
 
 
