@@ -1,5 +1,8 @@
-"""In-process baselines: plain transformers `generate` with the target, and
-HF assisted generation (`generate(..., assistant_model=draft)`).
+"""In-process baselines: plain transformers `generate` with the target (its
+default dynamic cache, eager), `generate` on a static cache (compiled with
+torch.compile on CUDA, as transformers does by default there: the strongest
+plain HF decoding), and HF assisted generation
+(`generate(..., assistant_model=draft)`).
 
 Both models are loaded in the bench process through the engine's own loader
 (`specdec.engine.loading.load_model`), so they get the services' dtype
@@ -77,11 +80,14 @@ class HFBaselines:
         self.dtype = str(self.target.dtype).removeprefix("torch.")
 
     def generate(self, prompt_ids: list[int], *, max_tokens: int, temperature: float, seed: int,
-                 assisted: bool) -> dict:
-        """One request: tokens, timings (client-side style), bench-process peak memory."""
+                 kind: str = "hf") -> dict:
+        """One request of `kind` (hf, hf-static or hf-assisted): tokens,
+        timings (client-side style), bench-process peak memory."""
         import torch
         from transformers import GenerationConfig
 
+        assert kind in ("hf", "hf-static", "hf-assisted"), kind
+        assisted = kind == "hf-assisted"
         if assisted and self.draft is None:
             raise RuntimeError("assisted generation needs the draft model loaded")
         sample = temperature > 0
@@ -89,6 +95,10 @@ class HFBaselines:
                       eos_token_id=self.eos_ids or None, pad_token_id=self.pad_id)
         if sample:  # the full distribution at this temperature, as the services sample
             params.update(temperature=temperature, top_k=0, top_p=1.0)  # top_k 0: off (unset is 50)
+        if kind == "hf-static":
+            # transformers compiles the forward over a static cache itself on
+            # CUDA; on a CPU, compiling would mostly measure the compiler.
+            params.update(cache_implementation="static", disable_compile=self.device.type != "cuda")
         config = GenerationConfig(**params)
         ids = torch.tensor([prompt_ids], device=self.device)
         cuda = self.device.type == "cuda"
