@@ -212,3 +212,9 @@ def test_model_info():
     info = engine.info
     assert info.vocab_size == TINY_VOCAB and info.eos_token_ids == (2,)
     assert info.kv_bytes_per_token == engine.kv_shape.bytes_per_token
+
+
+def test_warmup_works_with_room_for_one_session_only():
+    engine = tiny_engine(max_sessions=1)
+    engine.warmup()
+    assert engine.num_sessions == 0

@@ -7,6 +7,7 @@
     specd trace list | show   # traced requests from the local trace file
     specd bench [--quick]     # side-by-side benchmark, results folder + docs figures
     specd proxy               # a TCP proxy adding network latency (tests, benchmarks)
+    specd steps MODEL...      # step costs against the memory-bandwidth floor
 """
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ import argparse  # noqa: E402
 import logging  # noqa: E402
 import sys  # noqa: E402
 
-from specdec.cli import bench_cmd, generate_cmd, models_cmd, proxy_cmd, serve_cmd, trace_cmd, up_cmd  # noqa: E402
+from specdec.cli import (bench_cmd, generate_cmd, models_cmd, proxy_cmd, serve_cmd, steps_cmd,  # noqa: E402
+                         trace_cmd, up_cmd)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     trace_cmd.register(sub)
     bench_cmd.register(sub)
     proxy_cmd.register(sub)
+    steps_cmd.register(sub)
     return parser
 
 

@@ -213,14 +213,17 @@ class ModelEngine:
     def warmup(self) -> None:
         """Run the prefill, batched and single-token paths once, so the first
         real request does not pay for lazy initialization."""
-        a = self.open_session([0] * 8)
-        b = self.open_session([0] * 3)
+        opened = [self.open_session([0] * 8)]
         try:
-            self.extend([ExtendItem(a.id, None, [0] * 4, 5), ExtendItem(b.id, None, [0], 2)])
+            if self.store.num_slots > 1:  # a batch of two, where two sessions fit
+                opened.append(self.open_session([0] * 3))
+            a = opened[0]
+            items = [ExtendItem(a.id, None, [0] * 4, 5)] + [ExtendItem(b.id, None, [0], 2) for b in opened[1:]]
+            self.extend(items)
             self.extend([ExtendItem(a.id, 6, [0], 1)])
         finally:
-            self.close(a.id)
-            self.close(b.id)
+            for s in opened:
+                self.close(s.id)
         if self.steps is not None and self.device.type == "cuda" and not self.steps.captured:
             self.capture_report = self.steps.capture()
 

@@ -1,0 +1,72 @@
+"""`specd steps MODEL [MODEL ...]`: each model's decode and verify step costs
+against the memory-bandwidth floor (specdec/bench/step_costs.py), on the
+device and dtype the services would use, with a Markdown table, JSON lines and
+a plot in --out.
+
+    specd steps synth:qwen2.5-0.5b synth:qwen2.5-7b --device cuda --dtype bfloat16
+    specd steps qwen2.5-coder-0.5b-instruct --draft-vocab 0 8192 16384 32768
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+EXIT_OK, EXIT_ERROR = 0, 1
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("steps", help="step costs of models against the memory-bandwidth floor",
+                       description="Measure each model's decode (1 token per session) and verify (k+1 tokens per "
+                       "session) steps, with the fixed-shape path (CUDA graphs on CUDA) and the eager path, as "
+                       "multiples of weight bytes / measured copy bandwidth.")
+    p.add_argument("models", nargs="+", metavar="MODEL", help="catalog names, directories, or synth:NAME")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"))
+    p.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
+    p.add_argument("--ks", type=int, nargs="+", default=[4], help="verify shapes: k drafts + 1 (default 4)")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8], help="sessions per step (default 1 8)")
+    p.add_argument("--context", type=int, default=200, help="tokens each session holds (default 200)")
+    p.add_argument("--repeat", type=int, default=10, help="timed runs per shape; the median is reported")
+    p.add_argument("--draft-vocab", type=int, nargs="+", default=[0],
+                   help="output head sizes to measure (0: full; needs `specd models rank-vocab`)")
+    p.add_argument("--out", default="bench-results/steps", help="results folder (default bench-results/steps)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from specdec.bench.step_costs import copy_bandwidth, markdown, measure, plot
+    from specdec.engine.config import EngineConfig
+    from specdec.engine.engine import ModelEngine
+    from specdec.errors import SpecdecError
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    costs = []
+    bandwidth = None
+    for model in args.models:
+        for head in args.draft_vocab:
+            try:
+                cfg = EngineConfig(model=model, device=args.device, dtype=args.dtype, threads=args.threads,
+                                   max_context=args.context + max(args.ks) + 8, max_sessions=max(args.batches),
+                                   draft_vocab=head)
+                engine = ModelEngine.load(cfg)
+            except (SpecdecError, ValueError, OSError) as error:
+                print(f"specd: error: {model}: {error}", file=sys.stderr)
+                return EXIT_ERROR
+            engine.warmup()
+            bandwidth = bandwidth or copy_bandwidth(engine.device)
+            if head:
+                engine.name = f"{engine.name} (head {head})"
+            costs += measure(engine, ks=args.ks, batches=args.batches, context=args.context, repeat=args.repeat,
+                             bandwidth=bandwidth)
+            del engine
+    table = markdown(costs)
+    print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s\n{table}")
+    (out / "steps.md").write_text(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s\n\n{table}\n")
+    with open(out / "steps.jsonl", "w") as f:
+        for c in costs:
+            f.write(json.dumps(dict(c.to_json(), bandwidth=bandwidth)) + "\n")
+    plot(costs, out / "steps.png")
+    return EXIT_OK
