@@ -41,8 +41,8 @@ from draft_service.drafters import ModelDrafter  # noqa: E402
 from draft_service.server import start_draft_service  # noqa: E402
 from specdec.engine.config import EngineConfig  # noqa: E402
 from specdec.engine.engine import ModelEngine  # noqa: E402
-from specdec.model_service import SessionLimits  # noqa: E402
-from specdec.serving import ServerConfig  # noqa: E402
+from specdec.rpc.model_service import SessionLimits  # noqa: E402
+from specdec.rpc.serving import ServerConfig  # noqa: E402
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc  # noqa: E402
 from target_service.server import start_target_service  # noqa: E402
 from target_service.verifier import Verifier, VerifyRequestItem  # noqa: E402

@@ -26,7 +26,7 @@ from typing import Iterator, Protocol, Sequence
 
 from specdec.engine.engine import EngineInfo, ExtendItem, ModelEngine
 from specdec.errors import InvalidArgument, NotFound, OutOfRange, ResourceExhausted
-from specdec.model_service import EngineBackend, SessionMeta
+from specdec.rpc.model_service import EngineBackend, SessionMeta
 from specdec.sampling.rejection import draw_draft
 from specdec.sampling.sparse import SparseDist, truncate
 from specdec.sampling.transform import argmax_tokens, logits_to_probs

@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 from draft_service.step_batcher import DraftStepBatcher
-from specdec import grpc_errors
-from specdec.model_service import SessionServicer
+from specdec.rpc import grpc_errors
+from specdec.rpc.model_service import SessionServicer
 from specdec.telemetry import A_APPENDED, A_K, A_TOKENS, NOOP, SPAN_PROPOSE
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 

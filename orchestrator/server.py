@@ -16,8 +16,8 @@ from orchestrator.replicas import Replica, ReplicaPool
 from orchestrator.servicer import Backends, OrchestratorServicer
 from orchestrator.speculation import LoopSettings
 from specdec.errors import FailedPrecondition, Unavailable
-from specdec.grpc_tracing import client_interceptors
-from specdec.serving import RunningServer, ServerConfig, start_server
+from specdec.rpc.grpc_tracing import client_interceptors
+from specdec.rpc.serving import RunningServer, ServerConfig, start_server
 from specdec.telemetry import NOOP, Telemetry
 from specdec.v1 import orchestrator_pb2_grpc
 

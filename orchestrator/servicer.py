@@ -11,7 +11,7 @@ from orchestrator.gamma_policy import make_policy
 from orchestrator.replicas import ReplicaPool
 from orchestrator.speculation import LoopSettings, RequestSpec, SpeculativeRequest
 from orchestrator.stop import StopMatcher, validate_stops
-from specdec import grpc_errors
+from specdec.rpc import grpc_errors
 from specdec.errors import InvalidArgument
 from specdec.sampling.params import SamplingParams
 from specdec.sampling.rng import random_seed

@@ -52,7 +52,7 @@ from orchestrator.downstream import CallCost, DraftClient, TargetClient, open_re
 from orchestrator.gamma_policy import (GammaPolicy, RoundObservation, acceptance_estimate, ewma,
                                        k_after_full_acceptance)
 from specdec.errors import DeadlineExceeded, NotFound, SpecdecError
-from specdec.grpc_errors import from_rpc_error
+from specdec.rpc.grpc_errors import from_rpc_error
 from specdec.sampling.rejection import RoundResult, VerifyOutcome, accept_greedy, accept_sampled
 from specdec.sampling.sparse import SparseDist
 from specdec.telemetry import (A_ACCEPTED, A_BATCH_ITEMS, A_BATCH_SESSIONS, A_EMITTED, A_FALLBACK, A_K, A_PEER,

@@ -15,7 +15,7 @@ import torch
 
 from specdec.engine.engine import ExtendItem, ModelEngine
 from specdec.errors import InvalidArgument, SpecdecError
-from specdec.model_service import EngineBackend, SessionMeta
+from specdec.rpc.model_service import EngineBackend, SessionMeta
 from specdec.sampling.rejection import VerifyOutcome, sample_token, score_drafts
 from specdec.sampling.sparse import SparseDist, validate_sparse
 from specdec.sampling.transform import argmax_tokens, logits_to_probs

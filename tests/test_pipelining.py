@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from draft_service.drafters import ModelDrafter
-from specdec.model_service import SessionMeta
+from specdec.rpc.model_service import SessionMeta
 from specdec.sampling.params import SamplingParams
 from specdec.sampling.transform import logits_to_probs
 from tests.conftest import tiny_engine, tiny_model

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from draft_service.drafters import ModelDrafter
 from draft_service.server import SERVICE_NAME as DRAFT_SERVICE, start_draft_service
-from specdec.model_service import SessionLimits
+from specdec.rpc.model_service import SessionLimits
 from specdec.sampling.params import SamplingParams
 from specdec.sampling.sparse import truncate
 from specdec.sampling.transform import logits_to_probs

@@ -10,9 +10,9 @@ import sys
 from specdec.config import add_arguments, from_args
 from specdec.engine.config import EngineConfig
 from specdec.errors import SpecdecError
-from specdec.model_service import SessionLimits
 from specdec.metrics import prometheus_reader, start_metrics_server
-from specdec.serving import ServerConfig, install_drain_on_signals
+from specdec.rpc.model_service import SessionLimits
+from specdec.rpc.serving import ServerConfig, install_drain_on_signals
 from specdec.telemetry import SERVICE_DRAFT, SERVICE_ORCHESTRATOR, SERVICE_TARGET, setup_telemetry
 
 log = logging.getLogger("specd")

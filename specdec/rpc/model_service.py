@@ -7,12 +7,12 @@ import asyncio
 import logging
 from dataclasses import dataclass
 
-from specdec import grpc_errors
+from specdec.rpc import grpc_errors
 from specdec.config import opt
 from specdec.engine.engine import EngineInfo
 from specdec.errors import InvalidArgument, Unavailable
 from specdec.sampling.params import SamplingParams
-from specdec.serving import EngineWorker
+from specdec.rpc.serving import EngineWorker
 from specdec.telemetry import (A_KV_BYTES, A_LENGTH, A_PROMPT_TOKENS, NOOP, SPAN_CLOSE, SPAN_PREFILL,
                                SPAN_ROLLBACK, Telemetry)
 from specdec.v1 import common_pb2
