@@ -22,7 +22,7 @@ import time
 
 from orchestrator.client import Client
 from specdec.bench.prompts import humaneval_prompts
-from specdec.cli.up_cmd import wait_serving
+from specdec.processes import wait_serving
 
 
 def spawn(args: list[str], log_path: str) -> subprocess.Popen:
