@@ -44,7 +44,7 @@ def _vocab_size(model: str) -> int:
     """The vocabulary size of a model, from its config alone (no weights)."""
     from transformers import AutoConfig
 
-    from specdec.engine.loading import locate
+    from specdec.models.cache import locate
 
     where, gguf_file = locate(model)
     config = AutoConfig.from_pretrained(where, **({"gguf_file": gguf_file} if gguf_file else {}))

@@ -80,7 +80,7 @@ def load_tokenizer(name: str):
         return None
     from transformers import AutoTokenizer
 
-    from specdec.engine.loading import locate
+    from specdec.models.cache import locate
 
     try:
         where, gguf_file = locate(name)
