@@ -21,6 +21,7 @@ import torch
 from specdec.bench.prompts import humaneval_prompts
 from specdec.engine.config import EngineConfig
 from specdec.engine.engine import ExtendItem, ModelEngine
+from specdec.models.catalog import DEFAULT_PAIR
 
 
 def target_only(target: ModelEngine, prompt: list[int], n: int) -> tuple[list[int], list[torch.Tensor]]:
@@ -71,8 +72,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
-    ap.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
+    ap.add_argument("--draft", default=DEFAULT_PAIR.draft)
+    ap.add_argument("--target", default=DEFAULT_PAIR.target)
     args = ap.parse_args()
     target = ModelEngine.load(EngineConfig(model=args.target, dtype=args.dtype, threads=args.threads))
     draft = ModelEngine.load(EngineConfig(model=args.draft, dtype=args.dtype, threads=args.threads))

@@ -22,6 +22,7 @@ import time
 
 from orchestrator.client import Client
 from specdec.bench.prompts import humaneval_prompts
+from specdec.models.catalog import DEFAULT_PAIR
 from specdec.processes import wait_serving
 
 
@@ -70,8 +71,8 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="*", default=[1, 4, 8])
     ap.add_argument("--concurrency-k", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
-    ap.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
+    ap.add_argument("--draft", default=DEFAULT_PAIR.draft)
+    ap.add_argument("--target", default=DEFAULT_PAIR.target)
     ap.add_argument("--json", default="")
     args = ap.parse_args()
 

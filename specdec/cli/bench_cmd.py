@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from specdec.bench.runner import BASELINES, HF, HF_ASSISTED, SERVICE
+from specdec.models.catalog import DEFAULT_PAIR
 
 QUICK = dict(prompts=1, chat_prompts=1, token_prompts=2, max_tokens=16, ks=[4],
              policies=["fixed", "adaptive", "goodput", "goodput-pipeline"], temperatures=[0.0, 0.7],
@@ -30,8 +31,6 @@ QUICK = dict(prompts=1, chat_prompts=1, token_prompts=2, max_tokens=16, ks=[4],
 FULL = dict(prompts=10, chat_prompts=4, token_prompts=10, max_tokens=128, ks=[2, 3, 4, 5, 6],
             policies=["fixed", "adaptive", "goodput", "goodput-pipeline"], temperatures=[0.0, 0.7],
             concurrency=[1, 4, 8], repeats=3)
-DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
-DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 
 
 class UsageError(Exception):
@@ -45,8 +44,8 @@ def register(sub) -> None:
     g.add_argument("--pair", choices=("default", "tiny"), default="default",
                    help="default: --draft/--target (the real pair unless given); tiny: a small random pair "
                         "with token-id prompts (specdec.bench.tiny_pair)")
-    g.add_argument("--draft", default=None, help=f"draft: catalog name or model directory (default {DEFAULT_DRAFT})")
-    g.add_argument("--target", default=None, help=f"target: catalog name or model directory (default {DEFAULT_TARGET})")
+    g.add_argument("--draft", default=None, help=f"draft: catalog name or model directory (default {DEFAULT_PAIR.draft})")
+    g.add_argument("--target", default=None, help=f"target: catalog name or model directory (default {DEFAULT_PAIR.target})")
     g.add_argument("--device", default="cpu", help="device of both roles and the HF baselines: cpu, cuda, cuda:N")
     g.add_argument("--draft-device", default=None, help="the draft's device (default --device)")
     g.add_argument("--target-device", default=None, help="the target's device (default --device)")
@@ -147,8 +146,8 @@ def resolve(args: argparse.Namespace) -> dict:
             raise UsageError("--pair tiny has no tokenizer: use --token-prompts N, not --prompts/--chat-prompts")
         o["token_mode"] = True
     else:
-        o["draft"] = args.draft or DEFAULT_DRAFT
-        o["target"] = args.target or DEFAULT_TARGET
+        o["draft"] = args.draft or DEFAULT_PAIR.draft
+        o["target"] = args.target or DEFAULT_PAIR.target
         o["draft_dir"] = _resolve_model(o["draft"])
         o["target_dir"] = _resolve_model(o["target"])
         o["token_mode"] = args.token_prompts is not None

@@ -13,15 +13,15 @@ import subprocess
 import sys
 import time
 
-from specdec.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
+from specdec.models.catalog import DEFAULT_PAIR
 from specdec.processes import stop_processes, wait_serving
 from specdec.trace_file import TRACE_FILE_ENV, default_trace_file
 
 
 def register(sub) -> None:
     p = sub.add_parser("up", help="run draft, target and orchestrator locally (default real pair)")
-    p.add_argument("--draft-model", default=DEFAULT_DRAFT)
-    p.add_argument("--target-model", default=DEFAULT_TARGET)
+    p.add_argument("--draft-model", default=DEFAULT_PAIR.draft)
+    p.add_argument("--target-model", default=DEFAULT_PAIR.target)
     p.add_argument("--drafter", default="model", choices=("model", "ngram"))
     p.add_argument("--device", default="cpu", help="device of both model services (or use --draft-device/--target-device)")
     p.add_argument("--draft-device", default=None)
