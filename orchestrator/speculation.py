@@ -1,6 +1,6 @@
 """One request's speculative loop: propose, verify (batched), accept, repeat.
 
-Per round, with lookahead k chosen by the request's γ policy:
+Per round, with k = num_draft_tokens chosen by the request's policy:
   1. the draft proposes x_1..x_k (with their sparse q, unless greedy);
   2. the target scores them in the request's slot of a batched Verify;
   3. the orchestrator decides acceptance (`specdec.sampling.rejection`);
@@ -40,6 +40,7 @@ from orchestrator.downstream import CallCost, DraftClient, TargetClient, open_re
 from orchestrator.gamma_policy import GammaPolicy, RoundObservation, acceptance_estimate
 from orchestrator.pipelining import AheadDecision, Pipeline, draft_ahead_length
 from specdec.errors import DeadlineExceeded, NotFound, SpecdecError
+from specdec.limits import DEFAULT_MAX_DRAFT_TOKENS
 from specdec.rpc.grpc_errors import from_rpc_error
 from specdec.sampling.rejection import RoundResult, VerifyOutcome, accept_greedy, accept_sampled
 from specdec.sampling.sparse import SparseDist
@@ -114,7 +115,7 @@ class LoopSettings:
     rpc_timeout_s: float = 60.0
     draft_retry_s: float = 2.0
     max_context: int = 4096  # the smaller of the two services' limits
-    max_draft_tokens: int = 16  # the smaller of the two services' limits
+    max_draft_tokens: int = DEFAULT_MAX_DRAFT_TOKENS  # the smallest of the orchestrator's and the services' limits
     pipeline_call_cost_s: float = 0.002  # what one more speculative Propose costs, for the pipelining decision
     pipeline_always: bool = False  # draft ahead every round, without weighing it
 

@@ -23,12 +23,14 @@ import time
 from pathlib import Path
 
 from specdec.bench.runner import BASELINES, HF, HF_ASSISTED, SERVICE
+from specdec.errors import InvalidArgument
+from specdec.limits import check_num_draft_tokens
 from specdec.models.catalog import DEFAULT_PAIR
 
-QUICK = dict(prompts=1, chat_prompts=1, token_prompts=2, max_tokens=16, ks=[4],
+QUICK = dict(prompts=1, chat_prompts=1, token_prompts=2, max_tokens=16, num_draft_tokens=[4],
              policies=["fixed", "adaptive", "goodput", "goodput-pipeline"], temperatures=[0.0, 0.7],
              concurrency=[1, 4], repeats=1)
-FULL = dict(prompts=10, chat_prompts=4, token_prompts=10, max_tokens=128, ks=[2, 3, 4, 5, 6],
+FULL = dict(prompts=10, chat_prompts=4, token_prompts=10, max_tokens=128, num_draft_tokens=[2, 3, 4, 5, 6],
             policies=["fixed", "adaptive", "goodput", "goodput-pipeline"], temperatures=[0.0, 0.7],
             concurrency=[1, 4, 8], repeats=3)
 
@@ -62,7 +64,8 @@ def register(sub) -> None:
                    help="random token-id prompts instead of text (for models without a tokenizer; "
                         "the tiny pair's count)")
     g.add_argument("--token-prompt-len", type=int, default=24, help="length of each random token-id prompt")
-    g.add_argument("--ks", type=int, nargs="+", default=None, help="k values of the fixed policy (full 2-6, quick 4)")
+    g.add_argument("--num-draft-tokens", type=int, nargs="+", default=None,
+                   help="num_draft_tokens values of the fixed policy, one config each (full 2-6, quick 4)")
     g.add_argument("--policies", nargs="+", default=None,
                    help="specdec policies: fixed (one config per k), adaptive, goodput, NAME-pipeline for "
                         "pipelined drafting; none for baselines only (default: fixed adaptive goodput "
@@ -113,8 +116,11 @@ def resolve(args: argparse.Namespace) -> dict:
     for name in ("max_tokens", "repeats", "token_prompt_len"):
         if o[name] < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
-    if any(k < 1 for k in o["ks"]):
-        raise UsageError("--ks values must be at least 1")
+    try:
+        for k in o["num_draft_tokens"]:
+            check_num_draft_tokens(k)  # the services' default limit
+    except InvalidArgument as exc:
+        raise UsageError(f"--num-draft-tokens: {exc}") from None
     if any(c < 1 for c in o["concurrency"]):
         raise UsageError("--concurrency values must be at least 1")
     if any(t < 0 for t in o["temperatures"]):
@@ -169,7 +175,7 @@ def resolve(args: argparse.Namespace) -> dict:
     from specdec.bench.runner import build_configs, network_conditions
 
     try:
-        o["configs"] = build_configs(o["baselines"], o["ks"], o["policies"])
+        o["configs"] = build_configs(o["baselines"], o["num_draft_tokens"], o["policies"])
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     if not o["configs"]:

@@ -31,8 +31,9 @@ def register(sub) -> None:
     p.add_argument("--port", type=int, default=50051, help="orchestrator port")
     p.add_argument("--draft-port", type=int, default=50052)
     p.add_argument("--target-port", type=int, default=50053)
-    p.add_argument("--policy", default="fixed")
-    p.add_argument("--k", type=int, default=4, help="draft tokens per round")
+    p.add_argument("--policy", default="fixed", help="policy choosing num_draft_tokens: fixed, adaptive or goodput")
+    p.add_argument("--num-draft-tokens", type=int, default=4, help="tokens drafted per round (the first round's, "
+                                                                   "under adaptive and goodput)")
     p.add_argument("--cache-dir", default=None, help="model cache (default: $SPECD_CACHE_DIR or the user cache)")
     p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for the models to load")
     p.add_argument("--metrics-port", type=int, default=0,
@@ -98,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
         procs.append(_spawn("orchestrator", [
             "--port", str(args.port), "--host", "127.0.0.1", "--draft", f"127.0.0.1:{args.draft_port}",
             "--target", f"127.0.0.1:{args.target_port}", "--policy", args.policy,
-            "--num-draft-tokens", str(args.k), "--tokenizer", args.target_model, *_metrics_flag(args, 0)], env))
+            "--num-draft-tokens", str(args.num_draft_tokens), "--tokenizer", args.target_model, *_metrics_flag(args, 0)], env))
         wait_serving(args.port, procs, 120)
         print(f"\nspecd up: serving on 127.0.0.1:{args.port} "
               f"(draft {args.draft_model}, target {args.target_model}). Try:\n"
