@@ -18,6 +18,7 @@ import torch
 
 from specdec.engine.config import EngineConfig
 from specdec.engine.engine import ExtendItem, ModelEngine
+from specdec.models.catalog import DEFAULT_PAIR
 
 
 def median_time(fn, repeat: int) -> float:
@@ -81,7 +82,7 @@ def batch_times(engine: ModelEngine, n: int, repeat: int) -> tuple[float, float]
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--models", nargs="+", default=["qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct"])
+    ap.add_argument("--models", nargs="+", default=list(DEFAULT_PAIR))
     ap.add_argument("--repeat", type=int, default=5)
     args = ap.parse_args()
     rows = []

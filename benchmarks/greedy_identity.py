@@ -10,7 +10,7 @@ logits at that position as computed by each path. If the two paths' logits
 differ by rounding (bf16) and the top-2 gap is within that difference, the
 flip is a numerical tie, not a logic error; fp32 should then agree.
 
-    python benchmarks/greedy_identity.py --prompts 10 --max-tokens 128 --dtype bfloat16 --k 3
+    python benchmarks/greedy_identity.py --prompts 10 --max-tokens 128 --dtype bfloat16 --num-draft-tokens 3
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ import torch
 from specdec.bench.prompts import humaneval_prompts
 from specdec.engine.config import EngineConfig
 from specdec.engine.engine import ExtendItem, ModelEngine
+from specdec.models.catalog import DEFAULT_PAIR
 
 
 def target_only(target: ModelEngine, prompt: list[int], n: int) -> tuple[list[int], list[torch.Tensor]]:
@@ -69,10 +70,10 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=10)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--num-draft-tokens", type=int, default=3, help="tokens drafted per round")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
-    ap.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
+    ap.add_argument("--draft", default=DEFAULT_PAIR.draft)
+    ap.add_argument("--target", default=DEFAULT_PAIR.target)
     args = ap.parse_args()
     target = ModelEngine.load(EngineConfig(model=args.target, dtype=args.dtype, threads=args.threads))
     draft = ModelEngine.load(EngineConfig(model=args.draft, dtype=args.dtype, threads=args.threads))
@@ -80,7 +81,7 @@ def main() -> None:
     for i, text in enumerate(humaneval_prompts(args.prompts)):
         prompt = target.tokenizer(text)["input_ids"]
         ref, ref_rows = target_only(target, prompt, args.max_tokens)
-        spec, spec_rows = speculative(target, draft, prompt, args.max_tokens, args.k)
+        spec, spec_rows = speculative(target, draft, prompt, args.max_tokens, args.num_draft_tokens)
         if ref == spec:
             identical += 1
             print(f"prompt {i}: identical ({len(ref)} tokens)", flush=True)
@@ -96,7 +97,7 @@ def main() -> None:
               f" (gap {float(top_b.values[0] - top_b.values[1]):.4f})\n"
               f"  max |difference| of the two paths' logits at that position: {float((a - b).abs().max()):.4f}",
               flush=True)
-    print(f"identical: {identical}/{args.prompts} ({args.dtype}, k={args.k})")
+    print(f"identical: {identical}/{args.prompts} ({args.dtype}, k={args.num_draft_tokens})")
 
 
 if __name__ == "__main__":

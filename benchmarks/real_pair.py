@@ -1,6 +1,6 @@
 """Issue-4 figures: the orchestrator on the default real pair, greedy.
 
-    python benchmarks/real_pair.py --prompts 10 --max-tokens 128 [--ks 2 3 4 5 6] [--concurrency 1 4 8]
+    python benchmarks/real_pair.py --prompts 10 --max-tokens 128 [--num-draft-tokens 2 3 4 5 6] [--concurrency 1 4 8]
 
 Starts the target and the draft as separate processes (as `specd up` does),
 then, per configuration, one orchestrator process; runs HumanEval prompts
@@ -22,7 +22,8 @@ import time
 
 from orchestrator.client import Client
 from specdec.bench.prompts import humaneval_prompts
-from specdec.cli.up_cmd import wait_serving
+from specdec.models.catalog import DEFAULT_PAIR
+from specdec.processes import wait_serving
 
 
 def spawn(args: list[str], log_path: str) -> subprocess.Popen:
@@ -65,13 +66,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompts", type=int, default=10)
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--ks", type=int, nargs="*", default=[2, 3, 4, 5, 6])
+    ap.add_argument("--num-draft-tokens", type=int, nargs="*", default=[2, 3, 4, 5, 6])
     ap.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--concurrency", type=int, nargs="*", default=[1, 4, 8])
-    ap.add_argument("--concurrency-k", type=int, default=4)
+    ap.add_argument("--concurrency-num-draft-tokens", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
-    ap.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
+    ap.add_argument("--draft", default=DEFAULT_PAIR.draft)
+    ap.add_argument("--target", default=DEFAULT_PAIR.target)
     ap.add_argument("--json", default="")
     args = ap.parse_args()
 
@@ -85,7 +86,7 @@ def main() -> None:
         wait_serving(50062, [draft], 900)
         with Orchestrator(50061, 50062, 50063, True, args.target) as orch:
             configs = [("target-only", dict(speculate=False))]
-            configs += [(f"fixed k={k}", dict(policy="fixed", num_draft_tokens=k)) for k in args.ks]
+            configs += [(f"fixed k={k}", dict(policy="fixed", num_draft_tokens=k)) for k in args.num_draft_tokens]
             if args.adaptive:
                 configs.append(("adaptive", dict(policy="adaptive", num_draft_tokens=4)))
             reference: list[list[int]] = []
@@ -116,10 +117,10 @@ def main() -> None:
                     start = time.perf_counter()
                     with concurrent.futures.ThreadPoolExecutor(c) as pool:
                         results = list(pool.map(lambda p: run_one(orch.port, p, args.max_tokens, policy="fixed",
-                                                                  num_draft_tokens=args.concurrency_k), work))
+                                                                  num_draft_tokens=args.concurrency_num_draft_tokens), work))
                     wall = time.perf_counter() - start
                     total = sum(r.stats.completion_tokens for r, _ in results)
-                    run = dict(config=f"concurrency {c}, batcher {'on' if batching else 'off'}, k={args.concurrency_k}",
+                    run = dict(config=f"concurrency {c}, batcher {'on' if batching else 'off'}, k={args.concurrency_num_draft_tokens}",
                                aggregate_tokens_per_s=total / wall, tokens=total, wall_s=wall)
                     runs.append(run)
                     print(json.dumps(run), flush=True)

@@ -1,6 +1,6 @@
 """What the gRPC edge of the draft and target services costs (issue 3).
 
-    python benchmarks/service_overhead.py [--target tiny|MODEL] [--k 4] [--reps 300]
+    python benchmarks/service_overhead.py [--target tiny|MODEL] [--num-draft-tokens 4] [--reps 300]
 
 Three measurements, printed as Markdown tables:
 
@@ -41,8 +41,8 @@ from draft_service.drafters import ModelDrafter  # noqa: E402
 from draft_service.server import start_draft_service  # noqa: E402
 from specdec.engine.config import EngineConfig  # noqa: E402
 from specdec.engine.engine import ModelEngine  # noqa: E402
-from specdec.model_service import SessionLimits  # noqa: E402
-from specdec.serving import ServerConfig  # noqa: E402
+from specdec.rpc.model_service import SessionLimits  # noqa: E402
+from specdec.rpc.serving import ServerConfig  # noqa: E402
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc  # noqa: E402
 from target_service.server import start_target_service  # noqa: E402
 from target_service.verifier import Verifier, VerifyRequestItem  # noqa: E402
@@ -59,8 +59,8 @@ GREEDY = common_pb2.SamplingParams()
 class Services:
     """A target and a draft service in a background event loop, with sync stubs."""
 
-    def __init__(self, target_engine: ModelEngine, draft_engine: ModelEngine, k_limit: int = 16):
-        limits = SessionLimits(max_draft_tokens=k_limit)
+    def __init__(self, target_engine: ModelEngine, draft_engine: ModelEngine):
+        limits = SessionLimits()
         self.verifier = Verifier(target_engine, limits.max_draft_tokens, limits.max_verify_batch)
         self.drafter = ModelDrafter(draft_engine, limits.max_draft_tokens)
         self.loop = asyncio.new_event_loop()
@@ -135,8 +135,8 @@ async def _measure_overhead(services: Services, k: int, reps: int, sampling, lab
     core_item = VerifyRequestItem(t_sid, n, [], drafts, [q for q in qs if q is not None])
     verify_req = target_pb2.VerifyRequest(items=[target_pb2.VerifyItem(
         session_id=t_sid, keep_length=n, draft_token_ids=drafts, draft_q=q_wire)])
-    propose_req = draft_pb2.ProposeRequest(session_id=d_sid, keep_length=n, num_tokens=k)
-    propose1_req = draft_pb2.ProposeRequest(session_id=d_sid, keep_length=n, num_tokens=1)
+    propose_req = draft_pb2.ProposeRequest(session_id=d_sid, keep_length=n, num_draft_tokens=k)
+    propose1_req = draft_pb2.ProposeRequest(session_id=d_sid, keep_length=n, num_draft_tokens=1)
     rollback_req = common_pb2.RollbackRequest(session_id=t_sid, length=n)
 
     if client == "aio":
@@ -208,7 +208,7 @@ def measure_bytes(services: Services, k: int, acceptance: float) -> list[list[st
         last = rng.randrange(3, vocab)  # the previous round's recovery or bonus token
         n = len(prompt) - 1
         propose_req = draft_pb2.ProposeRequest(session_id=d_sid, keep_length=n, append_token_ids=[last],
-                                               num_tokens=k)
+                                               num_draft_tokens=k)
         stream = list(services.draft_stub.Propose(propose_req, timeout=DEADLINE_S))
         item = target_pb2.VerifyItem(session_id=t_sid, keep_length=n, append_token_ids=[last],
                                      draft_token_ids=[d.token_id for d in stream],
@@ -285,14 +285,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default="tiny",
                         help="tiny, or a cached model for the throughput table (e.g. qwen2.5-coder-1.5b-instruct)")
-    parser.add_argument("--k", type=int, default=4, help="drafted tokens per round")
+    parser.add_argument("--num-draft-tokens", type=int, default=4, help="tokens drafted per round")
     parser.add_argument("--reps", type=int, default=300, help="repetitions per overhead measurement")
     parser.add_argument("--acceptance", type=float, default=0.8, help="acceptance rate for bytes per token")
     parser.add_argument("--dtype", default="bfloat16", help="dtype of the real target")
     parser.add_argument("--threads", type=int, default=2, help="CPU threads for forward passes")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    k = args.k
+    k = args.num_draft_tokens
     print(f"# Service overhead (k={k}, torch {torch.__version__}, grpcio {grpc.__version__}, "
           f"{args.threads} threads)\n")
 

@@ -1,7 +1,7 @@
 """What tracing costs (issue 5): tokens/s with tracing on vs off, spans per
 generated token, and the cost of one span.
 
-    python benchmarks/tracing_overhead.py [--requests 30] [--tokens 64] [--k 4]
+    python benchmarks/tracing_overhead.py [--requests 30] [--tokens 64] [--num-draft-tokens 4]
     python benchmarks/tracing_overhead.py --draft qwen2.5-coder-0.5b-instruct \\
         --target qwen2.5-coder-1.5b-instruct --requests 10 --tokens 64 --threads 2
 
@@ -87,7 +87,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=30, help="requests per mode")
     parser.add_argument("--tokens", type=int, default=64, help="max_tokens of each request")
-    parser.add_argument("--k", type=int, default=4, help="draft tokens per round (fixed policy)")
+    parser.add_argument("--num-draft-tokens", type=int, default=4, help="tokens drafted per round (fixed policy)")
     parser.add_argument("--draft", default="", help="draft model (default: the tiny random pair)")
     parser.add_argument("--target", default="", help="target model (with --draft)")
     parser.add_argument("--dtype", default="auto")
@@ -108,14 +108,14 @@ def main() -> None:
             running_system(target_engine, draft_engine, tokenizer=tokenizer, telemetry=untraced) as off:
         systems = {"on": on, "off": off}
         for mode in ("on", "off"):  # warm both paths once, unmeasured
-            warm = systems[mode].client.complete(prompts[0], max_tokens=8, temperature=0, num_draft_tokens=args.k)
+            warm = systems[mode].client.complete(prompts[0], max_tokens=8, temperature=0, num_draft_tokens=args.num_draft_tokens)
             tokens[mode] += warm.stats.completion_tokens
             wait_idle(engines)
         for i in range(args.requests):
             for mode in (("on", "off") if i % 2 == 0 else ("off", "on")):
                 start = time.perf_counter()
                 result = systems[mode].client.complete(prompts[i % len(prompts)], max_tokens=args.tokens,
-                                                       temperature=0, num_draft_tokens=args.k)
+                                                       temperature=0, num_draft_tokens=args.num_draft_tokens)
                 rates[mode].append(result.stats.completion_tokens / (time.perf_counter() - start))
                 tokens[mode] += result.stats.completion_tokens
                 wait_idle(engines)
@@ -126,7 +126,7 @@ def main() -> None:
     requests = sum(s["name"] == T.SPAN_GENERATE for s in spans)
     on, off = statistics.median(rates["on"]), statistics.median(rates["off"])
     print(f"pair: {'tiny random' if not args.target else f'{args.draft} -> {args.target}'}, greedy, "
-          f"k={args.k}, {args.requests} requests x {args.tokens} tokens per mode, interleaved")
+          f"k={args.num_draft_tokens}, {args.requests} requests x {args.tokens} tokens per mode, interleaved")
     print("| tracing | median tokens/s | min | max |")
     print("|---|---:|---:|---:|")
     for mode, label in (("off", "off (SPECD_TRACING=off)"), ("on", "on (JSONL file, batch processor)")):

@@ -24,8 +24,9 @@ from typing import Iterator, Protocol, Sequence
 
 from specdec.engine.engine import EngineInfo, ExtendItem, ModelEngine
 from specdec.engine.sessions import ContextRules, Session, SessionTable, new_session_id
-from specdec.errors import InvalidArgument, OutOfRange
-from specdec.model_service import EngineBackend, SessionMeta
+from specdec.errors import OutOfRange
+from specdec.limits import DEFAULT_MAX_DRAFT_TOKENS, check_num_draft_tokens
+from specdec.rpc.model_service import EngineBackend, SessionMeta
 from specdec.sampling.rejection import draw_draft
 from specdec.sampling.sparse import SparseDist, truncate
 from specdec.sampling.transform import argmax_tokens, logits_to_probs
@@ -81,11 +82,6 @@ class Drafter(Protocol):
     def usage(self) -> tuple[int, int]: ...  # (open sessions, reserved KV bytes), from any thread
 
 
-def check_num_tokens(k: int, limit: int) -> None:
-    if not 1 <= k <= limit:
-        raise InvalidArgument(f"num_tokens must be in [1, {limit}], got {k}")
-
-
 class StreamGuard:
     """At most one live Propose stream per session: the newest call wins.
 
@@ -117,7 +113,7 @@ class StreamGuard:
 class ModelDrafter(EngineBackend):
     """Drafts with a causal LM; one forward pass per drafted token."""
 
-    def __init__(self, engine: ModelEngine, max_draft_tokens: int = 16, max_q_tokens: int = 32):
+    def __init__(self, engine: ModelEngine, max_draft_tokens: int = DEFAULT_MAX_DRAFT_TOKENS, max_q_tokens: int = 32):
         super().__init__(engine)
         self.max_draft_tokens = max_draft_tokens
         self.max_q_tokens = max_q_tokens
@@ -126,7 +122,7 @@ class ModelDrafter(EngineBackend):
     def propose(self, session_id, keep_length, append, k):
         """Validate now; the returned stream makes the k drafts one step at a
         time (`step_many`, or `next()` on it)."""
-        check_num_tokens(k, self.max_draft_tokens)
+        check_num_draft_tokens(k, self.max_draft_tokens)
         session = self.engine.session(session_id)
         kept = session.length if keep_length is None else keep_length
         first = ExtendItem(session_id, keep_length, list(append), num_logits=1)
@@ -206,7 +202,7 @@ class NgramDrafter:
     """
 
     def __init__(self, vocab_size: int, max_context: int = 4096, max_sessions: int = 256,
-                 max_draft_tokens: int = 16, min_ngram: int = 1, max_ngram: int = 3):
+                 max_draft_tokens: int = DEFAULT_MAX_DRAFT_TOKENS, min_ngram: int = 1, max_ngram: int = 3):
         self.info = EngineInfo(
             model_name="ngram", vocab_size=vocab_size, max_context=max_context, eos_token_ids=(),
             tokenizer_fingerprint="", device="cpu", dtype="none", kv_bytes_per_token=0,
@@ -223,7 +219,7 @@ class NgramDrafter:
         return session.id, session.length, 0
 
     def propose(self, session_id, keep_length, append, k):
-        check_num_tokens(k, self.max_draft_tokens)
+        check_num_draft_tokens(k, self.max_draft_tokens)
         session = self._sessions.get(session_id)
         if keep_length is None:
             keep_length = session.length

@@ -8,9 +8,9 @@ from draft_service.servicer import DraftServicer
 from specdec.config import opt
 from specdec.engine.config import EngineConfig
 from specdec.engine.engine import ModelEngine
-from specdec.model_server import ModelService, start_model_service
-from specdec.model_service import SessionLimits
-from specdec.serving import ServerConfig
+from specdec.rpc.model_server import ModelService, start_model_service
+from specdec.rpc.model_service import SessionLimits
+from specdec.rpc.serving import ServerConfig
 from specdec.telemetry import NOOP, Telemetry
 from specdec.v1 import draft_pb2_grpc
 
@@ -48,7 +48,7 @@ def _vocab_size(model: str) -> int:
         return synth.get_synth(model).vocab_rows
     from transformers import AutoConfig
 
-    from specdec.engine.loading import locate
+    from specdec.models.cache import locate
 
     where, gguf_file = locate(model)
     config = AutoConfig.from_pretrained(where, **({"gguf_file": gguf_file} if gguf_file else {}))

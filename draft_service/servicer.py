@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 from draft_service.step_batcher import DraftStepBatcher
-from specdec import grpc_errors
-from specdec.model_service import SessionServicer
+from specdec.rpc import grpc_errors
+from specdec.rpc.model_service import SessionServicer
 from specdec.telemetry import A_APPENDED, A_K, A_TOKENS, NOOP, SPAN_PROPOSE
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
@@ -23,12 +23,12 @@ class DraftServicer(SessionServicer, draft_pb2_grpc.DraftServiceServicer):
 
     @grpc_errors.stream
     async def Propose(self, request, context):
-        attributes = {A_K: request.num_tokens, A_APPENDED: len(request.append_token_ids)}
+        attributes = {A_K: request.num_draft_tokens, A_APPENDED: len(request.append_token_ids)}
         with self.telemetry.server_span(SPAN_PROPOSE, context.invocation_metadata(), attributes) as span:
             stream = await self.worker.run(
                 self.backend.propose, request.session_id,
                 request.keep_length if request.HasField("keep_length") else None,
-                list(request.append_token_ids), request.num_tokens,
+                list(request.append_token_ids), request.num_draft_tokens,
             )
             sent = 0
             # Each step is one forward pass on the engine thread, shared with

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specdec.config import opt
+from specdec.limits import DEFAULT_MAX_DRAFT_TOKENS
 
 DEFAULT_PORT = 50051
 
@@ -13,10 +14,11 @@ class OrchestratorConfig:
     draft: str = opt("127.0.0.1:50052", "draft service address host:port ('' runs without a draft)")
     target: str = opt("127.0.0.1:50053", "target service address host:port")
     tokenizer: str = opt("", "tokenizer: catalog name or directory (default: the target's model)")
-    policy: str = opt("fixed", "default γ policy", choices=("fixed", "adaptive", "goodput"))
-    num_draft_tokens: int = opt(4, "default k (fixed) or starting k (adaptive)")
-    min_draft_tokens: int = opt(1, "adaptive policy: smallest k")
-    max_draft_tokens: int = opt(8, "adaptive policy: largest k")
+    policy: str = opt("fixed", "default policy choosing num_draft_tokens", choices=("fixed", "adaptive", "goodput"))
+    num_draft_tokens: int = opt(4, "default num_draft_tokens of every round (fixed) or of the first (adaptive, goodput)")
+    min_draft_tokens: int = opt(1, "adaptive, goodput: smallest num_draft_tokens")
+    max_draft_tokens: int = opt(DEFAULT_MAX_DRAFT_TOKENS, "largest num_draft_tokens of one round (the services' own "
+                                                          "limits cap it too); the adaptive policies' default bound")
     pipeline: bool = opt(False, "pipelined drafting: draft the next round while the target verifies this one")
     pipeline_call_cost_ms: float = opt(2.0, "pipelining: the cost of one speculative Propose call (CPU on both ends), ms; "
                                        "drafting ahead happens when its expected saving is larger")

@@ -63,7 +63,7 @@ class DraftClient(ModelClient):
         """The whole stream of drafts; `first`, if given, gets the first token
         id as soon as it arrives (or None if the stream ends without one)."""
         request = draft_pb2.ProposeRequest(session_id=session_id, keep_length=keep_length,
-                                           append_token_ids=append, num_tokens=k)
+                                           append_token_ids=append, num_draft_tokens=k)
         start = time.perf_counter()
         drafts = []
         try:

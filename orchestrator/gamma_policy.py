@@ -1,4 +1,6 @@
-"""γ policies: how many tokens the draft proposes in the next round (the lookahead k).
+"""Policies choosing how many tokens the draft proposes in the next round, k
+(num_draft_tokens; the words are defined in `specdec.sampling.rejection`), at
+most max_draft_tokens (`specdec.limits`).
 
 A policy is per-request state. The orchestrator asks ``next_k()`` before each round,
 may propose fewer (for example near ``max_tokens``), and reports what happened with
@@ -57,8 +59,9 @@ import copy
 from dataclasses import dataclass
 from typing import Protocol
 
+from specdec.limits import DEFAULT_MAX_DRAFT_TOKENS, check_num_draft_tokens
+
 POLICIES = ("fixed", "adaptive", "goodput")
-K_LIMIT = 32  # hard upper bound on k for every policy: one verify scores k + 1 positions
 
 
 @dataclass(frozen=True)
@@ -242,12 +245,14 @@ def acceptance_estimate(accepted: float, rejections: float, prior: float = 0.7, 
     return (accepted + prior * prior_trials) / (accepted + rejections + prior_trials)
 
 
-def make_policy(name: str, k: int, k_min: int, k_max: int) -> GammaPolicy:
-    """A fresh policy for one request. Raises ValueError for an unknown name or
-    bounds outside 1 <= k_min <= k <= k_max <= 32."""
+def make_policy(name: str, k: int, k_min: int, k_max: int, limit: int = DEFAULT_MAX_DRAFT_TOKENS) -> GammaPolicy:
+    """A fresh policy for one request: k is the fixed or starting
+    num_draft_tokens, [k_min, k_max] the bounds of an adaptive one. Raises
+    ValueError (InvalidArgument) for an unknown name or bounds outside
+    1 <= k_min <= k <= k_max <= limit (max_draft_tokens)."""
     if name not in POLICIES:
         raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}")
-    _validate_bounds(k, k_min, k_max)
+    _validate_bounds(k, k_min, k_max, limit)
     if name == "fixed":
         return FixedPolicy(k)
     if name == "goodput":
@@ -264,18 +269,19 @@ def k_after_full_acceptance(policy: GammaPolicy, obs: RoundObservation) -> int:
     return what_if.next_k()
 
 
-def _validate_bounds(k: int, k_min: int, k_max: int) -> None:
-    for label, value in (("k", k), ("k_min", k_min), ("k_max", k_max)):
+def _validate_bounds(k: int, k_min: int, k_max: int, limit: int) -> None:
+    # Named as the request names them (SpeculationOptions).
+    bounds = (("num_draft_tokens", k), ("min_draft_tokens", k_min), ("max_draft_tokens", k_max))
+    for label, value in bounds:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ValueError(f"{label} must be an integer, got {value!r}")
-    if k_min < 1:
-        raise ValueError(f"k_min must be >= 1, got {k_min}")
-    if k_max > K_LIMIT:
-        raise ValueError(f"k_max must be <= {K_LIMIT}, got {k_max}")
+    for _, value in bounds:
+        check_num_draft_tokens(value, limit)
     if k_min > k_max:
-        raise ValueError(f"k_min ({k_min}) must be <= k_max ({k_max})")
+        raise ValueError(f"min_draft_tokens ({k_min}) must be <= max_draft_tokens ({k_max})")
     if not k_min <= k <= k_max:
-        raise ValueError(f"k must be in [k_min, k_max] = [{k_min}, {k_max}], got {k}")
+        raise ValueError(f"num_draft_tokens must be in [min_draft_tokens, max_draft_tokens] = [{k_min}, {k_max}], "
+                         f"got {k}")
 
 
 def expected_tokens_per_round(a: float, k: int) -> float:

@@ -12,13 +12,14 @@ import grpc
 from orchestrator.batcher import VerifyBatcher
 from orchestrator.config import OrchestratorConfig
 from orchestrator.downstream import DraftClient, TargetClient, channel_to
+from orchestrator.gamma_policy import make_policy
 from orchestrator.replicas import Replica, ReplicaPool
 from orchestrator.servicer import Backends, OrchestratorServicer
 from orchestrator.speculation import LoopSettings
 from specdec.engine.vocab import usable_size_of
 from specdec.errors import FailedPrecondition, Unavailable
-from specdec.grpc_tracing import client_interceptors
-from specdec.serving import RunningServer, ServerConfig, start_server
+from specdec.rpc.grpc_tracing import client_interceptors
+from specdec.rpc.serving import RunningServer, ServerConfig, start_server
 from specdec.telemetry import NOOP, Telemetry
 from specdec.v1 import orchestrator_pb2_grpc
 
@@ -88,6 +89,17 @@ def check_compatible(draft_info, target_info) -> None:
         )
 
 
+def check_defaults(cfg: OrchestratorConfig, max_draft_tokens: int) -> None:
+    """The default policy must fit the limit in force (the smallest of
+    --max-draft-tokens and the services' own): refuse to start otherwise,
+    rather than fail every request that takes the defaults."""
+    try:
+        make_policy(cfg.policy, cfg.num_draft_tokens, cfg.min_draft_tokens, max_draft_tokens, max_draft_tokens)
+    except ValueError as exc:
+        raise FailedPrecondition(f"the default policy does not fit max_draft_tokens = {max_draft_tokens} (the "
+                                 f"smallest of --max-draft-tokens and the services' limits): {exc}") from None
+
+
 def load_tokenizer(name: str):
     """A tokenizer from a catalog name or directory; None when there is none."""
     if not name:
@@ -98,7 +110,7 @@ def load_tokenizer(name: str):
         return synth.load_tokenizer(name)
     from transformers import AutoTokenizer
 
-    from specdec.engine.loading import locate
+    from specdec.models.cache import locate
 
     try:
         where, gguf_file = locate(name)
@@ -146,11 +158,13 @@ async def build_backends(cfg: OrchestratorConfig, tokenizer=None, telemetry: Tel
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         eos.add(int(tokenizer.eos_token_id))
     infos = [target_info] + ([drafts.any().client.info] if drafts else [])
+    max_draft_tokens = min([cfg.max_draft_tokens] + [i.max_draft_tokens for i in infos])
+    check_defaults(cfg, max_draft_tokens)
     settings = LoopSettings(rpc_timeout_s=cfg.rpc_timeout_s, draft_retry_s=cfg.draft_retry_s,
                             pipeline_call_cost_s=cfg.pipeline_call_cost_ms / 1000,
                             pipeline_always=cfg.pipeline_always,
                             max_context=min(i.max_context for i in infos),
-                            max_draft_tokens=min(i.max_draft_tokens for i in infos))
+                            max_draft_tokens=max_draft_tokens)
     return Backends(targets=targets, drafts=drafts, tokenizer=tokenizer, settings=settings,
                     eos_ids=frozenset(eos), vocab_size=usable_size_of(target_info))
 

@@ -11,8 +11,8 @@ from orchestrator.gamma_policy import make_policy
 from orchestrator.replicas import ReplicaPool
 from orchestrator.speculation import LoopSettings, RequestSpec, SpeculativeRequest
 from orchestrator.stop import StopMatcher, validate_stops
-from specdec import grpc_errors
 from specdec.errors import InvalidArgument
+from specdec.rpc import grpc_errors
 from specdec.sampling.params import SamplingParams
 from specdec.sampling.rng import random_seed
 from specdec.telemetry import (A_ACCEPTANCE_RATE, A_ACCEPTED_TOKENS, A_DRAFT_MODEL, A_FALLBACK_ROUNDS, A_POLICY,
@@ -148,10 +148,10 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         except ValueError as exc:
             raise InvalidArgument(str(exc)) from None
         opts = request.speculation
+        limit = self.b.settings.max_draft_tokens  # the orchestrator's and both services' smallest
         try:
             policy = make_policy(opts.policy or cfg.policy, opts.num_draft_tokens or cfg.num_draft_tokens,
-                                 opts.min_draft_tokens or cfg.min_draft_tokens,
-                                 opts.max_draft_tokens or max(cfg.max_draft_tokens, opts.num_draft_tokens))
+                                 opts.min_draft_tokens or cfg.min_draft_tokens, opts.max_draft_tokens or limit, limit)
         except ValueError as exc:
             raise InvalidArgument(str(exc)) from None
         spec = RequestSpec(

@@ -1,6 +1,6 @@
 """One request's speculative loop: propose, verify (batched), accept, repeat.
 
-Per round, with lookahead k chosen by the request's γ policy:
+Per round, with k = num_draft_tokens chosen by the request's policy:
   1. the draft proposes x_1..x_k (with their sparse q, unless greedy);
   2. the target scores them in the request's slot of a batched Verify;
   3. the orchestrator decides acceptance (`specdec.sampling.rejection`);
@@ -11,21 +11,9 @@ Bookkeeping: `history` is prompt + emitted tokens. For each service we track
 the length of the prefix its context shares with `history`; each call sends
 keep_length = that prefix and appends the rest of `history`.
 
-Pipelined drafting (`RequestSpec.pipeline`, after PEARL / AMUSD): while the
-target verifies round r's k drafts, the draft already proposes m = k' + 1 more
-tokens, as if all k were accepted (k' being the k the policy would choose after
-a full acceptance). When round r is fully accepted and the target's bonus token
-equals the first of them, the other k' are round r+1's drafts, already made:
-round r+1 sends no Propose. Otherwise the speculative work is dropped (the
-stream is cancelled; the draft is cut back by the keep_length riding on its
-next call). Exactness does not depend on it: round r is decided as without
-pipelining, and round r+1's drafts are drafts from the same context. Greedy
-output is identical with or without it; sampled output has the same
-distribution, and for a seed the same tokens whenever the rounds' k are the
-same (a model drafter's drafts are keyed by (seed, position); k drafted ahead
-is capped at the services' max_draft_tokens - 1, and a prompt-lookup drafter's
-continuation can differ). The win is the draft
-time of the rounds that follow a full acceptance, hidden behind verification.
+Pipelined drafting (`RequestSpec.pipeline`): while the target verifies round
+r, the draft already proposes round r+1 as if round r will be fully accepted;
+`orchestrator/pipelining.py` holds it and the decision whether it pays.
 
 If the draft fails, the round decodes plainly (a Verify with k = 0 draws the
 same token a plain decode would) and the draft is re-opened on the full
@@ -49,10 +37,11 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from orchestrator.batcher import VerifyBatcher
 from orchestrator.downstream import CallCost, DraftClient, TargetClient, open_request
-from orchestrator.gamma_policy import (GammaPolicy, RoundObservation, acceptance_estimate, ewma,
-                                       k_after_full_acceptance)
+from orchestrator.gamma_policy import GammaPolicy, RoundObservation, acceptance_estimate
+from orchestrator.pipelining import AheadDecision, Pipeline, draft_ahead_length
 from specdec.errors import DeadlineExceeded, NotFound, SpecdecError
-from specdec.grpc_errors import from_rpc_error
+from specdec.limits import DEFAULT_MAX_DRAFT_TOKENS
+from specdec.rpc.grpc_errors import from_rpc_error
 from specdec.sampling.rejection import RoundResult, VerifyOutcome, accept_greedy, accept_sampled
 from specdec.sampling.sparse import SparseDist
 from specdec.telemetry import (A_ACCEPTED, A_BATCH_ITEMS, A_BATCH_SESSIONS, A_EMITTED, A_FALLBACK, A_K, A_PEER,
@@ -63,7 +52,6 @@ from specdec.v1 import target_pb2
 log = logging.getLogger(__name__)
 
 CLOSE_TIMEOUT_S = 5.0
-OVERLAP_WEIGHT = 0.3  # EWMA weight of the newest round in the pipelining decision's measurements
 
 
 @dataclass(frozen=True)
@@ -127,7 +115,7 @@ class LoopSettings:
     rpc_timeout_s: float = 60.0
     draft_retry_s: float = 2.0
     max_context: int = 4096  # the smaller of the two services' limits
-    max_draft_tokens: int = 16  # the smaller of the two services' limits
+    max_draft_tokens: int = DEFAULT_MAX_DRAFT_TOKENS  # the smallest of the orchestrator's and the services' limits
     pipeline_call_cost_s: float = 0.002  # what one more speculative Propose costs, for the pipelining decision
     pipeline_always: bool = False  # draft ahead every round, without weighing it
 
@@ -153,18 +141,9 @@ class SpeculativeRequest:
         self._draft_session: str | None = None
         self._draft_prefix = 0
         self._draft_down_since: float | None = None
-        # Pipelined drafting: the speculative Propose in flight, and the drafts
-        # it made that the next round will use.
-        self._ahead: asyncio.Task | None = None
-        self._next_drafts: list | None = None
-        self._last_obs: RoundObservation | None = None
-        # Target compute per round with and without drafting ahead during it
-        # (EWMA), to see whether the two compete for the same hardware.
-        self._verify_alone: float | None = None
-        self._verify_overlapped: float | None = None
-        self._ahead_decisions = 0
-        self._ahead_wait: float | None = None  # EWMA: waiting for drafts made ahead after the verify ended
-        self._ahead_first: asyncio.Future | None = None  # the first token drafted ahead (the bonus guess)
+        self._pipeline = Pipeline(draft)
+        self._ahead_decision = AheadDecision(settings.pipeline_call_cost_s, settings.pipeline_always)
+        self._last_obs: RoundObservation | None = None  # the last speculative round
         self._last_round_end: float | None = None  # when the previous round was observed
 
     # ------------------------------------------------------------ lifecycle
@@ -219,7 +198,7 @@ class SpeculativeRequest:
     def close(self) -> None:
         """Close both sessions in the background: safe to call from a
         cancelled request, returns at once."""
-        self._drop_ahead()
+        self._pipeline.drop()
         if self._target_session is not None:
             self._close_later(self.target, self._target_session)
             self._target_session = None
@@ -283,18 +262,21 @@ class SpeculativeRequest:
             await self._reopen_draft_if_due()
             fallbacks = self.stats.fallback_rounds
             k = self._choose_k() if self._draft_session is not None else 0
-            drafts, draft_time, draft_compute = self._take_next_drafts(k)
-            if drafts is None:
+            drafts = self._pipeline.take(k)
+            if drafts is not None:  # made during the previous round; their time was counted then
+                self.stats.pipelined_rounds += 1
+                draft_time, draft_compute = 0.0, 0.0
+            else:
                 drafts, draft_time, draft_compute = await self._propose(k)
             self._draft_ahead(drafts)
-            overlapped = self._ahead is not None
+            overlapped = self._pipeline.in_flight
             try:
                 reply = await self._verify(drafts)
             except BaseException:
-                self._drop_ahead()
+                self._pipeline.drop()
                 raise
             if self.spec.pipeline and drafts:
-                self._learn_overlap(overlapped, reply.compute_s / max(1, reply.items))
+                self._ahead_decision.observe_verify(overlapped, reply.compute_s / max(1, reply.items))
             with self.telemetry.span(SPAN_ACCEPT) as accept_span:
                 result = self._accept(drafts, reply.result)
                 accept_span.set_attribute(A_ACCEPTED, result.num_accepted)
@@ -338,16 +320,6 @@ class SpeculativeRequest:
 
     # ------------------------------------------------------ pipelined drafting
 
-    def _take_next_drafts(self, k: int) -> tuple[list | None, float, float]:
-        """The drafts the previous round's speculative Propose made, cut to k;
-        None when there are none (or k == 0: the draft keeps them, and the next
-        call's keep_length cuts them)."""
-        drafts, self._next_drafts = self._next_drafts, None
-        if not drafts or k == 0 or self._draft_session is None:
-            return None, 0.0, 0.0
-        self.stats.pipelined_rounds += 1
-        return drafts[:k], 0.0, 0.0  # their time was counted when they were made
-
     def _draft_ahead(self, drafts: list) -> None:
         """Start drafting round r+1 while round r's drafts are verified, as if
         all of them will be accepted."""
@@ -357,112 +329,33 @@ class SpeculativeRequest:
         if any(d.token_id in self.spec.eos_ids for d in drafts):
             return  # a full acceptance would end the request
         # After a full acceptance: history + k drafts + the bonus token.
-        history_after = len(self.history) + k + 1
-        remaining_after = self.spec.max_tokens - self.stats.completion_tokens - (k + 1)
-        room_after = self.settings.max_context - history_after - 1
-        # The what-if carries counts only (no timings): the policy's copy moves
-        # its acceptance estimate, not its cost model.
-        what_if = RoundObservation(k=k, accepted=k, draft_time_s=0.0, verify_time_s=0.0, verify_compute_s=0.0,
-                                   batch_size=1, draft_rtt_s=0.0, target_rtt_s=0.0)
-        k_next = min(k_after_full_acceptance(self.policy, what_if), remaining_after - 1, room_after,
-                     self.settings.max_draft_tokens - 1)
+        k_next = draft_ahead_length(
+            self.policy, k, tokens_left=self.spec.max_tokens - self.stats.completion_tokens - (k + 1),
+            context_left=self.settings.max_context - (len(self.history) + k + 1) - 1,
+            max_draft_tokens=self.settings.max_draft_tokens)
         if k_next < 1:
             return
-        if not self._worth_drafting_ahead(k, k_next):
+        acceptance = acceptance_estimate(self.stats.accepted, self.stats.rejected_rounds)
+        if not self._ahead_decision.worth_drafting_ahead(k, k_next, acceptance, self._last_obs):
             return
-        # The draft holds history + the k drafts; m = k_next + 1 more: a guess
-        # at the bonus token, then round r+1's drafts.
-        keep = len(self.history) + k
+        # The draft holds history + the k drafts; k_next + 1 more: a guess at
+        # the bonus token, then round r+1's drafts.
         self.stats.round_trips += 1
-        self._ahead_first = asyncio.get_running_loop().create_future()
-        self._ahead = asyncio.ensure_future(self.draft.propose(
-            self._draft_session, keep, [], k_next + 1, self._timeout(), first=self._ahead_first))
+        self._pipeline.start(self._draft_session, len(self.history) + k, k_next, self._timeout())
 
-    EXPLORE_EVERY = 10  # every so many decisions, take the other one to re-measure it
-
-    def _worth_drafting_ahead(self, k: int, k_next: int) -> bool:
-        """Draft ahead when the expected saving beats the expected cost:
-
-            saving = h * max(0, rtt_draft + k_next * t_draft - wait)    h = a^(k+1), the hit chance
-            cost   = call_cost + (1 - h) * min(t_draft, busy) + slowdown
-
-        A hit saves round r+1's Propose (its round trip and drafting) less the
-        time the loop still waited for the drafts made ahead once the verify
-        had ended (`wait`, measured).
-        Every speculative call costs `call_cost` (the CPU of one more streamed
-        call on both ends, `--pipeline-call-cost-ms`); a miss may find the
-        draft still drafting ahead when round r+1 needs it: `busy` = (k_next + 1)
-        * t_draft - (verify time), capped at one step (the stream stops at its
-        next step once cancelled); and when draft and target share hardware
-        (one CPU, one GPU) drafting ahead slows the verification it overlaps:
-        `slowdown` = the target's compute per round with drafting ahead minus
-        without, both measured. The first round drafts ahead and the second
-        does not, to measure both; after that one decision in EXPLORE_EVERY is
-        reversed to keep the side not taken measured."""
-        last = self._last_obs
-        if self.settings.pipeline_always or last is None or last.k == 0:
-            return True
-        if self._verify_alone is None:
-            return False
-        t_draft = (last.draft_compute_s or last.draft_time_s) / last.k
-        hit = acceptance_estimate(self.stats.accepted, self.stats.rejected_rounds) ** (k + 1)
-        saving = hit * max(0.0, last.draft_rtt_s + k_next * t_draft - (self._ahead_wait or 0.0))
-        busy = max(0.0, (k_next + 1) * t_draft - last.verify_time_s)
-        slowdown = max(0.0, (self._verify_overlapped or 0.0) - self._verify_alone)
-        cost = self.settings.pipeline_call_cost_s + (1 - hit) * min(t_draft, busy) + slowdown
-        self._ahead_decisions += 1
-        explore = self._ahead_decisions % self.EXPLORE_EVERY == 0
-        return (saving > cost) != explore
-
-    def _learn_overlap(self, overlapped: bool, compute_s: float) -> None:
-        if overlapped:
-            self._verify_overlapped = ewma(self._verify_overlapped, compute_s, OVERLAP_WEIGHT)
-        else:
-            self._verify_alone = ewma(self._verify_alone, compute_s, OVERLAP_WEIGHT)
-
-    async def _settle_ahead(self, k: int, result: RoundResult) -> float:
-        """Keep the speculative drafts if round r was fully accepted and the
-        bonus token is the draft's guess; drop them otherwise. Returns the
-        seconds spent waiting for them (draft time on the critical path,
-        counted in the request's draft time)."""
-        ahead, self._ahead = self._ahead, None
-        if ahead is None:
-            return 0.0
+    async def _settle_ahead(self, k: int, result: RoundResult) -> None:
+        """Account for the speculative Propose of round r (k drafts) and, when
+        its drafts are round r+1's, note what the draft now holds."""
         bonus = result.emitted_ids[-1] if result.emitted_ids else None
-        if result.num_accepted < k or bonus is None or bonus in self.spec.eos_ids:
-            await _cancel(ahead)
-            return 0.0
-        start = time.perf_counter()
-        # Judge the guess as soon as its first token arrives: a wrong guess
-        # drops the rest of the stream instead of waiting for it.
-        await asyncio.wait({self._ahead_first, ahead}, return_when=asyncio.FIRST_COMPLETED)
-        if self._ahead_first.done() and self._ahead_first.result() != bonus:
-            await _cancel(ahead)
-            return time.perf_counter() - start
-        try:
-            drafts, cost = await ahead
-        except grpc.aio.AioRpcError as exc:
-            # Nothing to repair: the next Propose fails the same way if the
-            # draft is down, and the loop falls back then.
-            log.info("speculative Propose failed: %s", exc.code().name)
-            return time.perf_counter() - start
-        waited = time.perf_counter() - start
-        self._ahead_wait = ewma(self._ahead_wait, waited, OVERLAP_WEIGHT)
-        self._account(cost, "draft", "Propose", round_trip=False)  # counted when it was sent
-        self.stats.draft_compute_s += _compute_s(drafts)
-        self.stats.draft_time_s += waited
-        if len(drafts) >= 2 and drafts[0].token_id == result.emitted_ids[-1]:
-            # The draft holds history + k drafts + the bonus + drafts[1:].
-            self._next_drafts = list(drafts[1:])
+        settled = await self._pipeline.settle(k, result.num_accepted, bonus, self.spec.eos_ids)
+        if settled.cost is not None:
+            self._ahead_decision.observe_wait(settled.waited_s)
+            self._account(settled.cost, "draft", "Propose", round_trip=False)  # counted when it was sent
+            self.stats.draft_compute_s += _compute_s(settled.drafts)
+            self.stats.draft_time_s += settled.waited_s
+        if settled.kept:
+            # The draft holds history + k drafts + the bonus + the drafts kept.
             self._draft_prefix = len(self.history) + k + 1
-        return waited
-
-    def _drop_ahead(self) -> None:
-        ahead, self._ahead = self._ahead, None
-        if ahead is not None:
-            ahead.cancel()
-            ahead.add_done_callback(_retrieve)
-        self._next_drafts = None
 
     async def _verify(self, drafts: list):
         keep = self._target_prefix
@@ -535,20 +428,6 @@ class SpeculativeRequest:
 
 def _compute_s(drafts: list) -> float:
     return sum(d.compute_micros for d in drafts) / 1e6
-
-
-async def _cancel(task: asyncio.Task) -> None:
-    """Cancel a task and let it finish (its RPC is cancelled on the wire),
-    without swallowing a cancellation of the caller."""
-    task.cancel()
-    await asyncio.wait({task})
-    _retrieve(task)
-
-
-def _retrieve(task: asyncio.Task) -> None:
-    """Mark a dropped task's failure as seen: it was work no longer needed."""
-    if not task.cancelled():
-        task.exception()
 
 
 def _failed(span, exc: grpc.aio.AioRpcError) -> None:

@@ -1,7 +1,7 @@
 """Errors a caller can cause, as plain exceptions of the pure core.
 
 The core (engine, sampling, orchestration) imports no grpc; each service maps
-these to a gRPC status with the same message (see `specdec.grpc_errors`).
+these to a gRPC status with the same message (see `specdec.rpc.grpc_errors`).
 Anything else that escapes the core is a bug of ours and becomes INTERNAL.
 """
 

@@ -58,7 +58,7 @@ class Metrics:
             "specdec_request_duration_seconds", unit="s", description="Generate: whole request",
             explicit_bucket_boundaries_advisory=DURATION_BUCKETS_S)
         self.num_draft_tokens = histogram(
-            "specdec_num_draft_tokens", description="k chosen per round (the γ policy's decision after caps)",
+            "specdec_num_draft_tokens", description="num_draft_tokens (k) chosen per round (the policy's decision after caps)",
             explicit_bucket_boundaries_advisory=K_BUCKETS)
         self.rpc_round_trip = histogram(
             "specdec_rpc_round_trip_seconds", unit="s",

@@ -77,7 +77,7 @@ A_FALLBACK_ROUNDS = "specdec.fallback_rounds"
 A_TTFT = "specdec.time_to_first_token_s"
 A_PEER = "specdec.peer"  # draft | target: the service a client span calls
 A_ROUND = "specdec.round"  # 0-based index of the round in its request
-A_K = "specdec.k"  # draft tokens asked for (the γ policy's choice after caps)
+A_K = "specdec.k"  # k = num_draft_tokens asked for (the policy's choice after caps)
 A_RETURNED = "specdec.draft.returned"  # draft tokens actually proposed
 A_ACCEPTED = "specdec.accepted"  # draft tokens accepted in the round
 A_EMITTED = "specdec.emitted"  # tokens the round emitted (accepted + 1)

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from specdec.engine.config import EngineConfig
 from specdec.engine.engine import ModelEngine
-from specdec.model_server import ModelService, start_model_service
-from specdec.model_service import SessionLimits
-from specdec.serving import ServerConfig
+from specdec.rpc.model_server import ModelService, start_model_service
+from specdec.rpc.model_service import SessionLimits
+from specdec.rpc.serving import ServerConfig
 from specdec.telemetry import NOOP, Telemetry
 from specdec.v1 import target_pb2_grpc
 from target_service.servicer import TargetServicer

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import time
 
-from specdec import grpc_errors
-from specdec.model_service import SessionServicer
+from specdec.rpc import grpc_errors
+from specdec.rpc.model_service import SessionServicer
 from specdec.telemetry import (A_APPENDED, A_BATCH_ITEMS, A_BATCH_SESSIONS, A_FORWARD_S, A_K, A_TOKENS,
                                SPAN_DECODE, SPAN_VERIFY)
 from specdec.v1 import target_pb2, target_pb2_grpc

@@ -15,7 +15,8 @@ import torch
 
 from specdec.engine.engine import ExtendItem, ModelEngine
 from specdec.errors import InvalidArgument, SpecdecError
-from specdec.model_service import EngineBackend, SessionMeta
+from specdec.limits import DEFAULT_MAX_DRAFT_TOKENS, check_num_draft_tokens
+from specdec.rpc.model_service import EngineBackend, SessionMeta
 from specdec.sampling.rejection import VerifyOutcome, sample_token, score_drafts
 from specdec.sampling.sparse import SparseDist, validate_sparse
 from specdec.sampling.transform import argmax_tokens, logits_to_probs
@@ -47,7 +48,8 @@ class VerifyBatchResult:
 class Verifier(EngineBackend):
     """Sessions of the target model, with batched Verify and plain Decode."""
 
-    def __init__(self, engine: ModelEngine, max_draft_tokens: int = 16, max_verify_batch: int = 64):
+    def __init__(self, engine: ModelEngine, max_draft_tokens: int = DEFAULT_MAX_DRAFT_TOKENS,
+                 max_verify_batch: int = 64):
         super().__init__(engine)
         self.max_draft_tokens = max_draft_tokens
         self.max_verify_batch = max_verify_batch
@@ -78,8 +80,7 @@ class Verifier(EngineBackend):
 
     def _check_item(self, item: VerifyRequestItem) -> tuple[ExtendItem, list[SparseDist]]:
         k = len(item.drafts)
-        if k > self.max_draft_tokens:
-            raise InvalidArgument(f"{k} drafted tokens; the limit is {self.max_draft_tokens}")
+        check_num_draft_tokens(k, self.max_draft_tokens, lowest=0)
         session = self.engine.session(item.session_id)
         meta: SessionMeta = session.meta
         q = [] if meta.params.greedy else self._check_q(item)

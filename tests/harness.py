@@ -10,8 +10,8 @@ import grpc
 
 from draft_service.drafters import ModelDrafter, NgramDrafter
 from draft_service.server import start_draft_service
-from specdec.model_service import SessionLimits
-from specdec.serving import ServerConfig
+from specdec.rpc.model_service import SessionLimits
+from specdec.rpc.serving import ServerConfig
 from specdec.telemetry import NOOP
 from specdec.v1 import draft_pb2_grpc, target_pb2_grpc
 from target_service.server import start_target_service

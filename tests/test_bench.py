@@ -187,7 +187,7 @@ def test_user_errors_exit_2_with_one_line(tmp_path, capsys):
     assert len(err) == 1 and "no-such-model" in err[0] and err[0].startswith("specd bench: error:")
     assert main(["bench", "--pair", "tiny", "--rtt-ms", "1", "--draft-rtt-ms", "2", "--out", str(tmp_path / "b")]) == 2
     assert "--rtt-ms" in capsys.readouterr().err
-    assert main(["bench", "--pair", "tiny", "--ks", "0", "--out", str(tmp_path / "c")]) == 2
+    assert main(["bench", "--pair", "tiny", "--num-draft-tokens", "0", "--out", str(tmp_path / "c")]) == 2
     with pytest.raises(SystemExit) as exc:
         main(["bench", "--baselines", "nope"])
     assert exc.value.code == 2
@@ -235,7 +235,7 @@ def test_bench_end_to_end_on_a_tiny_pair(tiny_pair_dirs, tmp_path, capsys):
     except ImportError:
         network = []
     rc = main(["bench", "--draft", draft, "--target", target, "--dtype", "float32", "--threads", "1",
-               "--token-prompts", "2", "--token-prompt-len", "8", "--max-tokens", "8", "--ks", "2", "3",
+               "--token-prompts", "2", "--token-prompt-len", "8", "--max-tokens", "8", "--num-draft-tokens", "2", "3",
                "--policies", "fixed", "adaptive", "--temperatures", "0", "0.7", "--concurrency", "1", "2",
                "--repeats", "1", *network, "--out", str(out), "--no-progress"])
     printed = capsys.readouterr().out

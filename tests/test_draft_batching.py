@@ -9,7 +9,7 @@ import pytest
 
 from draft_service.drafters import ModelDrafter
 from specdec.errors import NotFound
-from specdec.model_service import SessionMeta
+from specdec.rpc.model_service import SessionMeta
 from specdec.sampling.params import SamplingParams
 from tests.conftest import tiny_engine, tiny_model
 from tests.harness import running_draft

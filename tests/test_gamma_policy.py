@@ -1,4 +1,4 @@
-"""γ policies: fixed, acceptance-adaptive, the factory's bounds, and E[tokens per round]."""
+"""Policies choosing k: fixed, acceptance-adaptive, the factory's bounds, and E[tokens per round]."""
 from __future__ import annotations
 
 import math
@@ -16,6 +16,8 @@ from orchestrator.gamma_policy import (
     expected_tokens_per_round,
     make_policy,
 )
+from specdec.errors import InvalidArgument
+from specdec.limits import DEFAULT_MAX_DRAFT_TOKENS
 
 
 def round_obs(k: int, accepted: int) -> RoundObservation:
@@ -89,12 +91,12 @@ def test_unknown_policy_name_is_rejected():
 
 
 @pytest.mark.parametrize("k, k_min, k_max, message", [
-    (4, 0, 8, "k_min must be >= 1"),
-    (4, 1, 33, "k_max must be <= 32"),
-    (4, 6, 5, r"k_min \(6\) must be <= k_max \(5\)"),
-    (9, 1, 8, r"k must be in \[k_min, k_max\] = \[1, 8\], got 9"),
-    (1, 2, 8, r"k must be in \[k_min, k_max\]"),
-    (2.5, 1, 8, "k must be an integer"),
+    (4, 0, 8, r"num_draft_tokens must be in \[1, 8\], got 0"),
+    (4, 1, 9, r"num_draft_tokens must be in \[1, 8\], got 9"),
+    (9, 1, 8, r"num_draft_tokens must be in \[1, 8\], got 9"),
+    (4, 6, 5, r"min_draft_tokens \(6\) must be <= max_draft_tokens \(5\)"),
+    (1, 2, 8, r"num_draft_tokens must be in \[min_draft_tokens, max_draft_tokens\] = \[2, 8\], got 1"),
+    (2.5, 1, 8, "num_draft_tokens must be an integer"),
 ])
 @pytest.mark.parametrize("name", POLICIES)
 def test_bounds_are_validated(name, k, k_min, k_max, message):
@@ -103,8 +105,14 @@ def test_bounds_are_validated(name, k, k_min, k_max, message):
 
 
 def test_bounds_at_the_limits_are_accepted():
-    assert make_policy("fixed", 32, 1, 32).next_k() == 32
+    assert make_policy("fixed", DEFAULT_MAX_DRAFT_TOKENS, 1, DEFAULT_MAX_DRAFT_TOKENS).next_k() == 8
     assert make_policy("adaptive", 1, 1, 1).next_k() == 1
+
+
+def test_the_limit_is_the_one_max_draft_tokens():
+    assert make_policy("fixed", 12, 1, 12, limit=12).next_k() == 12
+    with pytest.raises(InvalidArgument, match=r"num_draft_tokens must be in \[1, 3\], got 4"):
+        make_policy("adaptive", 4, 1, 8, limit=3)
 
 
 def test_observation_with_more_accepted_than_proposed_is_a_bug():

@@ -1,4 +1,4 @@
-"""The goodput γ policy: its cost model, its choices against the analytic optimum
+"""The goodput policy: its cost model, its choices against the analytic optimum
 in a simulated round loop, and how fast it follows a change of network latency."""
 from __future__ import annotations
 

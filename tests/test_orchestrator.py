@@ -338,7 +338,7 @@ def test_target_failure_ends_the_request_with_unavailable():
     (dict(prompt=[3], top_p=1.5), "top_p"),
     (dict(prompt=[3], top_k=-2), "top_k"),
     (dict(prompt=[3], policy="psychic"), "unknown policy"),
-    (dict(prompt=[3], num_draft_tokens=99), "k"),
+    (dict(prompt=[3], num_draft_tokens=99), "num_draft_tokens must be in [1, 8], got 99"),
     (dict(prompt=[3], stop=[""]), "stop"),
 ])
 def test_bad_requests_get_invalid_argument(greedy_system, kwargs, message):
@@ -347,3 +347,14 @@ def test_bad_requests_get_invalid_argument(greedy_system, kwargs, message):
         list(greedy_system.client.generate(prompt, **kwargs))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert message in err.value.details()
+
+
+def test_the_orchestrator_refuses_a_default_policy_beyond_the_limit_in_force():
+    from orchestrator.config import OrchestratorConfig
+    from orchestrator.server import check_defaults
+    from specdec.errors import FailedPrecondition
+
+    check_defaults(OrchestratorConfig(), 8)
+    check_defaults(OrchestratorConfig(num_draft_tokens=2), 2)
+    with pytest.raises(FailedPrecondition, match=r"max_draft_tokens = 2 .*num_draft_tokens must be in \[1, 2\], got 4"):
+        check_defaults(OrchestratorConfig(num_draft_tokens=4), 2)  # a service advertising a smaller limit

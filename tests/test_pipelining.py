@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from draft_service.drafters import ModelDrafter
-from specdec.model_service import SessionMeta
+from orchestrator.gamma_policy import AdaptivePolicy, FixedPolicy, RoundObservation, acceptance_estimate
+from orchestrator.pipelining import AheadDecision, draft_ahead_length
+from specdec.rpc.model_service import SessionMeta
 from specdec.sampling.params import SamplingParams
 from specdec.sampling.transform import logits_to_probs
 from tests.conftest import tiny_engine, tiny_model
@@ -207,30 +209,43 @@ def test_cancelling_a_pipelined_request_frees_both_sessions():
 
 # ------------------------------------------------------- the ahead decision
 
-def _loop():
-    from orchestrator.gamma_policy import FixedPolicy, RoundObservation
-    from orchestrator.speculation import LoopSettings, RequestSpec, SpeculativeRequest
-
-    spec = RequestSpec(prompt=[1, 2, 3], max_tokens=100, temperature=0, top_k=0, top_p=1.0, seed=0,
-                       eos_ids=frozenset(), speculate=True, pipeline=True)
-    loop = SpeculativeRequest(spec, FixedPolicy(4), target=None, batcher=None, draft=None,
-                              settings=LoopSettings(pipeline_call_cost_s=0.002))
-    loop.stats.accepted, loop.stats.rejected_rounds = 90, 10  # a = 0.9: a hit every 1.7 rounds at k = 4
-    loop._last_obs = RoundObservation(k=4, accepted=4, draft_time_s=0.04 + 0.1, verify_time_s=0.15,
-                                      verify_compute_s=0.05, batch_size=1, draft_rtt_s=0.1, target_rtt_s=0.1,
-                                      draft_compute_s=0.04)
-    return loop
+# The request's last speculative round: k = 4, a 100 ms draft round trip, 10 ms per drafted token.
+LAST = RoundObservation(k=4, accepted=4, draft_time_s=0.04 + 0.1, verify_time_s=0.15, verify_compute_s=0.05,
+                        batch_size=1, draft_rtt_s=0.1, target_rtt_s=0.1, draft_compute_s=0.04)
+A = acceptance_estimate(90, 10)  # a = 0.9: a hit every 1.7 rounds at k = 4
 
 
 def test_the_ahead_decision_weighs_the_saved_round_trip_against_a_measured_slowdown():
-    loop = _loop()
-    assert not loop._worth_drafting_ahead(4, 4), "the second round measures the target without overlap"
-    loop._learn_overlap(False, 0.050)
-    loop._learn_overlap(True, 0.052)
-    assert loop._worth_drafting_ahead(4, 4), "a 100 ms draft round trip saved more than half the time"
-    loop._learn_overlap(True, 0.400)  # drafting ahead now slows verification a lot (shared hardware)
-    decisions = [loop._worth_drafting_ahead(4, 4) for _ in range(20)]
+    decision = AheadDecision(call_cost_s=0.002)
+    assert decision.worth_drafting_ahead(4, 4, A, last=None), "the first round drafts ahead, to measure it"
+    assert not decision.worth_drafting_ahead(4, 4, A, LAST), "the second round measures the target without overlap"
+    decision.observe_verify(overlapped=False, compute_s=0.050)
+    decision.observe_verify(overlapped=True, compute_s=0.052)
+    assert decision.worth_drafting_ahead(4, 4, A, LAST), "a 100 ms draft round trip saved more than half the time"
+    decision.observe_verify(overlapped=True, compute_s=0.400)  # drafting ahead now slows verification a lot
+    decisions = [decision.worth_drafting_ahead(4, 4, A, LAST) for _ in range(20)]
     assert decisions.count(True) == 2, "only the exploring decisions draft ahead"
+
+
+def test_the_ahead_decision_counts_the_wait_for_drafts_against_the_saving():
+    decision = AheadDecision(call_cost_s=0.002)
+    decision.observe_verify(overlapped=False, compute_s=0.050)
+    decision.observe_verify(overlapped=True, compute_s=0.050)
+    assert decision.worth_drafting_ahead(4, 4, A, LAST)
+    decision.observe_wait(0.2)  # the drafts made ahead arrived later than a fresh Propose would
+    assert not decision.worth_drafting_ahead(4, 4, A, LAST)
+    assert AheadDecision(call_cost_s=10.0, always=True).worth_drafting_ahead(4, 4, A, LAST)
+
+
+def test_drafting_ahead_asks_what_the_policy_would_choose_after_a_full_acceptance_within_the_caps():
+    assert draft_ahead_length(FixedPolicy(4), 4, tokens_left=100, context_left=100, max_draft_tokens=8) == 4
+    assert draft_ahead_length(AdaptivePolicy(4, 1, 8), 4, 100, 100, 8) == 6, "adaptive: +2 after a full acceptance"
+    assert draft_ahead_length(AdaptivePolicy(4, 1, 8), 4, 100, 100, max_draft_tokens=6) == 5, "the guess is drafted too"
+    assert draft_ahead_length(FixedPolicy(4), 4, tokens_left=3, context_left=100, max_draft_tokens=8) == 2
+    assert draft_ahead_length(FixedPolicy(4), 4, tokens_left=100, context_left=1, max_draft_tokens=8) == 1
+    policy = AdaptivePolicy(4, 1, 8)
+    draft_ahead_length(policy, 4, 100, 100, 8)
+    assert policy.next_k() == 4, "the policy itself is left unchanged"
 
 
 def test_a_draft_that_stops_while_drafting_ahead_falls_back_exactly():

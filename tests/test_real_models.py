@@ -7,7 +7,7 @@ import torch
 
 from specdec.engine.config import EngineConfig
 from specdec.engine.engine import ExtendItem, ModelEngine
-from specdec.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
+from specdec.models.catalog import DEFAULT_PAIR
 
 
 def _cached(name: str) -> bool:
@@ -20,15 +20,15 @@ def _cached(name: str) -> bool:
         return False
 
 
-needs_pair = pytest.mark.skipif(not (_cached(DEFAULT_DRAFT) and _cached(DEFAULT_TARGET)),
+needs_pair = pytest.mark.skipif(not (_cached(DEFAULT_PAIR.draft) and _cached(DEFAULT_PAIR.target)),
                                 reason="the default pair is not cached (specd models fetch)")
 
 
 @pytest.mark.real_models
 @needs_pair
 def test_real_pair_loads_batches_and_rolls_back():
-    draft = ModelEngine.load(EngineConfig(model=DEFAULT_DRAFT, dtype="float32", threads=2))
-    target = ModelEngine.load(EngineConfig(model=DEFAULT_TARGET, dtype="float32", threads=2))
+    draft = ModelEngine.load(EngineConfig(model=DEFAULT_PAIR.draft, dtype="float32", threads=2))
+    target = ModelEngine.load(EngineConfig(model=DEFAULT_PAIR.target, dtype="float32", threads=2))
     assert draft.vocab_size == target.vocab_size == 151936
     assert draft.info.tokenizer_fingerprint == target.info.tokenizer_fingerprint
     prompt = target.tokenizer("def fibonacci(n):", add_special_tokens=True)["input_ids"]

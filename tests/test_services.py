@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from draft_service.drafters import ModelDrafter
 from draft_service.server import SERVICE_NAME as DRAFT_SERVICE, start_draft_service
-from specdec.model_service import SessionLimits
+from specdec.rpc.model_service import SessionLimits
 from specdec.sampling.params import SamplingParams
 from specdec.sampling.sparse import truncate
 from specdec.sampling.transform import logits_to_probs
@@ -61,7 +61,7 @@ def open_session(stub, prompt, seed=0, max_new_tokens=0, **sampling) -> common_p
 
 
 def propose(stub, sid, k, keep=None, append=()) -> list[draft_pb2.ProposeResponse]:
-    req = draft_pb2.ProposeRequest(session_id=sid, num_tokens=k, append_token_ids=list(append))
+    req = draft_pb2.ProposeRequest(session_id=sid, num_draft_tokens=k, append_token_ids=list(append))
     if keep is not None:
         req.keep_length = keep
     return list(stub.Propose(req, timeout=T))
@@ -575,10 +575,12 @@ STATUS_CASES = [
      Code.INVALID_ARGUMENT, "max_new_tokens"),
     ("max-new-tokens-negative-draft", "draft", lambda s, v: open_session(s, [1, 2], max_new_tokens=-1),
      Code.INVALID_ARGUMENT, "max_new_tokens"),
-    ("propose-k-0", "draft", lambda s, v: propose(s, v["draft"], 0), Code.INVALID_ARGUMENT, "num_tokens"),
-    ("propose-k-negative", "draft", lambda s, v: propose(s, v["draft"], -2), Code.INVALID_ARGUMENT, "num_tokens"),
+    ("propose-k-0", "draft", lambda s, v: propose(s, v["draft"], 0), Code.INVALID_ARGUMENT,
+     f"num_draft_tokens must be in [1, {LIMIT}], got 0"),
+    ("propose-k-negative", "draft", lambda s, v: propose(s, v["draft"], -2), Code.INVALID_ARGUMENT,
+     "num_draft_tokens"),
     ("propose-k-over-limit", "draft", lambda s, v: propose(s, v["draft"], LIMIT + 1),
-     Code.INVALID_ARGUMENT, "num_tokens"),
+     Code.INVALID_ARGUMENT, f"num_draft_tokens must be in [1, {LIMIT}], got {LIMIT + 1}"),
     ("decode-num-tokens-0", "target", lambda s, v: decode(s, v["greedy"], 0), Code.INVALID_ARGUMENT, "num_tokens"),
     ("rollback-past-end-target", "target", lambda s, v: rollback(s, v["greedy"], 9),
      Code.OUT_OF_RANGE, "holds only 8"),
@@ -644,7 +646,8 @@ ITEM_CASES = [
     ("append-id-outside-vocab", lambda v: item(v["greedy"], [1], append=[V]), INVALID, "outside the vocabulary"),
     ("draft-id-outside-vocab", lambda v: item(v["greedy"], [1, V + 3]), INVALID, "outside the vocabulary"),
     ("draft-id-negative", lambda v: item(v["greedy"], [-1]), INVALID, "outside the vocabulary"),
-    ("too-many-drafts", lambda v: item(v["greedy"], [1] * (LIMIT + 1)), INVALID, "limit"),
+    ("too-many-drafts", lambda v: item(v["greedy"], [1] * (LIMIT + 1)), INVALID,
+     f"num_draft_tokens must be in [0, {LIMIT}], got {LIMIT + 1}"),
     ("keep-past-end", lambda v: item(v["greedy"], [1], keep=9), OUT_OF_RANGE, "holds only 8"),
     ("keep-negative", lambda v: item(v["greedy"], [1], keep=-3), INVALID, ">= 0"),
     ("nothing-before-drafts", lambda v: item(v["greedy"], [1], keep=0), INVALID, "nothing precedes"),
@@ -894,7 +897,7 @@ def test_ngram_refuses_bad_sessions(ngram):
     expect_status(Code.INVALID_ARGUMENT, "empty", open_session, stub, [])
     expect_status(Code.INVALID_ARGUMENT, "outside the vocabulary", open_session, stub, [V])
     sid = open_session(stub, [1, 2, 1]).session_id
-    expect_status(Code.INVALID_ARGUMENT, "num_tokens", propose, stub, sid, 0)
+    expect_status(Code.INVALID_ARGUMENT, "num_draft_tokens", propose, stub, sid, 0)
     expect_status(Code.OUT_OF_RANGE, "holds only 3", propose, stub, sid, 2, keep=4)
     close(stub, sid)
 

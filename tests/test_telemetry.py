@@ -370,7 +370,7 @@ def test_serve_commands_serve_metrics_on_the_metrics_port(monkeypatch):
     import socket
 
     from specdec.cli.serve_cmd import _telemetry
-    from specdec.serving import ServerConfig
+    from specdec.rpc.serving import ServerConfig
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from specdec.cli.up_cmd import stop_processes, wait_serving
+from specdec.processes import stop_processes, wait_serving
 
 _LISTENING = re.compile(r"listening on [^\s]*:(\d+)")
 

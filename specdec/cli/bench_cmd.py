@@ -9,10 +9,12 @@ One invocation starts the target, draft and orchestrator as child processes
 (logs in the results folder), loads the target (and the draft) in this
 process for the HF baselines, runs every config interleaved, stops the
 services, and writes runs.jsonl, requests.jsonl, summary.md and PNG plots.
+The flags are resolved and checked in `bench_options`.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import shlex
@@ -23,19 +25,8 @@ import time
 from pathlib import Path
 
 from specdec.bench.runner import BASELINES, HF, HF_ASSISTED, SERVICE
-
-QUICK = dict(prompts=1, chat_prompts=1, token_prompts=2, max_tokens=16, ks=[4],
-             policies=["fixed", "adaptive", "goodput", "goodput-pipeline"], temperatures=[0.0, 0.7],
-             concurrency=[1, 4], repeats=1)
-FULL = dict(prompts=10, chat_prompts=4, token_prompts=10, max_tokens=128, ks=[2, 3, 4, 5, 6],
-            policies=["fixed", "adaptive", "goodput", "goodput-pipeline"], temperatures=[0.0, 0.7],
-            concurrency=[1, 4, 8], repeats=3)
-DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
-DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
-
-
-class UsageError(Exception):
-    """A mistake of the user's: one line, exit code 2."""
+from specdec.cli.bench_options import UsageError, build_prompts, resolve, use_tiny_pair
+from specdec.models.catalog import DEFAULT_PAIR
 
 
 def register(sub) -> None:
@@ -45,8 +36,8 @@ def register(sub) -> None:
     g.add_argument("--pair", choices=("default", "tiny"), default="default",
                    help="default: --draft/--target (the real pair unless given); tiny: a small random pair "
                         "with token-id prompts (specdec.bench.tiny_pair)")
-    g.add_argument("--draft", default=None, help=f"draft: catalog name or model directory (default {DEFAULT_DRAFT})")
-    g.add_argument("--target", default=None, help=f"target: catalog name or model directory (default {DEFAULT_TARGET})")
+    g.add_argument("--draft", default=None, help=f"draft: catalog name or model directory (default {DEFAULT_PAIR.draft})")
+    g.add_argument("--target", default=None, help=f"target: catalog name or model directory (default {DEFAULT_PAIR.target})")
     g.add_argument("--device", default="cpu", help="device of both roles and the HF baselines: cpu, cuda, cuda:N")
     g.add_argument("--draft-device", default=None, help="the draft's device (default --device)")
     g.add_argument("--target-device", default=None, help="the target's device (default --device)")
@@ -63,7 +54,8 @@ def register(sub) -> None:
                    help="random token-id prompts instead of text (for models without a tokenizer; "
                         "the tiny pair's count)")
     g.add_argument("--token-prompt-len", type=int, default=24, help="length of each random token-id prompt")
-    g.add_argument("--ks", type=int, nargs="+", default=None, help="k values of the fixed policy (full 2-6, quick 4)")
+    g.add_argument("--num-draft-tokens", type=int, nargs="+", default=None,
+                   help="num_draft_tokens values of the fixed policy, one config each (full 2-6, quick 4)")
     g.add_argument("--policies", nargs="+", default=None,
                    help="specdec policies: fixed (one config per k), adaptive, goodput, NAME-pipeline for "
                         "pipelined drafting; none for baselines only (default: fixed adaptive goodput "
@@ -95,202 +87,6 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-# ------------------------------------------------------------------ options
-
-
-def _pick(args, name: str):
-    value = getattr(args, name)
-    if value is not None:
-        return value
-    return (QUICK if args.quick else FULL)[name]
-
-
-def resolve(args: argparse.Namespace) -> dict:
-    """Every setting, defaults filled in and checked; raises UsageError."""
-    o = {name: _pick(args, name) for name in FULL}
-    o["baselines"] = list(BASELINES) if args.baselines is None else list(args.baselines)
-    o["policies"] = [] if o["policies"] == ["none"] else list(o["policies"])
-    o["token_prompt_len"] = args.token_prompt_len
-    for name in ("max_tokens", "repeats", "token_prompt_len"):
-        if o[name] < 1:
-            raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
-    if any(k < 1 for k in o["ks"]):
-        raise UsageError("--ks values must be at least 1")
-    if any(c < 1 for c in o["concurrency"]):
-        raise UsageError("--concurrency values must be at least 1")
-    if any(t < 0 for t in o["temperatures"]):
-        raise UsageError("--temperatures must be >= 0")
-    if args.threads < 0:
-        raise UsageError("--threads must be >= 0")
-    if args.rtt_ms and (args.draft_rtt_ms is not None or args.target_rtt_ms is not None):
-        raise UsageError("use either --rtt-ms (a sweep, both services) or --draft-rtt-ms/--target-rtt-ms")
-    if any(x < 0 for x in (args.rtt_ms or []) + [v for v in (args.draft_rtt_ms, args.target_rtt_ms) if v is not None]) \
-            or args.jitter_ms < 0:
-        raise UsageError("round-trip times and jitter must be >= 0")
-    for name in ("device", "draft_device", "target_device"):
-        dev = getattr(args, name)
-        if dev is not None and not (dev == "cpu" or dev == "cuda" or dev.startswith("cuda:")):
-            raise UsageError(f"--{name.replace('_', '-')} must be cpu, cuda or cuda:N, not {dev!r}")
-    o["draft_device"] = args.draft_device or args.device
-    o["target_device"] = args.target_device or args.device
-    if any(d.startswith("cuda") for d in (o["draft_device"], o["target_device"])):
-        import torch
-
-        if not torch.cuda.is_available():
-            raise UsageError("a cuda device was asked for, but torch sees no CUDA device here")
-
-    # models and prompts
-    if args.pair == "tiny":
-        if args.draft or args.target:
-            raise UsageError("--pair tiny picks its own models: drop --draft/--target")
-        if args.prompts or args.chat_prompts:
-            raise UsageError("--pair tiny has no tokenizer: use --token-prompts N, not --prompts/--chat-prompts")
-        o["token_mode"] = True
-    else:
-        o["draft"] = args.draft or DEFAULT_DRAFT
-        o["target"] = args.target or DEFAULT_TARGET
-        o["draft_dir"] = _resolve_model(o["draft"])
-        o["target_dir"] = _resolve_model(o["target"])
-        o["token_mode"] = args.token_prompts is not None
-        if o["token_mode"] and (args.prompts or args.chat_prompts):
-            raise UsageError("--token-prompts replaces the text prompts: drop --prompts/--chat-prompts")
-    if o["token_mode"]:
-        o["prompts"], o["chat_prompts"] = 0, 0
-        if o["token_prompts"] < 1:
-            raise UsageError("--token-prompts must be at least 1")
-    else:
-        o["token_prompts"] = 0
-        if o["prompts"] < 0 or o["chat_prompts"] < 0 or o["prompts"] + o["chat_prompts"] < 1:
-            raise UsageError("give at least one prompt (--prompts N and/or --chat-prompts N)")
-        from specdec.bench.prompts import CHAT_PROMPTS
-
-        if o["chat_prompts"] > len(CHAT_PROMPTS):
-            raise UsageError(f"--chat-prompts: there are {len(CHAT_PROMPTS)} chat prompts")
-
-    from specdec.bench.runner import build_configs, network_conditions
-
-    try:
-        o["configs"] = build_configs(o["baselines"], o["ks"], o["policies"])
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
-    if not o["configs"]:
-        raise UsageError("nothing to run: give --baselines and/or --policies")
-    if (HF in o["baselines"] or HF_ASSISTED in o["baselines"]) and 1 not in o["concurrency"]:
-        raise UsageError("the HF baselines run at concurrency 1: include 1 in --concurrency or drop them")
-    o["concurrency_configs"] = args.concurrency_configs
-    if args.concurrency_configs:
-        unknown = set(args.concurrency_configs) - {c.name for c in o["configs"] if c.kind == SERVICE}
-        if unknown:
-            raise UsageError(f"--concurrency-configs: no service config named {', '.join(sorted(unknown))}")
-    elif args.quick:  # target-only and one specdec config: the newest policy asked for, else the first
-        spec = [c.name for c in o["configs"] if c.speculative]
-        o["concurrency_configs"] = ["target-only"] + ([spec[-1]] if spec else [])
-    o["conditions"] = network_conditions(args.rtt_ms, args.draft_rtt_ms, args.target_rtt_ms, args.jitter_ms)
-    o["uses_services"] = any(c.kind == SERVICE for c in o["configs"])
-    if any(c.proxied for c in o["conditions"]):
-        if not o["uses_services"]:
-            raise UsageError("network conditions apply to the services: add service configs")
-        try:
-            import specdec.latency_proxy  # noqa: F401
-        except ImportError as exc:
-            raise UsageError(f"network conditions need specdec.latency_proxy, which cannot be imported: {exc}") from None
-    return o
-
-
-def _resolve_model(name: str) -> str:
-    """A model directory; a catalog model not fetched yet is fetched first, as
-    `specd up` does, so `specd bench` works on a fresh machine."""
-    from specdec.models.cache import ModelNotFoundError, resolve_model
-    from specdec.models.catalog import CATALOG
-
-    try:
-        return str(resolve_model(name))
-    except ModelNotFoundError as exc:
-        if name not in CATALOG:
-            raise UsageError(f"{exc} (`specd models list` shows the catalog)") from None
-    from specdec.models.fetch import fetch
-
-    fetch(name)
-    return str(resolve_model(name))
-
-
-def _tiny_pair(o: dict) -> None:
-    try:
-        from specdec.bench.tiny_pair import ensure_tiny_pair
-    except ImportError as exc:
-        raise UsageError(f"--pair tiny needs specdec.bench.tiny_pair, which cannot be imported: {exc}") from None
-    draft_dir, target_dir = ensure_tiny_pair()
-    o["draft"] = o["draft_dir"] = str(draft_dir)
-    o["target"] = o["target_dir"] = str(target_dir)
-
-
-def build_prompts(o: dict, pair: str, seed: int) -> list:
-    """Prompt token ids, the same for every system."""
-    from specdec.bench.runner import Prompt
-
-    if o["token_mode"]:
-        if pair == "tiny":
-            from specdec.bench.tiny_pair import tiny_prompts
-
-            ids = tiny_prompts(o["token_prompts"])
-        else:
-            ids = _random_token_prompts(o["target_dir"], o["token_prompts"], o["token_prompt_len"], seed)
-        return [Prompt(i, "token-ids", tuple(int(t) for t in p), seed + i, f"{len(p)} random tokens")
-                for i, p in enumerate(ids)]
-    tok = _tokenizer(o["target_dir"])
-    prompts = []
-    if o["prompts"]:
-        from specdec.bench.prompts import humaneval_prompts
-
-        for text in humaneval_prompts(o["prompts"]):
-            ids = list(tok(text, add_special_tokens=True)["input_ids"])  # as the orchestrator tokenizes text
-            prompts.append(("humaneval", ids, text.strip().splitlines()[0][:60]))
-    if o["chat_prompts"]:
-        from specdec.bench.prompts import chat_prompts
-
-        if not getattr(tok, "chat_template", None):
-            raise UsageError("the target's tokenizer has no chat template: use --chat-prompts 0")
-        for messages in chat_prompts(o["chat_prompts"]):
-            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
-                ids = ids["input_ids"]
-            prompts.append(("chat", list(ids), messages[0]["content"][:60]))
-    return [Prompt(i, kind, tuple(int(t) for t in ids), seed + i, label) for i, (kind, ids, label) in enumerate(prompts)]
-
-
-def _tokenizer(model_dir: str):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(model_dir)
-    except (OSError, ValueError) as exc:
-        raise UsageError(f"the target {model_dir} has no tokenizer ({exc.__class__.__name__}): "
-                         "use --token-prompts N") from None
-
-
-def _random_token_prompts(model_dir: str, n: int, length: int, seed: int) -> list[list[int]]:
-    import random
-
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(model_dir)
-    eos = config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id]
-    special = {t for t in [*eos, config.bos_token_id, getattr(config, "pad_token_id", None)] if t is not None}
-    rng = random.Random(seed)
-    from specdec.engine.vocab import usable_size_of_directory
-
-    vocab = usable_size_of_directory(model_dir, int(config.vocab_size))  # padded rows are refused as input
-    out = []
-    for _ in range(n):
-        prompt = []
-        while len(prompt) < length:
-            t = rng.randrange(3, vocab)
-            if t not in special:
-                prompt.append(t)
-        out.append(prompt)
-    return out
-
-
 def _command_line(args: argparse.Namespace) -> str:
     argv = sys.argv[1:]
     if "bench" in argv:
@@ -317,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         o = resolve(args)
         if args.pair == "tiny":
-            _tiny_pair(o)
+            use_tiny_pair(o)
         out_dir = Path(args.out or Path("bench-results") / dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ"))
         if out_dir.exists() and any(out_dir.iterdir()):
             raise UsageError(f"the results folder {out_dir} is not empty: pick another --out")
@@ -330,102 +126,183 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args, o: dict, prompts: list, out_dir: Path, started: float) -> int:
-    import torch
-
-    from specdec.bench import report
-    from specdec.bench.aggregate import build_runs
     from specdec.bench.machine import describe_machine
-    from specdec.bench.runner import Plan, Runner, mark_identity
-    from specdec.bench.services import ServiceOptions, ServiceSet
-    from specdec.engine.loading import resolve_dtype
 
-    machine = describe_machine()
-    command = _command_line(args)
-    plan = Plan(configs=o["configs"], prompts=prompts, temperatures=o["temperatures"], concurrency=o["concurrency"],
+    machine, command = describe_machine(), _command_line(args)
+    runner, interrupted, rc = _measure(args, o, _plan(o, prompts), out_dir)
+    if runner is None or not runner.records:
+        _log(f"specd bench: no results; logs in {out_dir}")
+        return rc or 1
+    _write_results(args, o, prompts, runner, interrupted, machine, command, out_dir, started)
+    return rc
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _plan(o: dict, prompts: list):
+    from specdec.bench.runner import Plan
+
+    return Plan(configs=o["configs"], prompts=prompts, temperatures=o["temperatures"], concurrency=o["concurrency"],
                 repeats=o["repeats"], conditions=o["conditions"], max_tokens=o["max_tokens"],
                 concurrency_configs=o["concurrency_configs"])
 
-    def log(msg: str) -> None:
-        print(msg, file=sys.stderr, flush=True)
 
-    requests_file = open(out_dir / "requests.jsonl", "w")
+def _measure(args, o: dict, plan, out_dir: Path) -> tuple:
+    """Run the plan, each request recorded to requests.jsonl as it ends.
+    Whatever happens, the services are stopped and torch's thread count and
+    the signal handlers are restored. Returns (runner or None, interrupted,
+    exit code)."""
+    import torch
 
-    def on_record(record: dict) -> None:
-        requests_file.write(json.dumps(record) + "\n")
-        requests_file.flush()
+    from specdec.bench.runner import Runner
 
-    services = None
-    if o["uses_services"]:
-        services = ServiceSet(ServiceOptions(draft=o["draft_dir"], target=o["target_dir"], draft_device=o["draft_device"],
-                                             target_device=o["target_device"], dtype=args.dtype, threads=args.threads,
-                                             tokenizer=o["target_dir"], startup_timeout_s=args.startup_timeout),
-                              out_dir / "logs")
-    runner = None
-    interrupted, rc = False, 0
+    services = _service_set(args, o, out_dir)
+    runner, interrupted, rc = None, False, 0
     threads_before = torch.get_num_threads()
-    previous_handlers = {}
+    with _recording(out_dir / "requests.jsonl") as on_record, _interrupted_by_signals():
+        try:
+            hf = _start(services, args, o, out_dir)
+            runner = Runner(plan, services=services, hf=hf, request_timeout_s=args.request_timeout,
+                            progress=not args.no_progress, on_record=on_record, log=_log)
+            _warm_up_and_run(runner, plan, args.warmup)
+        except KeyboardInterrupt:
+            interrupted, rc = True, 130
+            _log("specd bench: interrupted; stopping the services and writing what finished...")
+        except RuntimeError as exc:
+            rc = 1
+            _log(f"specd bench: {exc}")
+        finally:
+            if services is not None:
+                services.stop()
+            torch.set_num_threads(threads_before)
+    return runner, interrupted, rc
+
+
+def _service_set(args, o: dict, out_dir: Path):
+    """The three services as child processes (not started yet); None when
+    no config uses them."""
+    if not o["uses_services"]:
+        return None
+    from specdec.bench.services import ServiceOptions, ServiceSet
+
+    return ServiceSet(ServiceOptions(draft=o["draft_dir"], target=o["target_dir"], draft_device=o["draft_device"],
+                                     target_device=o["target_device"], dtype=args.dtype, threads=args.threads,
+                                     tokenizer=o["target_dir"], startup_timeout_s=args.startup_timeout),
+                      out_dir / "logs")
+
+
+@contextlib.contextmanager
+def _recording(path: Path):
+    """A callback that appends one JSON line per request to `path`."""
+    with open(path, "w") as f:
+        def on_record(record: dict) -> None:
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+
+        yield on_record
+
+
+@contextlib.contextmanager
+def _interrupted_by_signals():
+    """SIGTERM and SIGINT raise KeyboardInterrupt meanwhile (SIGINT too: a
+    shell starting `specd bench &` leaves SIGINT ignored); only the main
+    thread can install handlers."""
+    previous = {}
     if threading.current_thread() is threading.main_thread():
         def on_signal(*_):
             raise KeyboardInterrupt
 
-        # SIGINT too: a shell starting `specd bench &` leaves SIGINT ignored
         for sig in (signal.SIGTERM, signal.SIGINT):
-            previous_handlers[sig] = signal.signal(sig, on_signal)
+            previous[sig] = signal.signal(sig, on_signal)
     try:
-        if services is not None:
-            log(f"specd bench: starting the services (logs in {out_dir / 'logs'})...")
-            services.start_models()
-        hf = None
-        hf_kinds = {c.kind for c in o["configs"]} & {HF, HF_ASSISTED}
-        if hf_kinds:
-            from specdec.bench.hf_baselines import HFBaselines
-            from specdec.engine.config import EngineConfig
-
-            log("specd bench: loading the HF baselines in this process...")
-            target_cfg = EngineConfig(model=o["target_dir"], device=o["target_device"], dtype=args.dtype,
-                                      threads=args.threads)
-            draft_cfg = (EngineConfig(model=o["draft_dir"], device=o["draft_device"], dtype=args.dtype,
-                                      threads=args.threads) if HF_ASSISTED in hf_kinds else None)
-            hf = HFBaselines(target_cfg, draft_cfg)
-        if services is not None:
-            services.wait_models()
-            first = o["conditions"][0]
-            if any(c.proxied for c in o["conditions"]):
-                services.start_proxies(first.one_way_delays_ms(), first.jitter_ms)
-            services.start_orchestrator()
-            (out_dir / "services.json").write_text(json.dumps(services.describe(), indent=2) + "\n")
-        runner = Runner(plan, services=services, hf=hf, request_timeout_s=args.request_timeout,
-                        progress=not args.no_progress, on_record=on_record, log=log)
-        if args.warmup:
-            log("specd bench: warming up...")
-            runner.warm_up()
-        log(f"specd bench: {len(plan.configs)} configs x {len(plan.temperatures)} temperatures x "
-            f"{len(plan.concurrency)} concurrency levels x {len(plan.conditions)} network conditions, "
-            f"{len(prompts)} prompts, {plan.repeats} repeat(s)")
-        runner.run()
-    except KeyboardInterrupt:
-        interrupted, rc = True, 130
-        log("specd bench: interrupted; stopping the services and writing what finished...")
-    except RuntimeError as exc:
-        rc = 1
-        log(f"specd bench: {exc}")
+        yield
     finally:
-        if services is not None:
-            services.stop()
-        requests_file.close()
-        torch.set_num_threads(threads_before)
-        for sig, handler in previous_handlers.items():
+        for sig, handler in previous.items():
             signal.signal(sig, handler)
 
-    records = runner.records if runner is not None else []
-    if not records:
-        log(f"specd bench: no results; logs in {out_dir}")
-        return rc or 1
+
+def _start(services, args, o: dict, out_dir: Path):
+    """Start the services' models, load the HF baselines in this process
+    while they load, then bring the services up: proxies (under the first
+    network condition) and the orchestrator. Returns the HF baselines, None
+    when no config needs them."""
+    if services is not None:
+        _log(f"specd bench: starting the services (logs in {out_dir / 'logs'})...")
+        services.start_models()
+    hf = _load_hf_baselines(args, o)
+    if services is not None:
+        services.wait_models()
+        first = o["conditions"][0]
+        if any(c.proxied for c in o["conditions"]):
+            services.start_proxies(first.one_way_delays_ms(), first.jitter_ms)
+        services.start_orchestrator()
+        (out_dir / "services.json").write_text(json.dumps(services.describe(), indent=2) + "\n")
+    return hf
+
+
+def _load_hf_baselines(args, o: dict):
+    hf_kinds = {c.kind for c in o["configs"]} & {HF, HF_ASSISTED}
+    if not hf_kinds:
+        return None
+    from specdec.bench.hf_baselines import HFBaselines
+    from specdec.engine.config import EngineConfig
+
+    _log("specd bench: loading the HF baselines in this process...")
+    target_cfg = EngineConfig(model=o["target_dir"], device=o["target_device"], dtype=args.dtype, threads=args.threads)
+    draft_cfg = (EngineConfig(model=o["draft_dir"], device=o["draft_device"], dtype=args.dtype, threads=args.threads)
+                 if HF_ASSISTED in hf_kinds else None)
+    return HFBaselines(target_cfg, draft_cfg)
+
+
+def _warm_up_and_run(runner, plan, warmup: bool) -> None:
+    if warmup:
+        _log("specd bench: warming up...")
+        runner.warm_up()
+    _log(f"specd bench: {len(plan.configs)} configs x {len(plan.temperatures)} temperatures x "
+         f"{len(plan.concurrency)} concurrency levels x {len(plan.conditions)} network conditions, "
+         f"{len(plan.prompts)} prompts, {plan.repeats} repeat(s)")
+    runner.run()
+
+
+def _write_results(args, o: dict, prompts: list, runner, interrupted: bool, machine, command: str, out_dir: Path,
+                   started: float) -> None:
+    """requests.jsonl (rewritten with the identity marks), runs.jsonl, the
+    plots and summary.md, which is also printed."""
+    from specdec.bench import report
+    from specdec.bench.aggregate import build_runs
+    from specdec.bench.runner import mark_identity
+
+    records = runner.records
     mark_identity(records)
     report.write_jsonl(out_dir / "requests.jsonl", records)
-    dtypes = {role: str(resolve_dtype(args.dtype, o[f"{role}_device"])).removeprefix("torch.")
-              for role in ("draft", "target")}
-    settings = {
+    dtypes = _dtypes(args, o)
+    extra = {"machine": machine, "command": command, "models": {"draft": o["draft"], "target": o["target"],
+             "draft_device": o["draft_device"], "target_device": o["target_device"], "dtype": dtypes,
+             "threads": args.threads}, "started_utc": dt.datetime.fromtimestamp(started, dt.timezone.utc).isoformat()}
+    runs = build_runs(records, extra)
+    report.write_jsonl(out_dir / "runs.jsonl", runs)
+    plots = report.write_plots(runs, out_dir)
+    wall = time.time() - started
+    meta = {"machine": machine, "command": command, "settings": _settings(args, o, prompts),
+            "models": _models(args, o, dtypes), "skipped": runner.skipped, "interrupted": interrupted,
+            "wall_s": wall, "notes": _notes(runs), "plots": plots}
+    summary = report.summary_markdown(runs, meta=meta)
+    (out_dir / "summary.md").write_text(summary + "\n")
+    print(summary)
+    print(f"\nspecd bench: results in {out_dir} ({wall:.0f} s)")
+
+
+def _dtypes(args, o: dict) -> dict:
+    from specdec.engine.loading import resolve_dtype
+
+    return {role: str(resolve_dtype(args.dtype, o[f"{role}_device"])).removeprefix("torch.")
+            for role in ("draft", "target")}
+
+
+def _settings(args, o: dict, prompts: list) -> dict:
+    return {
         "prompts": f"{len(prompts)} ({_prompt_kinds(prompts)}), sent to the orchestrator as token ids",
         "max tokens": o["max_tokens"], "configs": ", ".join(c.name for c in o["configs"]),
         "temperatures": ", ".join(f"{t:g}" for t in o["temperatures"]),
@@ -434,15 +311,15 @@ def _run(args, o: dict, prompts: list, out_dir: Path, started: float) -> int:
                                                                   if args.jitter_ms else ""),
         "seeds": f"{args.seed} + prompt index",
     }
-    models = {"draft": f"{o['draft']} on {o['draft_device']}, {dtypes['draft']}",
-              "target": f"{o['target']} on {o['target_device']}, {dtypes['target']}",
-              "threads per service": args.threads or "torch default"}
-    extra = {"machine": machine, "command": command, "models": {"draft": o["draft"], "target": o["target"],
-             "draft_device": o["draft_device"], "target_device": o["target_device"], "dtype": dtypes,
-             "threads": args.threads}, "started_utc": dt.datetime.fromtimestamp(started, dt.timezone.utc).isoformat()}
-    runs = build_runs(records, extra)
-    report.write_jsonl(out_dir / "runs.jsonl", runs)
-    plots = report.write_plots(runs, out_dir)
+
+
+def _models(args, o: dict, dtypes: dict) -> dict:
+    return {"draft": f"{o['draft']} on {o['draft_device']}, {dtypes['draft']}",
+            "target": f"{o['target']} on {o['target_device']}, {dtypes['target']}",
+            "threads per service": args.threads or "torch default"}
+
+
+def _notes(runs: list) -> list[str]:
     notes = ["The HF baselines run in this process at concurrency 1, under the first network condition only.",
              "At concurrency c > 1 each wave sends the prompts (cycled up to a multiple of c) through c client "
              "threads pulling from one queue."]
@@ -452,15 +329,7 @@ def _run(args, o: dict, prompts: list, out_dir: Path, started: float) -> int:
     if any(r.get("kind") == SERVICE and r.get("policy") != "none" and r.get("round_trips_per_token") is None
            for r in runs):
         notes.append("This orchestrator does not report round_trips: round trips/token shows -.")
-    wall = time.time() - started
-    meta = {"machine": machine, "command": command, "settings": settings, "models": models,
-            "skipped": runner.skipped if runner else {}, "interrupted": interrupted, "wall_s": wall,
-            "notes": notes, "plots": plots}
-    summary = report.summary_markdown(runs, meta=meta)
-    (out_dir / "summary.md").write_text(summary + "\n")
-    print(summary)
-    print(f"\nspecd bench: results in {out_dir} ({wall:.0f} s)")
-    return rc
+    return notes
 
 
 def _prompt_kinds(prompts: list) -> str:

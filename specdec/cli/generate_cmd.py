@@ -20,10 +20,11 @@ def register(sub) -> None:
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--policy", default="", help="γ policy: fixed, adaptive or goodput (default: the server's)")
+    p.add_argument("--policy", default="", help="policy choosing num_draft_tokens: fixed, adaptive or goodput "
+                                                    "(default: the server's)")
     p.add_argument("--pipeline", action=argparse.BooleanOptionalAction, default=None,
                    help="pipelined drafting on/off for this request (default: the server's)")
-    p.add_argument("--k", type=int, default=0, help="draft tokens per round (default: the server's)")
+    p.add_argument("--num-draft-tokens", type=int, default=0, help="tokens drafted per round (default: the server's)")
     p.add_argument("--no-speculation", action="store_true", help="decode with the target alone")
     p.add_argument("--stats", action="store_true", help="print the request's statistics to stderr")
     p.add_argument("--json", action="store_true", help="print one JSON object with the text and statistics")
@@ -40,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     if args.chat:
         prompt = [{"role": "user", "content": prompt}]
     kwargs = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                  seed=args.seed, stop=args.stop, policy=args.policy, num_draft_tokens=args.k,
+                  seed=args.seed, stop=args.stop, policy=args.policy, num_draft_tokens=args.num_draft_tokens,
                   speculate=not args.no_speculation, pipeline=args.pipeline)
     text, tokens = [], []
     timeout = args.timeout + args.wait

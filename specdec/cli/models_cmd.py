@@ -16,7 +16,7 @@ import sys
 
 from specdec.cli import rank_vocab_cmd, synth_cmd
 from specdec.models.cache import CachedModel, default_cache_dir, list_cached
-from specdec.models.catalog import CATALOG, DEFAULT_DRAFT, DEFAULT_TARGET, ModelNotFoundError, get_spec
+from specdec.models.catalog import CATALOG, DEFAULT_PAIR, ModelNotFoundError, get_spec
 from specdec.models.fetch import DTYPES, FetchError, fetch
 
 EXIT_OK = 0
@@ -54,7 +54,7 @@ def _add_fetch(commands: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "names", nargs="*", metavar="NAME",
-        help=f"catalog model names (default: {DEFAULT_DRAFT} and {DEFAULT_TARGET}); known: {', '.join(sorted(CATALOG))}",
+        help=f"catalog model names (default: {DEFAULT_PAIR.draft} and {DEFAULT_PAIR.target}); known: {', '.join(sorted(CATALOG))}",
     )  # fmt: skip
     _add_cache_dir(parser)
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -83,7 +83,7 @@ def _fail(message: str) -> int:
 
 def run_fetch(args: argparse.Namespace) -> int:
     """`specd models fetch`: all names are checked before anything is downloaded."""
-    names = args.names or [DEFAULT_DRAFT, DEFAULT_TARGET]
+    names = args.names or list(DEFAULT_PAIR)
     try:
         for name in names:
             get_spec(name)
@@ -107,7 +107,7 @@ def _rows(cache_dir: str | None) -> list[dict]:
         spec = CATALOG.get(name)
         row = {
             "name": name,
-            "role": {DEFAULT_DRAFT: "draft", DEFAULT_TARGET: "target"}.get(name, ""),
+            "role": {DEFAULT_PAIR.draft: "draft", DEFAULT_PAIR.target: "target"}.get(name, ""),
             "fetched": model is not None,
             "description": spec.description if spec else "",
         }

@@ -34,8 +34,9 @@ def run_rank_vocab(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     from specdec.engine.draft_vocab import rank_tokens, save_ranking
-    from specdec.engine.loading import locate, tokenizer_fingerprint
+    from specdec.engine.loading import tokenizer_fingerprint
     from specdec.errors import NotFound
+    from specdec.models.cache import locate
     from specdec.models.vocab_corpus import stdlib_sources
 
     started = time.perf_counter()

@@ -10,9 +10,10 @@ import sys
 from specdec.config import add_arguments, from_args
 from specdec.engine.config import EngineConfig
 from specdec.errors import SpecdecError
-from specdec.model_service import SessionLimits
 from specdec.metrics import prometheus_reader, start_metrics_server
-from specdec.serving import ServerConfig, install_drain_on_signals
+from specdec.models.catalog import DEFAULT_PAIR
+from specdec.rpc.model_service import SessionLimits
+from specdec.rpc.serving import ServerConfig, install_drain_on_signals
 from specdec.telemetry import SERVICE_DRAFT, SERVICE_ORCHESTRATOR, SERVICE_TARGET, setup_telemetry
 
 log = logging.getLogger("specd")
@@ -30,14 +31,14 @@ def register(sub) -> None:
 
     draft = roles.add_parser("draft", help="the draft model service")
     add_arguments(draft, ServerConfig, defaults={"port": DRAFT_PORT})
-    add_arguments(draft, EngineConfig, defaults={"model": "qwen2.5-coder-0.5b-instruct"})
+    add_arguments(draft, EngineConfig, defaults={"model": DEFAULT_PAIR.draft})
     add_arguments(draft, SessionLimits, skip=("max_verify_batch",))
     add_arguments(draft, DrafterConfig)
     draft.set_defaults(func=_serve_draft)
 
     target = roles.add_parser("target", help="the target model service")
     add_arguments(target, ServerConfig, defaults={"port": TARGET_PORT})
-    add_arguments(target, EngineConfig, defaults={"model": "qwen2.5-coder-1.5b-instruct"})
+    add_arguments(target, EngineConfig, defaults={"model": DEFAULT_PAIR.target})
     add_arguments(target, SessionLimits)
     target.set_defaults(func=_serve_target)
 

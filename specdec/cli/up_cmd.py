@@ -13,17 +13,15 @@ import subprocess
 import sys
 import time
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-from specdec.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
+from specdec.models.catalog import DEFAULT_PAIR
+from specdec.processes import stop_processes, wait_serving
 from specdec.trace_file import TRACE_FILE_ENV, default_trace_file
 
 
 def register(sub) -> None:
     p = sub.add_parser("up", help="run draft, target and orchestrator locally (default real pair)")
-    p.add_argument("--draft-model", default=DEFAULT_DRAFT)
-    p.add_argument("--target-model", default=DEFAULT_TARGET)
+    p.add_argument("--draft-model", default=DEFAULT_PAIR.draft)
+    p.add_argument("--target-model", default=DEFAULT_PAIR.target)
     p.add_argument("--drafter", default="model", choices=("model", "ngram"))
     p.add_argument("--device", default="cpu", help="device of both model services (or use --draft-device/--target-device)")
     p.add_argument("--draft-device", default=None)
@@ -33,8 +31,9 @@ def register(sub) -> None:
     p.add_argument("--port", type=int, default=50051, help="orchestrator port")
     p.add_argument("--draft-port", type=int, default=50052)
     p.add_argument("--target-port", type=int, default=50053)
-    p.add_argument("--policy", default="fixed")
-    p.add_argument("--k", type=int, default=4, help="draft tokens per round")
+    p.add_argument("--policy", default="fixed", help="policy choosing num_draft_tokens: fixed, adaptive or goodput")
+    p.add_argument("--num-draft-tokens", type=int, default=4, help="tokens drafted per round (the first round's, "
+                                                                   "under adaptive and goodput)")
     p.add_argument("--cache-dir", default=None, help="model cache (default: $SPECD_CACHE_DIR or the user cache)")
     p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for the models to load")
     p.add_argument("--metrics-port", type=int, default=0,
@@ -60,40 +59,6 @@ def _metrics_flag(args, offset: int) -> list[str]:
 def _spawn(role: str, extra: list[str], env: dict) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "specdec.cli.main", "serve", role, *extra]
     return subprocess.Popen(cmd, env=env, start_new_session=True)
-
-
-def wait_serving(port: int, procs: list[subprocess.Popen], timeout_s: float) -> None:
-    """Wait until the server on `port` reports SERVING; fail early if any of
-    `procs` exits meanwhile."""
-    deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            if any(p.poll() is not None for p in procs):
-                raise RuntimeError("a service exited during start-up (see its log above)")
-            try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.5)
-    raise RuntimeError(f"the service on port {port} was not SERVING after {timeout_s:.0f} s")
-
-
-def stop_processes(procs: list[subprocess.Popen], grace_s: float = 30.0) -> None:
-    """SIGTERM every process (they drain), then SIGKILL what is left after grace_s."""
-    for p in procs:
-        if p.poll() is None:
-            try:
-                p.send_signal(signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-    for p in procs:
-        try:
-            p.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(timeout=10)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -134,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
         procs.append(_spawn("orchestrator", [
             "--port", str(args.port), "--host", "127.0.0.1", "--draft", f"127.0.0.1:{args.draft_port}",
             "--target", f"127.0.0.1:{args.target_port}", "--policy", args.policy,
-            "--num-draft-tokens", str(args.k), "--tokenizer", args.target_model, *_metrics_flag(args, 0)], env))
+            "--num-draft-tokens", str(args.num_draft_tokens), "--tokenizer", args.target_model, *_metrics_flag(args, 0)], env))
         wait_serving(args.port, procs, 120)
         print(f"\nspecd up: serving on 127.0.0.1:{args.port} "
               f"(draft {args.draft_model}, target {args.target_model}). Try:\n"

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specdec.config import opt
+from specdec.limits import DEFAULT_MAX_DRAFT_TOKENS
 
 
 @dataclass
@@ -40,8 +41,10 @@ class EngineConfig:
     # eager path, the reference.
     cuda_graphs: str = opt("auto", "capture decode/verify steps as CUDA graphs", choices=("auto", "on", "off"))
     # The largest step (tokens over all sessions of one forward) that runs
-    # as a captured graph; larger ones (prefill chunks) run eagerly.
-    graph_max_tokens: int = opt(160, "largest step, in tokens, captured as a CUDA graph")
+    # as a captured graph; larger ones (prefill chunks) run eagerly. The
+    # default covers a verify of 16 sessions at the largest k (limits.py).
+    graph_max_tokens: int = opt(16 * (DEFAULT_MAX_DRAFT_TOKENS + 1),
+                                "largest step, in tokens, captured as a CUDA graph")
     # A draft's output head over only its N most frequent token ids (the
     # ranking `specd models rank-vocab` stores with the model); 0: all ids.
     draft_vocab: int = opt(0, "draft: output head over the N most frequent token ids (0: all)")

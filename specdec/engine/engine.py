@@ -27,11 +27,19 @@ from specdec.engine import vocab
 from specdec.engine.attention import STEP_KWARG, row_mask, use_store_attention
 from specdec.engine.config import EngineConfig
 from specdec.engine.draft_vocab import load_ranking, restrict_head, subset_ids
-from specdec.engine.kv_store import KVShape, KVStore, RowSpan, StepLayout, StoreCache, slots_for_budget
-from specdec.engine.loading import free_device_memory, load_model, locate, tokenizer_fingerprint
+from specdec.engine.kv_store import (
+    KVShape,
+    KVStore,
+    RowSpan,
+    StepLayout,
+    StoreCache,
+    slots_for_budget,
+)
+from specdec.engine.loading import free_device_memory, load_model, tokenizer_fingerprint
 from specdec.engine.sessions import ContextRules, Session, SessionTable, new_session_id
 from specdec.engine.static_steps import CaptureReport, StaticSteps
 from specdec.errors import InvalidArgument
+from specdec.models.cache import locate
 
 log = logging.getLogger(__name__)
 

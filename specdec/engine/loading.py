@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from specdec.engine.config import EngineConfig
 from specdec.engine.vocab import known_vocab, ships_tokenizer
 from specdec.errors import NotFound
+from specdec.models.cache import locate
 
 log = logging.getLogger(__name__)
 
@@ -47,25 +48,6 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
 def apply_threads(threads: int) -> None:
     if threads > 0:
         torch.set_num_threads(threads)
-
-
-def locate(source: str) -> tuple[str, str | None]:
-    """(directory or hub id, gguf file name or None) for a model source."""
-    path = pathlib.Path(source).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return str(path.parent), path.name
-    if path.is_dir():
-        return str(path), None
-    try:
-        from specdec.models.cache import resolve_model
-    except ImportError:  # pragma: no cover - the cache module ships with the package
-        resolve_model = None
-    if resolve_model is not None and "/" not in source:
-        try:
-            return locate(str(resolve_model(source)))
-        except LookupError as exc:
-            raise NotFound(str(exc)) from exc
-    return source, None  # a hub id; fails offline with transformers' own message
 
 
 def load_model(cfg: EngineConfig) -> LoadedModel:

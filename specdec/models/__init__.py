@@ -15,9 +15,9 @@ from specdec.models.cache import (
 )
 from specdec.models.catalog import (
     CATALOG,
-    DEFAULT_DRAFT,
-    DEFAULT_TARGET,
+    DEFAULT_PAIR,
     ModelNotFoundError,
+    ModelPair,
     ModelSpec,
     Wheel,
     catalog_names,
@@ -29,13 +29,13 @@ from specdec.models.fetch import FetchError, ModelIntegrityError, fetch_gguf, fe
 
 __all__ = [
     "CATALOG",
-    "DEFAULT_DRAFT",
-    "DEFAULT_TARGET",
+    "DEFAULT_PAIR",
     "CachedModel",
     "FetchError",
     "Manifest",
     "ModelIntegrityError",
     "ModelNotFoundError",
+    "ModelPair",
     "ModelSpec",
     "Wheel",
     "catalog_names",

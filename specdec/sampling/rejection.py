@@ -2,6 +2,10 @@
 
 Words used throughout specdec (Leviathan et al. 2023, Chen et al. 2023):
 
+- k = num_draft_tokens (γ in the literature): how many tokens one round drafts,
+  at most max_draft_tokens (`specdec.limits`); 0 in a round that decodes
+  plainly. On the wire and in flags it is always num_draft_tokens; k is its
+  short name in the math.
 - p: the target distribution, q: the draft distribution, both AFTER the request's
   sampling transform (`logits_to_probs`, same params on both sides). p_i and q_i
   are those at the i-th drafted position, i = 1..k; p_{k+1} is the target's

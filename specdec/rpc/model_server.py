@@ -12,8 +12,8 @@ from typing import Callable
 
 import grpc
 
-from specdec.model_service import SessionLimits, SessionServicer
-from specdec.serving import EngineWorker, RunningServer, ServerConfig, install_drain_on_signals, start_server
+from specdec.rpc.model_service import SessionLimits, SessionServicer
+from specdec.rpc.serving import EngineWorker, RunningServer, ServerConfig, install_drain_on_signals, start_server
 
 log = logging.getLogger(__name__)
 

@@ -7,12 +7,13 @@ import asyncio
 import logging
 from dataclasses import dataclass
 
-from specdec import grpc_errors
 from specdec.config import opt
 from specdec.engine.engine import EngineInfo
 from specdec.errors import InvalidArgument, Unavailable
+from specdec.limits import DEFAULT_MAX_DRAFT_TOKENS
+from specdec.rpc import grpc_errors
+from specdec.rpc.serving import EngineWorker
 from specdec.sampling.params import SamplingParams
-from specdec.serving import EngineWorker
 from specdec.telemetry import (A_KV_BYTES, A_LENGTH, A_PROMPT_TOKENS, NOOP, SPAN_CLOSE, SPAN_PREFILL,
                                SPAN_ROLLBACK, Telemetry)
 from specdec.v1 import common_pb2
@@ -25,7 +26,7 @@ class SessionLimits:
     """Per-call limits of a model service."""
 
     session_ttl_s: float = opt(300.0, "close sessions idle this long, seconds")
-    max_draft_tokens: int = opt(16, "largest k one Propose/Verify item may carry")
+    max_draft_tokens: int = opt(DEFAULT_MAX_DRAFT_TOKENS, "largest num_draft_tokens of one Propose call or Verify item")
     max_verify_batch: int = opt(64, "target: sessions one Verify call may carry")
 
 

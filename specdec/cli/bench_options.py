@@ -1,0 +1,223 @@
+"""`specd bench`'s settings: flags resolved into one checked dict, and the
+prompts every system is sent.
+
+`resolve` fills in the --quick or full defaults, checks every flag and names
+the configs to run; `build_prompts` turns the prompt flags into token ids. A
+mistake of the user's raises `UsageError` (one line, exit code 2).
+"""
+from __future__ import annotations
+
+import argparse
+
+from specdec.bench.runner import BASELINES, HF, HF_ASSISTED, SERVICE
+from specdec.errors import InvalidArgument
+from specdec.limits import check_num_draft_tokens
+from specdec.models.catalog import DEFAULT_PAIR
+
+QUICK = dict(prompts=1, chat_prompts=1, token_prompts=2, max_tokens=16, num_draft_tokens=[4],
+             policies=["fixed", "adaptive", "goodput", "goodput-pipeline"], temperatures=[0.0, 0.7],
+             concurrency=[1, 4], repeats=1)
+FULL = dict(prompts=10, chat_prompts=4, token_prompts=10, max_tokens=128, num_draft_tokens=[2, 3, 4, 5, 6],
+            policies=["fixed", "adaptive", "goodput", "goodput-pipeline"], temperatures=[0.0, 0.7],
+            concurrency=[1, 4, 8], repeats=3)
+
+
+class UsageError(Exception):
+    """A mistake of the user's: one line, exit code 2."""
+
+
+def _pick(args, name: str):
+    value = getattr(args, name)
+    if value is not None:
+        return value
+    return (QUICK if args.quick else FULL)[name]
+
+
+def resolve(args: argparse.Namespace) -> dict:
+    """Every setting, defaults filled in and checked; raises UsageError."""
+    o = {name: _pick(args, name) for name in FULL}
+    o["baselines"] = list(BASELINES) if args.baselines is None else list(args.baselines)
+    o["policies"] = [] if o["policies"] == ["none"] else list(o["policies"])
+    o["token_prompt_len"] = args.token_prompt_len
+    for name in ("max_tokens", "repeats", "token_prompt_len"):
+        if o[name] < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
+    try:
+        for k in o["num_draft_tokens"]:
+            check_num_draft_tokens(k)  # the services' default limit
+    except InvalidArgument as exc:
+        raise UsageError(f"--num-draft-tokens: {exc}") from None
+    if any(c < 1 for c in o["concurrency"]):
+        raise UsageError("--concurrency values must be at least 1")
+    if any(t < 0 for t in o["temperatures"]):
+        raise UsageError("--temperatures must be >= 0")
+    if args.threads < 0:
+        raise UsageError("--threads must be >= 0")
+    if args.rtt_ms and (args.draft_rtt_ms is not None or args.target_rtt_ms is not None):
+        raise UsageError("use either --rtt-ms (a sweep, both services) or --draft-rtt-ms/--target-rtt-ms")
+    if any(x < 0 for x in (args.rtt_ms or []) + [v for v in (args.draft_rtt_ms, args.target_rtt_ms) if v is not None]) \
+            or args.jitter_ms < 0:
+        raise UsageError("round-trip times and jitter must be >= 0")
+    for name in ("device", "draft_device", "target_device"):
+        dev = getattr(args, name)
+        if dev is not None and not (dev == "cpu" or dev == "cuda" or dev.startswith("cuda:")):
+            raise UsageError(f"--{name.replace('_', '-')} must be cpu, cuda or cuda:N, not {dev!r}")
+    o["draft_device"] = args.draft_device or args.device
+    o["target_device"] = args.target_device or args.device
+    if any(d.startswith("cuda") for d in (o["draft_device"], o["target_device"])):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UsageError("a cuda device was asked for, but torch sees no CUDA device here")
+
+    # models and prompts
+    if args.pair == "tiny":
+        if args.draft or args.target:
+            raise UsageError("--pair tiny picks its own models: drop --draft/--target")
+        if args.prompts or args.chat_prompts:
+            raise UsageError("--pair tiny has no tokenizer: use --token-prompts N, not --prompts/--chat-prompts")
+        o["token_mode"] = True
+    else:
+        o["draft"] = args.draft or DEFAULT_PAIR.draft
+        o["target"] = args.target or DEFAULT_PAIR.target
+        o["draft_dir"] = _resolve_model(o["draft"])
+        o["target_dir"] = _resolve_model(o["target"])
+        o["token_mode"] = args.token_prompts is not None
+        if o["token_mode"] and (args.prompts or args.chat_prompts):
+            raise UsageError("--token-prompts replaces the text prompts: drop --prompts/--chat-prompts")
+    if o["token_mode"]:
+        o["prompts"], o["chat_prompts"] = 0, 0
+        if o["token_prompts"] < 1:
+            raise UsageError("--token-prompts must be at least 1")
+    else:
+        o["token_prompts"] = 0
+        if o["prompts"] < 0 or o["chat_prompts"] < 0 or o["prompts"] + o["chat_prompts"] < 1:
+            raise UsageError("give at least one prompt (--prompts N and/or --chat-prompts N)")
+        from specdec.bench.prompts import CHAT_PROMPTS
+
+        if o["chat_prompts"] > len(CHAT_PROMPTS):
+            raise UsageError(f"--chat-prompts: there are {len(CHAT_PROMPTS)} chat prompts")
+
+    from specdec.bench.runner import build_configs, network_conditions
+
+    try:
+        o["configs"] = build_configs(o["baselines"], o["num_draft_tokens"], o["policies"])
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if not o["configs"]:
+        raise UsageError("nothing to run: give --baselines and/or --policies")
+    if (HF in o["baselines"] or HF_ASSISTED in o["baselines"]) and 1 not in o["concurrency"]:
+        raise UsageError("the HF baselines run at concurrency 1: include 1 in --concurrency or drop them")
+    o["concurrency_configs"] = args.concurrency_configs
+    if args.concurrency_configs:
+        unknown = set(args.concurrency_configs) - {c.name for c in o["configs"] if c.kind == SERVICE}
+        if unknown:
+            raise UsageError(f"--concurrency-configs: no service config named {', '.join(sorted(unknown))}")
+    elif args.quick:  # target-only and one specdec config: the newest policy asked for, else the first
+        spec = [c.name for c in o["configs"] if c.speculative]
+        o["concurrency_configs"] = ["target-only"] + ([spec[-1]] if spec else [])
+    o["conditions"] = network_conditions(args.rtt_ms, args.draft_rtt_ms, args.target_rtt_ms, args.jitter_ms)
+    o["uses_services"] = any(c.kind == SERVICE for c in o["configs"])
+    if any(c.proxied for c in o["conditions"]):
+        if not o["uses_services"]:
+            raise UsageError("network conditions apply to the services: add service configs")
+        try:
+            import specdec.latency_proxy  # noqa: F401
+        except ImportError as exc:
+            raise UsageError(f"network conditions need specdec.latency_proxy, which cannot be imported: {exc}") from None
+    return o
+
+
+def _resolve_model(name: str) -> str:
+    """A model directory; a catalog model not fetched yet is fetched first, as
+    `specd up` does, so `specd bench` works on a fresh machine."""
+    from specdec.models.cache import ModelNotFoundError, resolve_model
+    from specdec.models.catalog import CATALOG
+
+    try:
+        return str(resolve_model(name))
+    except ModelNotFoundError as exc:
+        if name not in CATALOG:
+            raise UsageError(f"{exc} (`specd models list` shows the catalog)") from None
+    from specdec.models.fetch import fetch
+
+    fetch(name)
+    return str(resolve_model(name))
+
+
+def use_tiny_pair(o: dict) -> None:
+    """Make (once) the tiny random pair and point the settings at it."""
+    try:
+        from specdec.bench.tiny_pair import ensure_tiny_pair
+    except ImportError as exc:
+        raise UsageError(f"--pair tiny needs specdec.bench.tiny_pair, which cannot be imported: {exc}") from None
+    draft_dir, target_dir = ensure_tiny_pair()
+    o["draft"] = o["draft_dir"] = str(draft_dir)
+    o["target"] = o["target_dir"] = str(target_dir)
+
+
+def build_prompts(o: dict, pair: str, seed: int) -> list:
+    """Prompt token ids, the same for every system."""
+    from specdec.bench.runner import Prompt
+
+    if o["token_mode"]:
+        if pair == "tiny":
+            from specdec.bench.tiny_pair import tiny_prompts
+
+            ids = tiny_prompts(o["token_prompts"])
+        else:
+            ids = _random_token_prompts(o["target_dir"], o["token_prompts"], o["token_prompt_len"], seed)
+        return [Prompt(i, "token-ids", tuple(int(t) for t in p), seed + i, f"{len(p)} random tokens")
+                for i, p in enumerate(ids)]
+    tok = _tokenizer(o["target_dir"])
+    prompts = []
+    if o["prompts"]:
+        from specdec.bench.prompts import humaneval_prompts
+
+        for text in humaneval_prompts(o["prompts"]):
+            ids = list(tok(text, add_special_tokens=True)["input_ids"])  # as the orchestrator tokenizes text
+            prompts.append(("humaneval", ids, text.strip().splitlines()[0][:60]))
+    if o["chat_prompts"]:
+        from specdec.bench.prompts import chat_prompts
+
+        if not getattr(tok, "chat_template", None):
+            raise UsageError("the target's tokenizer has no chat template: use --chat-prompts 0")
+        for messages in chat_prompts(o["chat_prompts"]):
+            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
+                ids = ids["input_ids"]
+            prompts.append(("chat", list(ids), messages[0]["content"][:60]))
+    return [Prompt(i, kind, tuple(int(t) for t in ids), seed + i, label) for i, (kind, ids, label) in enumerate(prompts)]
+
+
+def _tokenizer(model_dir: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"the target {model_dir} has no tokenizer ({exc.__class__.__name__}): "
+                         "use --token-prompts N") from None
+
+
+def _random_token_prompts(model_dir: str, n: int, length: int, seed: int) -> list[list[int]]:
+    import random
+
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir)
+    eos = config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id]
+    special = {t for t in [*eos, config.bos_token_id, getattr(config, "pad_token_id", None)] if t is not None}
+    rng = random.Random(seed)
+    from specdec.engine.vocab import usable_size_of_directory
+
+    vocab = usable_size_of_directory(model_dir, int(config.vocab_size))  # padded rows are refused as input
+    out = []
+    for _ in range(n):
+        prompt = []
+        while len(prompt) < length:
+            t = rng.randrange(3, vocab)
+            if t not in special:
+                prompt.append(t)
+        out.append(prompt)
+    return out

@@ -1,0 +1,28 @@
+"""The one limit on speculation: how many tokens one round may draft.
+
+num_draft_tokens (k; the words are defined in `specdec.sampling.rejection`)
+is the number of tokens one round drafts: one Propose call's count, one
+Verify item's drafts. max_draft_tokens is its largest value, and means that
+one thing everywhere: the draft service refuses a Propose for more, the
+target service a Verify item with more, and the orchestrator drafts at most
+the smallest of its own limit and both services' (each service advertises its
+own in ModelInfo.max_draft_tokens). One verify scores k + 1 positions, so the
+limit also bounds the target's work per item.
+
+Pure: imports no grpc, so the core, the services and the orchestrator all
+check through `check_num_draft_tokens` and say the same thing when it fails.
+"""
+from __future__ import annotations
+
+from specdec.errors import InvalidArgument
+
+DEFAULT_MAX_DRAFT_TOKENS = 8
+
+
+def check_num_draft_tokens(k: int, limit: int = DEFAULT_MAX_DRAFT_TOKENS, lowest: int = 1) -> None:
+    """Raise InvalidArgument unless lowest <= k <= limit. `lowest` is 1 for a
+    count the caller asked to draft (Propose, a policy's bounds) and 0 for
+    drafts sent to be verified (a Verify item with none is a plain decode
+    step)."""
+    if not lowest <= k <= limit:
+        raise InvalidArgument(f"num_draft_tokens must be in [{lowest}, {limit}], got {k}")
