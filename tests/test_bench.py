@@ -188,6 +188,7 @@ def test_user_errors_exit_2_with_one_line(tmp_path, capsys):
     assert main(["bench", "--pair", "tiny", "--rtt-ms", "1", "--draft-rtt-ms", "2", "--out", str(tmp_path / "b")]) == 2
     assert "--rtt-ms" in capsys.readouterr().err
     assert main(["bench", "--pair", "tiny", "--num-draft-tokens", "0", "--out", str(tmp_path / "c")]) == 2
+    assert main(["bench", "--pair", "synth-0.5b-7b", "--draft", "x", "--out", str(tmp_path / "d")]) == 2
     with pytest.raises(SystemExit) as exc:
         main(["bench", "--baselines", "nope"])
     assert exc.value.code == 2
@@ -264,9 +265,12 @@ def test_bench_end_to_end_on_a_tiny_pair(tiny_pair_dirs, tmp_path, capsys):
 
     summary = (out / "summary.md").read_text()
     for heading in ("## Machine", "## Command", "## Goals", "## T=0 (greedy), one stream",
-                    "## T=0.7 (sampled), one stream", "## Concurrency (aggregate tok/s)", "## Analytic bound"):
+                    "## T=0.7 (sampled), one stream", "## Concurrency (aggregate tok/s)", "## Analytic bound",
+                    "## Projected speedup (greedy)", "## Projected speedup (T = 0.7)"):
         assert heading in summary
-    pngs = ["speedup_vs_k.png", "acceptance_per_position.png", "tokens_per_s_vs_concurrency.png"]
+    assert summary.count("(projected) |") == 2 * 3 * 2  # 2 temperatures x 3 acceptances x 2 layouts
+    pngs = ["speedup_vs_k.png", "acceptance_per_position.png", "tokens_per_s_vs_concurrency.png",
+            "projected_speedup.png"]
     if network:
         assert "## Network" in summary
         pngs.append("tokens_per_s_vs_rtt.png")
@@ -278,3 +282,18 @@ def test_bench_end_to_end_on_a_tiny_pair(tiny_pair_dirs, tmp_path, capsys):
     for s in services:
         assert not os.path.exists(f"/proc/{s['pid']}"), f"{s['role']} still running"
     assert _children_serving() == []
+
+
+def test_bench_on_a_synthetic_pair_projects_speedups(tmp_path, capsys):
+    """--pair synth-tiny: the services build random-weight models in place;
+    the summary projects speedups at the assumed acceptances."""
+    out = tmp_path / "out"
+    rc = main(["bench", "--pair", "synth-tiny", "--dtype", "float32", "--threads", "1", "--max-tokens", "8",
+               "--token-prompts", "1", "--num-draft-tokens", "2", "--policies", "fixed", "--baselines", "service",
+               "--temperatures", "0", "--concurrency", "1", "--repeats", "1", "--assume-acceptance", "0.6", "0.9",
+               "--out", str(out), "--no-progress"])
+    assert rc == 0
+    summary = (out / "summary.md").read_text()
+    assert "synth:tiny" in summary and "## Projected speedup (greedy)" in summary
+    assert "| 0.6 | one-gpu | 2 |" in summary and "| 0.9 | two-gpus-pipelined | 2 |" in summary
+    assert (out / "projected_speedup.png").read_bytes().startswith(PNG_MAGIC)

@@ -142,6 +142,7 @@ class ServiceOptions:
     tokenizer: str = ""
     startup_timeout_s: float = 900.0
     max_context: int = 4096
+    draft_vocab: int = 0  # the draft's output head over its N most frequent ids (0: all)
 
 
 class ServiceSet:
@@ -174,7 +175,8 @@ class ServiceSet:
         common = ["--dtype", o.dtype, "--threads", str(o.threads), "--max-context", str(o.max_context)]
         self.services["target"] = _spawn("target", ["--model", o.target, "--device", o.target_device, *common],
                                          self.log_dir, self.env)
-        self.services["draft"] = _spawn("draft", ["--model", o.draft, "--device", o.draft_device, *common],
+        head = ["--draft-vocab", str(o.draft_vocab)] if o.draft_vocab else []
+        self.services["draft"] = _spawn("draft", ["--model", o.draft, "--device", o.draft_device, *common, *head],
                                         self.log_dir, self.env)
         for role in ("target", "draft"):
             self.services[role].port = _read_port(self.services[role], 120.0)

@@ -24,8 +24,8 @@ import threading
 import time
 from pathlib import Path
 
-from specdec.bench.runner import BASELINES, HF, HF_ASSISTED, SERVICE
-from specdec.cli.bench_options import UsageError, build_prompts, resolve, use_tiny_pair
+from specdec.bench.runner import BASELINES, HF, HF_ASSISTED, HF_STATIC, SERVICE
+from specdec.cli.bench_options import SYNTH_PAIRS, UsageError, build_prompts, resolve, use_tiny_pair
 from specdec.models.catalog import DEFAULT_PAIR
 
 
@@ -33,15 +33,20 @@ def register(sub) -> None:
     p = sub.add_parser("bench", help="benchmark target-only, HF transformers and specdec side by side",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("models and devices")
-    g.add_argument("--pair", choices=("default", "tiny"), default="default",
+    g.add_argument("--pair", choices=("default", "tiny", *SYNTH_PAIRS), default="default",
                    help="default: --draft/--target (the real pair unless given); tiny: a small random pair "
-                        "with token-id prompts (specdec.bench.tiny_pair)")
+                        "with token-id prompts (specdec.bench.tiny_pair); synth-D-T: random-weight Qwen2.5 "
+                        "models of those sizes built in place (real step costs, no real acceptance: read the "
+                        "projected speedups)")
     g.add_argument("--draft", default=None, help=f"draft: catalog name or model directory (default {DEFAULT_PAIR.draft})")
     g.add_argument("--target", default=None, help=f"target: catalog name or model directory (default {DEFAULT_PAIR.target})")
     g.add_argument("--device", default="cpu", help="device of both roles and the HF baselines: cpu, cuda, cuda:N")
     g.add_argument("--draft-device", default=None, help="the draft's device (default --device)")
     g.add_argument("--target-device", default=None, help="the target's device (default --device)")
     g.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"))
+    g.add_argument("--draft-vocab", type=int, default=0,
+                   help="the draft service's output head over its N most frequent ids (specd models rank-vocab; "
+                        "0: the full head)")
     g.add_argument("--threads", type=int, default=0, help="CPU threads per model service and for the HF "
                                                           "baselines (0: torch's default)")
     g = p.add_argument_group("what to run (--quick sets small defaults; explicit flags win)")
@@ -79,6 +84,9 @@ def register(sub) -> None:
     g.add_argument("--draft-rtt-ms", type=float, default=None, help="one condition: RTT to the draft")
     g.add_argument("--target-rtt-ms", type=float, default=None, help="one condition: RTT to the target")
     g.add_argument("--jitter-ms", type=float, default=0.0, help="delay jitter of the proxies")
+    g.add_argument("--assume-acceptance", type=float, nargs="+", default=[0.7, 0.8, 0.85],
+                   help="acceptances at which to project the speedup from the measured round costs "
+                        "(labelled projected; default 0.7 0.8 0.85)")
     g = p.add_argument_group("output")
     g.add_argument("--out", default=None, help="results folder (default bench-results/<UTC timestamp>)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -189,7 +197,8 @@ def _service_set(args, o: dict, out_dir: Path):
 
     return ServiceSet(ServiceOptions(draft=o["draft_dir"], target=o["target_dir"], draft_device=o["draft_device"],
                                      target_device=o["target_device"], dtype=args.dtype, threads=args.threads,
-                                     tokenizer=o["target_dir"], startup_timeout_s=args.startup_timeout),
+                                     tokenizer=o["target_dir"], startup_timeout_s=args.startup_timeout,
+                                     draft_vocab=args.draft_vocab),
                       out_dir / "logs")
 
 
@@ -243,7 +252,7 @@ def _start(services, args, o: dict, out_dir: Path):
 
 
 def _load_hf_baselines(args, o: dict):
-    hf_kinds = {c.kind for c in o["configs"]} & {HF, HF_ASSISTED}
+    hf_kinds = {c.kind for c in o["configs"]} & {HF, HF_STATIC, HF_ASSISTED}
     if not hf_kinds:
         return None
     from specdec.bench.hf_baselines import HFBaselines
@@ -272,6 +281,7 @@ def _write_results(args, o: dict, prompts: list, runner, interrupted: bool, mach
     plots and summary.md, which is also printed."""
     from specdec.bench import report
     from specdec.bench.aggregate import build_runs
+    from specdec.bench.projection_report import projection_markdown, projection_plot
     from specdec.bench.runner import mark_identity
 
     records = runner.records
@@ -283,12 +293,13 @@ def _write_results(args, o: dict, prompts: list, runner, interrupted: bool, mach
              "threads": args.threads}, "started_utc": dt.datetime.fromtimestamp(started, dt.timezone.utc).isoformat()}
     runs = build_runs(records, extra)
     report.write_jsonl(out_dir / "runs.jsonl", runs)
-    plots = report.write_plots(runs, out_dir)
+    plots = report.write_plots(runs, out_dir) + projection_plot(runs, out_dir)
     wall = time.time() - started
     meta = {"machine": machine, "command": command, "settings": _settings(args, o, prompts),
             "models": _models(args, o, dtypes), "skipped": runner.skipped, "interrupted": interrupted,
             "wall_s": wall, "notes": _notes(runs), "plots": plots}
-    summary = report.summary_markdown(runs, meta=meta)
+    summary = "\n".join([report.summary_markdown(runs, meta=meta), "",
+                         *projection_markdown(runs, args.assume_acceptance)])
     (out_dir / "summary.md").write_text(summary + "\n")
     print(summary)
     print(f"\nspecd bench: results in {out_dir} ({wall:.0f} s)")

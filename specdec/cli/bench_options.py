@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from specdec.bench.runner import BASELINES, HF, HF_ASSISTED, SERVICE
+from specdec.bench.runner import BASELINES, HF, HF_ASSISTED, HF_STATIC, SERVICE
 from specdec.errors import InvalidArgument
 from specdec.limits import check_num_draft_tokens
 from specdec.models.catalog import DEFAULT_PAIR
@@ -36,7 +36,7 @@ def _pick(args, name: str):
 def resolve(args: argparse.Namespace) -> dict:
     """Every setting, defaults filled in and checked; raises UsageError."""
     o = {name: _pick(args, name) for name in FULL}
-    o["baselines"] = list(BASELINES) if args.baselines is None else list(args.baselines)
+    o["baselines"] = _default_baselines(args) if args.baselines is None else list(args.baselines)
     o["policies"] = [] if o["policies"] == ["none"] else list(o["policies"])
     o["token_prompt_len"] = args.token_prompt_len
     for name in ("max_tokens", "repeats", "token_prompt_len"):
@@ -71,13 +71,22 @@ def resolve(args: argparse.Namespace) -> dict:
             raise UsageError("a cuda device was asked for, but torch sees no CUDA device here")
 
     # models and prompts
-    if args.pair == "tiny":
+    if args.pair in SYNTH_PAIRS:
+        if args.draft or args.target:
+            raise UsageError(f"--pair {args.pair} picks its own models: drop --draft/--target")
+        draft, target = SYNTH_PAIRS[args.pair]
+        o["draft"] = o["draft_dir"] = f"synth:{draft}"
+        o["target"] = o["target_dir"] = f"synth:{target}"
+        o["token_mode"] = not (args.prompts or args.chat_prompts)  # random weights: token ids unless asked
+        if o["token_mode"] and o["token_prompts"] is None:
+            o["token_prompts"] = 2 if args.quick else 4
+    elif args.pair == "tiny":
         if args.draft or args.target:
             raise UsageError("--pair tiny picks its own models: drop --draft/--target")
         if args.prompts or args.chat_prompts:
             raise UsageError("--pair tiny has no tokenizer: use --token-prompts N, not --prompts/--chat-prompts")
         o["token_mode"] = True
-    else:
+    if args.pair not in SYNTH_PAIRS and args.pair != "tiny":
         o["draft"] = args.draft or DEFAULT_PAIR.draft
         o["target"] = args.target or DEFAULT_PAIR.target
         o["draft_dir"] = _resolve_model(o["draft"])
@@ -106,7 +115,7 @@ def resolve(args: argparse.Namespace) -> dict:
         raise UsageError(str(exc)) from None
     if not o["configs"]:
         raise UsageError("nothing to run: give --baselines and/or --policies")
-    if (HF in o["baselines"] or HF_ASSISTED in o["baselines"]) and 1 not in o["concurrency"]:
+    if any(b in o["baselines"] for b in (HF, HF_STATIC, HF_ASSISTED)) and 1 not in o["concurrency"]:
         raise UsageError("the HF baselines run at concurrency 1: include 1 in --concurrency or drop them")
     o["concurrency_configs"] = args.concurrency_configs
     if args.concurrency_configs:
@@ -128,11 +137,38 @@ def resolve(args: argparse.Namespace) -> dict:
     return o
 
 
+# Random-weight pairs of real architectures (specdec/models/synth.py), built
+# in place by the services: real step and round costs, no real acceptance.
+SYNTH_PAIRS = {
+    "synth-tiny": ("tiny", "tiny"),
+    "synth-0.5b-1.5b": ("qwen2.5-0.5b", "qwen2.5-1.5b"),
+    "synth-0.5b-7b": ("qwen2.5-0.5b", "qwen2.5-7b"),
+    "synth-0.5b-14b": ("qwen2.5-0.5b", "qwen2.5-14b"),
+    "synth-0.5b-32b": ("qwen2.5-0.5b", "qwen2.5-32b"),
+}
+
+
+# Tokens of a synthetic family's tokenizer (all Qwen2.5 sizes share one).
+_FAMILY_TOKENS = {"qwen2.5": 151665}
+
+
+def _default_baselines(args) -> list[str]:
+    """Every baseline; the static-cache HF one only on CUDA, where it is
+    compiled (on a CPU it is uncompiled and adds little but time)."""
+    cuda = any((d or "").startswith("cuda") for d in (args.device, args.draft_device, args.target_device))
+    return [b for b in BASELINES if b != HF_STATIC or cuda]
+
+
 def _resolve_model(name: str) -> str:
     """A model directory; a catalog model not fetched yet is fetched first, as
-    `specd up` does, so `specd bench` works on a fresh machine."""
+    `specd up` does, so `specd bench` works on a fresh machine. A synth:NAME
+    stays a name: the services build it."""
     from specdec.models.cache import ModelNotFoundError, resolve_model
     from specdec.models.catalog import CATALOG
+    from specdec.models.synth import is_synth_name
+
+    if is_synth_name(name):
+        return name
 
     try:
         return str(resolve_model(name))
@@ -205,13 +241,19 @@ def _random_token_prompts(model_dir: str, n: int, length: int, seed: int) -> lis
 
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(model_dir)
+    from specdec.models.synth import get_synth, is_synth_name
+
+    config = get_synth(model_dir).config() if is_synth_name(model_dir) else AutoConfig.from_pretrained(model_dir)
     eos = config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id]
     special = {t for t in [*eos, config.bos_token_id, getattr(config, "pad_token_id", None)] if t is not None}
     rng = random.Random(seed)
     from specdec.engine.vocab import usable_size_of_directory
 
-    vocab = usable_size_of_directory(model_dir, int(config.vocab_size))  # padded rows are refused as input
+    if is_synth_name(model_dir):  # its tokenizer, if any, is its family's: ids below that family's size
+        family = get_synth(model_dir).tokenizer_family
+        vocab = min(int(config.vocab_size), _FAMILY_TOKENS.get(family, int(config.vocab_size)))
+    else:
+        vocab = usable_size_of_directory(model_dir, int(config.vocab_size))  # padded rows are refused as input
     out = []
     for _ in range(n):
         prompt = []

@@ -1,0 +1,107 @@
+"""The *projected* part of `specd bench`'s summary: speedups at assumed
+acceptances, from the round costs the run measured (projection.py), and the
+check of the same formula at the measured acceptance.
+
+Inputs are the runs `aggregate.build_runs` makes: the fixed-k specdec runs at
+one stream under the first network condition carry, in `bound`, the measured
+t_draft (per drafted token), t_verify (per round, k + 1 tokens) and overhead
+(per round); target-only's tokens/s is the baseline.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from specdec.bench.projection import LAYOUTS, RoundCosts, check_row, projection_table
+
+LAYOUT_LABELS = {"one-gpu": "both models on one device, sequential rounds",
+                 "two-gpus-pipelined": "separate devices, pipelined drafting"}
+
+
+def _fixed_runs(runs: list[dict], temperature: float) -> list[dict]:
+    first_net = runs[0]["network"] if runs else None
+    return [r for r in runs if r["policy"] == "fixed" and not r["pipeline"] and r["concurrency"] == 1
+            and r["network"] == first_net and r["temperature"] == temperature and r.get("bound")
+            and r["bound"].get("t_draft_s") is not None]
+
+
+def measured_costs(runs: list[dict], temperature: float) -> tuple[list[RoundCosts], float | None]:
+    """(round costs per measured k, target-only tokens/s) at one temperature."""
+    fixed = _fixed_runs(runs, temperature)
+    costs = [RoundCosts(int(r["k"]), r["bound"]["t_draft_s"], r["bound"]["t_verify_s"], r["bound"]["overhead_s"])
+             for r in fixed]
+    base = fixed[0]["target_only_tokens_per_s"] if fixed else None
+    return sorted(costs, key=lambda c: c.k), base
+
+
+def projection_markdown(runs: list[dict], alphas: list[float]) -> list[str]:
+    """Summary lines: the projection table per temperature, and the check."""
+    lines: list[str] = []
+    temps = list(dict.fromkeys(r["temperature"] for r in runs))
+    for temp in temps:
+        costs, base = measured_costs(runs, temp)
+        if not costs or not base:
+            continue
+        label = "greedy" if temp == 0 else f"T = {temp:g}"
+        lines += [f"## Projected speedup ({label}): measured costs, assumed acceptance", "",
+                  "**Projected, not measured**: E(α, k) = (1 − α^(k+1)) / (1 − α) tokens per round over the "
+                  "round cost measured in this run (projection.py); against target-only's measured "
+                  f"{base:.2f} tok/s. Layouts: " + "; ".join(f"*{k}* = {v}" for k, v in LAYOUT_LABELS.items()) + ".",
+                  ""]
+        lines += ["| measured k | t_draft ms/token | t_verify ms | overhead ms/round |", "|---|---|---|---|"]
+        lines += [f"| {c.k} | {c.t_draft * 1e3:.2f} | {c.t_verify * 1e3:.2f} | {c.overhead * 1e3:.2f} |"
+                  for c in costs] + [""]
+        rows = projection_table(costs, alphas, base)
+        lines += ["| assumed α | layout | best k | projected tok/s | projected speedup |", "|---|---|---|---|---|"]
+        lines += [f"| {p.alpha:g} | {p.layout} | {p.k} | {p.tokens_per_s:.2f} | **{p.speedup:.2f}x** (projected) |"
+                  for p in rows] + [""]
+        checks = check_rows(runs, temp)
+        if checks:
+            lines += ["Check: the same formula (one device) at the acceptance this run measured, against the "
+                      "speedup it measured:", "",
+                      "| k | measured α | projected speedup | measured speedup | error |", "|---|---|---|---|---|"]
+            lines += [f"| {c['k']} | {c['alpha']:.2f} | {c['projected_speedup']:.2f}x | "
+                      f"{c['measured_speedup']:.2f}x | {c['error']:+.1%} |" for c in checks] + [""]
+    return lines
+
+
+def check_rows(runs: list[dict], temperature: float) -> list[dict]:
+    out = []
+    for r in _fixed_runs(runs, temperature):
+        alpha = r["bound"].get("alpha_hat")
+        if alpha is None or not r.get("target_only_tokens_per_s") or not r.get("tokens_per_s"):
+            continue
+        costs = RoundCosts(int(r["k"]), r["bound"]["t_draft_s"], r["bound"]["t_verify_s"], r["bound"]["overhead_s"])
+        out.append(check_row(costs, alpha, r["tokens_per_s"], r["target_only_tokens_per_s"]))
+    return out
+
+
+def projection_plot(runs: list[dict], out_dir: Path, alphas_grid=None) -> list[str]:
+    """projected_speedup.png: projected speedup against acceptance, per
+    layout, at the best measured k, greedy (or the first temperature)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    temps = list(dict.fromkeys(r["temperature"] for r in runs))
+    if not temps:
+        return []
+    costs, base = measured_costs(runs, 0.0 if 0.0 in temps else temps[0])
+    if not costs or not base:
+        return []
+    grid = alphas_grid or [a / 100 for a in range(30, 100, 2)]
+    fig, ax = plt.subplots(figsize=(6.0, 3.8), dpi=80)
+    for layout in LAYOUTS:
+        ys = [p.speedup for p in projection_table(costs, grid, base) if p.layout == layout]
+        ax.plot(grid, ys, label=f"projected: {LAYOUT_LABELS[layout]}")
+    for c in check_rows(runs, 0.0 if 0.0 in temps else temps[0]):
+        ax.plot([c["alpha"]], [c["measured_speedup"]], "ko")
+    ax.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
+    ax.set_xlabel("per-draft acceptance α")
+    ax.set_ylabel("speedup over target-only")
+    ax.set_title("Projected speedup from measured round costs (dots: measured)", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(Path(out_dir) / "projected_speedup.png")
+    plt.close(fig)
+    return ["projected_speedup.png"]
