@@ -270,7 +270,7 @@ def test_bench_end_to_end_on_a_tiny_pair(tiny_pair_dirs, tmp_path, capsys):
         assert heading in summary
     assert summary.count("(projected) |") == 2 * 3 * 2  # 2 temperatures x 3 acceptances x 2 layouts
     pngs = ["speedup_vs_k.png", "acceptance_per_position.png", "tokens_per_s_vs_concurrency.png",
-            "projected_speedup.png"]
+            "projected_speedup.png", "tokens_per_s_per_config.png"]
     if network:
         assert "## Network" in summary
         pngs.append("tokens_per_s_vs_rtt.png")

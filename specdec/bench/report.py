@@ -286,6 +286,19 @@ def write_plots(runs: list[dict], out_dir: Path | str) -> list[str]:
         plt.close(fig)
         written.append(name)
 
+    # tokens/s per config, one stream, one bar group per temperature
+    fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=80)
+    names = list(dict.fromkeys(r["config"] for r in one))
+    for i, temp in enumerate(temps):
+        tps = {r["config"]: r["tokens_per_s"] or 0 for r in one if r["temperature"] == temp}
+        ax.bar([x + i * 0.8 / len(temps) for x in range(len(names))], [tps.get(n, 0) for n in names],
+               0.8 / len(temps), label=_temp_label(temp))
+    ax.set_xticks([x + 0.4 - 0.4 / len(temps) for x in range(len(names))], names, rotation=30, ha="right", fontsize=7)
+    ax.set_ylabel("tokens/s, one stream")
+    ax.set_title("Tokens/s per config")
+    ax.legend(fontsize=7)
+    save(fig, "tokens_per_s_per_config.png")
+
     # speedup vs k, per temperature
     fixed = [r for r in one if r["policy"] == "fixed" and not r["pipeline"]]
     if fixed:
