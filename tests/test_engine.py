@@ -218,3 +218,15 @@ def test_warmup_works_with_room_for_one_session_only():
     engine = tiny_engine(max_sessions=1)
     engine.warmup()
     assert engine.num_sessions == 0
+
+
+def test_cpu_free_memory_counts_reclaimable_cache():
+    """The default KV budget is half the free memory: on a CPU that must be
+    MemAvailable (page cache included), not MemFree, which is small right
+    after weights were read from disk and left a service without one slot."""
+    import os
+
+    from specdec.engine.loading import free_device_memory
+
+    mem_free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    assert free_device_memory(torch.device("cpu")) >= mem_free

@@ -91,10 +91,19 @@ def tokenizer_fingerprint(tokenizer, vocab_size: int) -> str:
 
 
 def free_device_memory(device: torch.device) -> int:
-    """Bytes free on the device now (CPU: available RAM)."""
+    """Bytes free on the device now (CPU: the kernel's MemAvailable, which
+    counts reclaimable page cache: right after reading weights from disk,
+    MemFree alone can be a small fraction of what a process may use)."""
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
         return int(free)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:  # pragma: no cover - not Linux
+        pass
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):  # pragma: no cover - non-POSIX
