@@ -3,7 +3,7 @@ against the memory-bandwidth floor (specdec/bench/step_costs.py), on the
 device and dtype the services would use, with a Markdown table, JSON lines and
 a plot in --out.
 
-    specd steps synth:qwen2.5-0.5b synth:qwen2.5-7b --device cuda --dtype bfloat16
+    specd steps synth:qwen2.5-0.5b synth:qwen2.5-7b --device cuda --dtype bfloat16 --num-draft-tokens 4
     specd steps qwen2.5-coder-0.5b-instruct --draft-vocab 0 8192 16384 32768
 """
 from __future__ import annotations
@@ -25,7 +25,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"))
     p.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
-    p.add_argument("--ks", type=int, nargs="+", default=[4], help="verify shapes: k drafts + 1 (default 4)")
+    p.add_argument("--num-draft-tokens", type=int, nargs="+", default=[4],
+                   help="verify shapes: num_draft_tokens + 1 tokens per session (default 4)")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8], help="sessions per step (default 1 8)")
     p.add_argument("--context", type=int, default=200, help="tokens each session holds (default 200)")
     p.add_argument("--repeat", type=int, default=10, help="timed runs per shape; the median is reported")
@@ -49,8 +50,8 @@ def run(args: argparse.Namespace) -> int:
         for head in args.draft_vocab:
             try:
                 cfg = EngineConfig(model=model, device=args.device, dtype=args.dtype, threads=args.threads,
-                                   max_context=args.context + max(args.ks) + 8, max_sessions=max(args.batches),
-                                   draft_vocab=head)
+                                   max_context=args.context + max(args.num_draft_tokens) + 8,
+                                   max_sessions=max(args.batches), draft_vocab=head)
                 engine = ModelEngine.load(cfg)
             except (SpecdecError, ValueError, OSError) as error:
                 print(f"specd: error: {model}: {error}", file=sys.stderr)
@@ -59,8 +60,8 @@ def run(args: argparse.Namespace) -> int:
             bandwidth = bandwidth or copy_bandwidth(engine.device)
             if head:
                 engine.name = f"{engine.name} (head {head})"
-            costs += measure(engine, ks=args.ks, batches=args.batches, context=args.context, repeat=args.repeat,
-                             bandwidth=bandwidth)
+            costs += measure(engine, ks=args.num_draft_tokens, batches=args.batches, context=args.context,
+                             repeat=args.repeat, bandwidth=bandwidth)
             del engine
     table = markdown(costs)
     print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s\n{table}")
