@@ -258,7 +258,7 @@ class NgramDrafter:
 
     def rollback(self, session_id, length):
         session = self._sessions.get(session_id)
-        self.rules.check_keep(session, length)
+        self.rules.check_rollback(session, length)
         self._streams.take(session_id)
         del session.tokens[length:]
         return session.length

@@ -13,13 +13,14 @@ from orchestrator.batcher import VerifyBatcher
 from orchestrator.config import OrchestratorConfig
 from orchestrator.downstream import DraftClient, TargetClient, channel_to
 from orchestrator.gamma_policy import make_policy
+from orchestrator.recovery import RecoverySettings, report_target_health
 from orchestrator.replicas import Replica, ReplicaPool
 from orchestrator.servicer import Backends, OrchestratorServicer
 from orchestrator.speculation import LoopSettings
 from specdec.engine.vocab import usable_size_of
 from specdec.errors import FailedPrecondition, Unavailable
 from specdec.rpc.grpc_tracing import client_interceptors
-from specdec.rpc.serving import RunningServer, ServerConfig, start_server
+from specdec.rpc.serving import NOT_SERVING, SERVING, RunningServer, ServerConfig, start_server
 from specdec.telemetry import NOOP, Telemetry
 from specdec.v1 import orchestrator_pb2_grpc
 
@@ -32,12 +33,15 @@ SERVICE_NAME = "specdec.v1.OrchestratorService"
 class Orchestrator:
     running: RunningServer
     backends: Backends
+    health_task: asyncio.Task | None = None  # NOT_SERVING while no target replica is reachable
 
     @property
     def port(self) -> int:
         return self.running.port
 
     async def stop(self, grace_s: float = 0.0) -> None:
+        if self.health_task is not None:
+            self.health_task.cancel()
         await self.running.drain(grace_s)
         await self.close_channels()
 
@@ -166,7 +170,8 @@ async def build_backends(cfg: OrchestratorConfig, tokenizer=None, telemetry: Tel
                             max_context=min(i.max_context for i in infos),
                             max_draft_tokens=max_draft_tokens)
     return Backends(targets=targets, drafts=drafts, tokenizer=tokenizer, settings=settings,
-                    eos_ids=frozenset(eos), vocab_size=usable_size_of(target_info))
+                    eos_ids=frozenset(eos), vocab_size=usable_size_of(target_info),
+                    recovery=RecoverySettings(window_s=cfg.target_recovery_s, rpc_timeout_s=cfg.rpc_timeout_s))
 
 
 async def start_orchestrator(server_cfg: ServerConfig, cfg: OrchestratorConfig, tokenizer=None,
@@ -192,4 +197,10 @@ async def start_orchestrator(server_cfg: ServerConfig, cfg: OrchestratorConfig, 
         raise
     holder["s"] = OrchestratorServicer(cfg, backends, telemetry)
     await running.set_serving()
-    return Orchestrator(running=running, backends=backends)
+
+    async def set_serving(serving: bool) -> None:
+        if not running.draining:
+            await running.set_status(SERVING if serving else NOT_SERVING)
+
+    health = asyncio.ensure_future(report_target_health(backends.targets, set_serving, cfg.health_interval_s))
+    return Orchestrator(running=running, backends=backends, health_task=health)

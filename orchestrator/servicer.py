@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from orchestrator.config import OrchestratorConfig
 from orchestrator.detokenizer import IncrementalDetokenizer
 from orchestrator.gamma_policy import make_policy
+from orchestrator.recovery import RecoverySettings, TargetLease
 from orchestrator.replicas import ReplicaPool
 from orchestrator.speculation import LoopSettings, RequestSpec, SpeculativeRequest
 from orchestrator.stop import StopMatcher, validate_stops
@@ -34,6 +35,7 @@ class Backends:
     settings: LoopSettings
     eos_ids: frozenset[int]
     vocab_size: int
+    recovery: RecoverySettings = RecoverySettings()
 
 
 class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
@@ -41,29 +43,34 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         self.cfg = cfg
         self.b = backends
         self.telemetry = telemetry
+        self.in_flight = 0  # Generate calls running now (the specdec_requests_in_flight gauge)
+        telemetry.metrics.observe_requests_in_flight(lambda: self.in_flight)
 
     @grpc_errors.stream
     async def Generate(self, request, context):
         # The root of the request's trace (or a child of the client's span,
         # when the call carries one).
-        with self.telemetry.server_span(SPAN_GENERATE, context.invocation_metadata()) as span:
-            async for reply in self._generate(request, context, span):
-                yield reply
+        self.in_flight += 1
+        try:
+            with self.telemetry.server_span(SPAN_GENERATE, context.invocation_metadata()) as span:
+                async for reply in self._generate(request, context, span):
+                    yield reply
+        finally:
+            self.in_flight -= 1
 
     async def _generate(self, request, context, span):
         start = time.perf_counter()
         prompt = self._prompt_tokens(request)
         spec, policy, stops = self._parse(request, prompt, context.time_remaining())
-        target = self.b.targets.acquire()
+        target = TargetLease(self.b.targets, self.b.recovery)
         draft = self.b.drafts.acquire() if spec.speculate else None
         loop = SpeculativeRequest(spec, policy, target.client, target.batcher,
-                                  draft.client if draft else None, self.b.settings, self.telemetry)
+                                  draft.client if draft else None, self.b.settings, self.telemetry, lease=target)
         if span.is_recording():
             span.set_attributes(_request_attributes(request, loop, policy))
         detok = IncrementalDetokenizer(self.b.tokenizer, prompt) if self.b.tokenizer else None
         stop = StopMatcher(stops)
         first_token_s = None
-        target.batcher.request_started()
         try:
             async for tokens in loop.run():
                 if first_token_s is None:
@@ -83,9 +90,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
                 if tail:
                     yield pb.GenerateResponse(chunk=pb.TextChunk(text=tail))
         finally:
-            target.batcher.request_finished()
             loop.close()
-            await self.b.targets.release(target)
+            await target.release()
             if draft is not None:
                 await self.b.drafts.release(draft)
         stats = self._stats(loop, policy, start, first_token_s)
@@ -192,6 +198,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
             round_trips=s.round_trips,
             pipelined_rounds=s.pipelined_rounds,
             rejected_rounds=s.rejected_rounds,
+            target_recoveries=s.target_recoveries,
             verify_time_s=s.verify_time_s,
             target_compute_time_s=s.target_compute_s,
             wire_bytes=s.wire_bytes,

@@ -17,7 +17,10 @@ r, the draft already proposes round r+1 as if round r will be fully accepted;
 
 If the draft fails, the round decodes plainly (a Verify with k = 0 draws the
 same token a plain decode would) and the draft is re-opened on the full
-history after `draft_retry_s`. Output stays exact either way.
+history after `draft_retry_s`. Output stays exact either way. If the target
+fails (UNAVAILABLE, or it lost the session), `orchestrator/recovery.py`
+re-opens the session on a live replica by prefilling the history, and the
+round runs again.
 
 Tracing (the span tree is in docs/observability.md): each round is a `round`
 span holding `draft.propose`, `target.verify` and `accept`; session opens and
@@ -39,19 +42,22 @@ from orchestrator.batcher import VerifyBatcher
 from orchestrator.downstream import CallCost, DraftClient, TargetClient, open_request
 from orchestrator.gamma_policy import GammaPolicy, RoundObservation, acceptance_estimate
 from orchestrator.pipelining import AheadDecision, Pipeline, draft_ahead_length
-from specdec.errors import DeadlineExceeded, NotFound, SpecdecError
+from specdec.errors import DeadlineExceeded, NotFound, Unavailable
 from specdec.limits import DEFAULT_MAX_DRAFT_TOKENS
 from specdec.rpc.grpc_errors import from_rpc_error
 from specdec.sampling.rejection import RoundResult, VerifyOutcome, accept_greedy, accept_sampled
 from specdec.sampling.sparse import SparseDist
 from specdec.telemetry import (A_ACCEPTED, A_BATCH_ITEMS, A_BATCH_SESSIONS, A_EMITTED, A_FALLBACK, A_K, A_PEER,
-                               A_RETURNED, A_ROUND, NOOP, SPAN_ACCEPT, SPAN_DRAFT_PROPOSE, SPAN_ROUND,
-                               SPAN_SESSION_CLOSE, SPAN_SESSION_OPEN, SPAN_TARGET_VERIFY, Telemetry)
+                               A_FAILED_REPLICA, A_RECOVERED_ON, A_RETURNED, A_ROUND, NOOP, SPAN_ACCEPT,
+                               SPAN_DRAFT_PROPOSE, SPAN_ROUND, SPAN_SESSION_CLOSE, SPAN_SESSION_OPEN,
+                               SPAN_TARGET_RECOVER, SPAN_TARGET_VERIFY, Telemetry)
 from specdec.v1 import target_pb2
 
 log = logging.getLogger(__name__)
 
 CLOSE_TIMEOUT_S = 5.0
+# A target that fails again after each re-open is not coming back for this request.
+MAX_TARGET_RECOVERIES = 8
 
 
 @dataclass(frozen=True)
@@ -93,6 +99,7 @@ class RequestStats:
     pipelined_rounds: int = 0  # rounds whose drafts were made during the previous round's verify
 
     rejected_rounds: int = 0  # speculative rounds that ended in a rejection
+    target_recoveries: int = 0  # target sessions re-opened after a failure
 
     def record_round(self, k: int, accepted: int) -> None:
         self.rejected_rounds += accepted < k
@@ -125,7 +132,7 @@ class SpeculativeRequest:
 
     def __init__(self, spec: RequestSpec, policy: GammaPolicy, target: TargetClient,
                  batcher: VerifyBatcher, draft: DraftClient | None, settings: LoopSettings,
-                 telemetry: Telemetry = NOOP):
+                 telemetry: Telemetry = NOOP, lease=None):
         self.spec = spec
         self.telemetry = telemetry
         self.policy = policy
@@ -133,6 +140,7 @@ class SpeculativeRequest:
         self.batcher = batcher
         self.draft = draft
         self.settings = settings
+        self.lease = lease  # orchestrator.recovery.TargetLease: re-opens a failed target session; None: fail
         self.stats = RequestStats()
         self.finish_reason = "length"
         self.history = list(spec.prompt)
@@ -188,12 +196,36 @@ class SpeculativeRequest:
         self._draft_prefix = len(self.history)
         self._draft_down_since = None
 
+    async def _recover_target(self, cause: Unavailable) -> None:
+        """Re-open the target session on a live replica with the whole
+        history (see orchestrator/recovery.py); raise `cause` without a lease."""
+        if self.lease is None or self.stats.target_recoveries >= MAX_TARGET_RECOVERIES:
+            raise cause
+        self._pipeline.drop()
+        old_client, old_session = self.target, self._target_session
+        with self.telemetry.span(SPAN_TARGET_RECOVER, {A_FAILED_REPLICA: self.lease.replica.address}) as span:
+            self._target_session = None
+            session, cost = await self.lease.reopen(self._open_request(), self.spec.deadline, cause)
+            span.set_attribute(A_RECOVERED_ON, self.lease.replica.address)
+        if old_session is not None:  # if its replica still lives, the session must not wait for expiry
+            self._close_later(old_client, old_session)
+        self.target, self.batcher = self.lease.client, self.lease.batcher
+        self._target_session, self._target_prefix = session, len(self.history)
+        self._account(cost, "target", "OpenSession")
+        self.stats.target_recoveries += 1
+
     def _draft_failed(self, exc: grpc.aio.AioRpcError) -> None:
-        log.warning("draft unavailable (%s: %s); decoding with the target alone", exc.code().name, exc.details())
+        if exc.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED) and self._out_of_time():
+            log.info("the request's own deadline passed while drafting (%s)", exc.code().name)
+        else:
+            log.warning("draft unavailable (%s: %s); decoding with the target alone", exc.code().name, exc.details())
         if self._draft_session is not None:
             self._close_later(self.draft, self._draft_session)
         self._draft_session = None
         self._draft_down_since = time.monotonic()
+
+    def _out_of_time(self) -> bool:
+        return self.spec.deadline is not None and time.monotonic() >= self.spec.deadline - 0.05
 
     def close(self) -> None:
         """Close both sessions in the background: safe to call from a
@@ -233,10 +265,16 @@ class SpeculativeRequest:
         # session that was opened.
         opens = [self._open_target()] + ([self._open_draft()] if self.spec.speculate else [])
         for outcome in await asyncio.gather(*opens, return_exceptions=True):
-            if isinstance(outcome, BaseException):
+            if isinstance(outcome, Unavailable):
+                await self._recover_target(outcome)
+            elif isinstance(outcome, BaseException):
                 raise outcome
         while self.stats.completion_tokens < self.spec.max_tokens:
-            emitted = await self._round()
+            try:
+                emitted = await self._round()
+            except Unavailable as exc:  # only the target's failures reach here: the draft's are absorbed
+                await self._recover_target(exc)
+                continue
             emitted = self._finish_at_eos(emitted)
             self.history.extend(emitted)
             self.stats.completion_tokens += len(emitted)
@@ -370,8 +408,8 @@ class SpeculativeRequest:
                 reply = await asyncio.wait_for(self.batcher.verify(item), self._timeout())
             except asyncio.TimeoutError:
                 raise DeadlineExceeded("the request's deadline passed while verifying") from None
-            except NotFound as exc:
-                raise SpecdecError(str(exc)) from None
+            except NotFound as exc:  # the target restarted and forgot the session
+                raise Unavailable(f"the target lost the session: {exc}") from None
             span.set_attributes({A_BATCH_ITEMS: reply.items, A_BATCH_SESSIONS: reply.batch_size})
         self._target_prefix = len(self.history)
         self.stats.round_trips += 1

@@ -100,6 +100,12 @@ class Metrics:
             attrs = self._rpc_attrs[(service, method)] = {"service": service, "method": method}
         self.rpc_round_trip.record(seconds, attrs)
 
+    def observe_requests_in_flight(self, count: Callable[[], int]) -> None:
+        """Orchestrator: a gauge of the Generate calls running now. Call once."""
+        self._meter.create_observable_gauge("specdec_requests_in_flight",
+                                            [lambda _: [Observation(count())]],
+                                            description="Generate requests the orchestrator is running now")
+
     def observe_sessions(self, usage: Callable[[], tuple[int, int]]) -> None:
         """Model services: gauges of open sessions and reserved KV bytes, read
         from `usage()` (-> (sessions, kv_bytes)) at each collection. Call once."""

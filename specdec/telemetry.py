@@ -43,6 +43,7 @@ SPAN_DRAFT_PROPOSE = "draft.propose"  # client side of Propose
 SPAN_TARGET_VERIFY = "target.verify"  # this request's verify, batching wait included
 SPAN_VERIFY_BATCH = "verify.batch"  # client side of one batched Verify RPC
 SPAN_ACCEPT = "accept"  # the accept/reject decisions of a round
+SPAN_TARGET_RECOVER = "target.recover"  # re-opening a failed target session on a live replica
 # draft and target services (server side)
 SPAN_PREFILL = "prefill"  # OpenSession: create the session, prefill the prompt
 SPAN_PROPOSE = "propose"
@@ -81,6 +82,8 @@ A_K = "specdec.k"  # k = num_draft_tokens asked for (the policy's choice after c
 A_RETURNED = "specdec.draft.returned"  # draft tokens actually proposed
 A_ACCEPTED = "specdec.accepted"  # draft tokens accepted in the round
 A_EMITTED = "specdec.emitted"  # tokens the round emitted (accepted + 1)
+A_RECOVERED_ON = "specdec.recovered_on"  # target.recover: the replica the session was re-opened on
+A_FAILED_REPLICA = "specdec.failed_replica"  # target.recover: the replica that failed
 A_FALLBACK = "specdec.fallback"  # the round ran without the draft (it failed)
 A_BATCH_ITEMS = "specdec.batch.items"  # verify items (requests) in one Verify RPC
 A_BATCH_SESSIONS = "specdec.batch.sessions"  # sessions in the target's forward pass

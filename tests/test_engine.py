@@ -40,9 +40,10 @@ def test_rollback_then_reextend_equals_a_fresh_run(arch, keep):
     other = random_tokens(12, seed=2)
     s = engine.open_session(seq[:5])
     engine.extend([ExtendItem(s.id, None, seq[5:30], 1)])
-    assert engine.rollback(s.id, keep) == keep
+    if keep:  # a Rollback keeps >= 1 token; a cut to 0 rides on the extend, which appends at once
+        assert engine.rollback(s.id, keep) == keep
     new = seq[:keep] + other if keep else other
-    logits = engine.extend([ExtendItem(s.id, None, other, num_logits=len(other))])[0]
+    logits = engine.extend([ExtendItem(s.id, None if keep else 0, other, num_logits=len(other))])[0]
     ref = reference_logits(engine, new)
     torch.testing.assert_close(logits, ref[-len(other):], atol=ATOL, rtol=0)
 
@@ -59,7 +60,10 @@ def test_rollback_to_current_length_is_a_noop_and_past_the_end_is_an_error():
         engine.rollback(s.id, 15)
     with pytest.raises(InvalidArgument):
         engine.rollback(s.id, -1)
+    with pytest.raises(InvalidArgument, match="at least 1 token"):
+        engine.rollback(s.id, 0)  # refused, not absorbed: the session stays usable
     assert s.tokens == seq + [5, 6]
+    assert engine.rollback(s.id, 1) == 1
 
 
 def test_keep_length_rides_on_extend():

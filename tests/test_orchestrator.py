@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import copy
+import socket
 import time
 
 import grpc
@@ -12,12 +13,16 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from orchestrator.client import build_request
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from orchestrator.client import Client, build_request
+from orchestrator.config import OrchestratorConfig
+from orchestrator.server import start_orchestrator
 from specdec.sampling.params import SamplingParams
 from specdec.sampling.transform import logits_to_probs
 from specdec.v1 import orchestrator_pb2 as pb
 from tests.conftest import tiny_engine, tiny_model
-from tests.harness import running_draft, running_system
+from tests.harness import BackgroundLoop, local_config, running_draft, running_system, running_target
 
 GREEDY_PROMPTS = [[3 + (7 * i + j * j) % 120 for j in range(2 + i % 9)] for i in range(24)]
 
@@ -316,15 +321,130 @@ def test_cancellation_and_deadlines_free_the_sessions_on_both_services():
         assert_cancel_and_deadline_free_the_sessions(s, target_engine, draft_engine)
 
 
-def test_target_failure_ends_the_request_with_unavailable():
-    with running_system(tiny_engine(model=without_eos(tiny_model(seed=0))), tiny_engine(seed=1)) as s:
+def test_target_failure_ends_the_request_with_unavailable_once_no_replica_comes_back():
+    with running_system(tiny_engine(model=without_eos(tiny_model(seed=0))), tiny_engine(seed=1),
+                        target_recovery_s=1.0, health_interval_s=0.1) as s:
+        health = health_pb2_grpc.HealthStub(s.client.channel)
         stream = s.client.stub.Generate(build_request(GREEDY_PROMPTS[5], max_tokens=400, temperature=0), timeout=60)
         with pytest.raises(grpc.RpcError) as err:
             for i, _ in enumerate(stream):
                 if i == 1:
                     s.target_loop.run(s.target.stop(0))
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert "target" in err.value.details()
+        assert "target" in err.value.details() and "re-open" in err.value.details()
+        # No target replica is reachable: the orchestrator says so.
+        assert _wait_until(lambda: health.Check(health_pb2.HealthCheckRequest(), timeout=5).status
+                           == health_pb2.HealthCheckResponse.NOT_SERVING)
+
+
+def generate_restarting_the_target(s, target_model, prompt, n, **kwargs):
+    """Generate n tokens; after the second chunk the target service stops, and a
+    new one (a fresh engine over the same model) starts on the same port.
+    Returns (tokens, final stats)."""
+    port = s.target.port
+    stream = s.client.stub.Generate(build_request(prompt, max_tokens=n, **kwargs), timeout=60)
+    tokens, stats, restarted = [], None, None
+    try:
+        for i, reply in enumerate(stream):
+            if reply.HasField("stats"):
+                stats = reply.stats
+                break
+            tokens.extend(reply.chunk.token_ids)
+            if i == 1:
+                s.target_loop.run(s.target.stop(0))
+                restarted = running_target(tiny_engine(model=target_model), server_cfg=_port(port))
+                restarted.__enter__()
+    finally:
+        if restarted is not None:
+            restarted.__exit__(None, None, None)
+    return tokens, stats
+
+
+def test_target_restarted_mid_request_is_recovered_with_identical_output():
+    target = without_eos(tiny_model(seed=0, init_range=0.3))
+    ref = greedy_reference(target, GREEDY_PROMPTS[2], 40)
+    with running_system(tiny_engine(model=target), tiny_engine(model=perturbed(target, 0.15, 1))) as s:
+        tokens, stats = generate_restarting_the_target(s, target, GREEDY_PROMPTS[2], 40, temperature=0,
+                                                       num_draft_tokens=2)
+    assert tokens == ref and stats.target_recoveries >= 1
+
+
+def test_seeded_sampled_request_keeps_its_tokens_through_a_target_restart():
+    target = without_eos(tiny_model(seed=0, init_range=0.3))
+    kwargs = dict(temperature=0.8, top_p=0.95, seed=4321, num_draft_tokens=3)
+    with running_system(tiny_engine(model=target), tiny_engine(model=perturbed(target, 0.2, 3))) as s:
+        alone = s.client.complete(GREEDY_PROMPTS[1], max_tokens=30, **kwargs).token_ids
+        tokens, stats = generate_restarting_the_target(s, target, GREEDY_PROMPTS[1], 30, **kwargs)
+    assert tokens == alone and stats.target_recoveries >= 1
+
+
+def test_a_failed_target_replica_is_replaced_by_a_live_one(monkeypatch):
+    # Two replicas behind one name (as in test_replicas.py); the request's
+    # replica stops mid-stream and the session moves to the other.
+    target = without_eos(tiny_model(seed=0, init_range=0.3))
+    ref = greedy_reference(target, GREEDY_PROMPTS[3], 30)
+    engine_a, engine_b = tiny_engine(model=target), tiny_engine(model=target)
+    with running_target(engine_a) as (svc_a, _, loop_a):
+        port = svc_a.port
+        cfg = local_config()
+        cfg.host, cfg.port = "127.0.0.2", port
+        with running_target(engine_b, server_cfg=cfg) as (svc_b, _, loop_b):
+            real = socket.getaddrinfo
+
+            def fake(host, *args, **kwargs):
+                if host == "target.specdec.svc":
+                    return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (ip, port)) for ip in ("127.0.0.1", "127.0.0.2")]
+                return real(host, *args, **kwargs)
+
+            monkeypatch.setattr(socket, "getaddrinfo", fake)
+            loop = BackgroundLoop()
+            try:
+                orch = loop.run(start_orchestrator(local_config(), OrchestratorConfig(
+                    target=f"target.specdec.svc:{port}", draft="", connect_timeout_s=10)))
+                try:
+                    with Client(f"127.0.0.1:{orch.port}", timeout_s=60) as client:
+                        stream = client.stub.Generate(build_request(GREEDY_PROMPTS[3], max_tokens=30, temperature=0),
+                                                      timeout=60)
+                        tokens, stats = [], None
+                        for i, reply in enumerate(stream):
+                            if reply.HasField("stats"):
+                                stats = reply.stats
+                                break
+                            tokens.extend(reply.chunk.token_ids)
+                            if i == 1:
+                                victim = (svc_a, loop_a) if engine_a.num_sessions else (svc_b, loop_b)
+                                victim[1].run(victim[0].stop(0))
+                    assert tokens == ref and stats.target_recoveries == 1
+                finally:
+                    loop.run(orch.stop(0))
+            finally:
+                loop.close()
+
+
+def test_requests_in_flight_are_exported_as_a_gauge():
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    from specdec.telemetry import Telemetry
+
+    reader = InMemoryMetricReader()
+    telemetry = Telemetry("specdec-orchestrator", meter_provider=MeterProvider(metric_readers=[reader]))
+    with running_system(tiny_engine(model=without_eos(tiny_model(seed=0))), None,
+                        telemetry={"orchestrator": telemetry}) as s:
+        stream = s.client.stub.Generate(build_request(GREEDY_PROMPTS[4], max_tokens=300, temperature=0), timeout=60)
+        next(iter(stream))
+        assert _gauge(reader, "specdec_requests_in_flight") == 1
+        stream.cancel()
+        assert _wait_until(lambda: _gauge(reader, "specdec_requests_in_flight") == 0)
+
+
+def _gauge(reader, name):
+    for rm in reader.get_metrics_data().resource_metrics:
+        for sm in rm.scope_metrics:
+            for metric in sm.metrics:
+                if metric.name == name:
+                    return sum(p.value for p in metric.data.data_points)
+    return None
 
 
 @pytest.mark.parametrize("kwargs, message", [

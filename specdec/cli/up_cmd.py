@@ -2,19 +2,23 @@
 
 Fetches the pair first if it is not cached, starts draft and target, waits
 until both report SERVING, starts the orchestrator, prints where to connect,
-and on Ctrl-C (or SIGTERM) stops all three and waits for them.
+and then supervises the three (`specdec.processes.Supervisor`): a role that
+exits is restarted with backoff while the others keep serving; requests in
+flight survive it (the orchestrator decodes without the draft, and re-opens
+a lost target session by prefilling the history). Ctrl-C (or SIGTERM) stops
+all three and waits for them. A role that exits during start-up still stops
+everything: that is a configuration error, not a crash.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import signal
-import subprocess
 import sys
 import time
 
 from specdec.models.catalog import DEFAULT_PAIR
-from specdec.processes import stop_processes, wait_serving
+from specdec.processes import Backoff, Supervisor, wait_serving
 from specdec.trace_file import TRACE_FILE_ENV, default_trace_file
 
 
@@ -36,6 +40,8 @@ def register(sub) -> None:
                                                                    "under adaptive and goodput)")
     p.add_argument("--cache-dir", default=None, help="model cache (default: $SPECD_CACHE_DIR or the user cache)")
     p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for the models to load")
+    p.add_argument("--restart-backoff-s", type=float, default=1.0,
+                   help="first delay before restarting a role that exited (doubles per quick exit, up to 30 s)")
     p.add_argument("--metrics-port", type=int, default=0,
                    help="Prometheus metrics: the orchestrator on this port, draft +1, target +2 (0: off)")
     p.set_defaults(func=run)
@@ -56,9 +62,8 @@ def _metrics_flag(args, offset: int) -> list[str]:
     return ["--metrics-port", str(args.metrics_port + offset if args.metrics_port else 0)]
 
 
-def _spawn(role: str, extra: list[str], env: dict) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "specdec.cli.main", "serve", role, *extra]
-    return subprocess.Popen(cmd, env=env, start_new_session=True)
+def _serve_cmd(role: str, extra: list[str]) -> list[str]:
+    return [sys.executable, "-m", "specdec.cli.main", "serve", role, *extra]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -79,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
                   "--device", args.draft_device or args.device, *common, *_metrics_flag(args, 1)]
     target_args = ["--model", args.target_model, "--port", str(args.target_port),
                    "--device", args.target_device or args.device, *common, *_metrics_flag(args, 2)]
-    procs: list[subprocess.Popen] = []
+    supervisor = Supervisor(Backoff(initial_s=args.restart_backoff_s))
     stop_requested = []
 
     def request_stop(*_):
@@ -91,24 +96,25 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
     try:
-        procs.append(_spawn("target", target_args, env))
-        procs.append(_spawn("draft", draft_args, env))
+        supervisor.start("target", _serve_cmd("target", target_args), env)
+        supervisor.start("draft", _serve_cmd("draft", draft_args), env)
         print("specd up: loading the models (this takes a while on a CPU)...", file=sys.stderr)
-        wait_serving(args.target_port, procs, args.startup_timeout)
-        wait_serving(args.draft_port, procs, args.startup_timeout)
-        procs.append(_spawn("orchestrator", [
+        wait_serving(args.target_port, supervisor.processes, args.startup_timeout)
+        wait_serving(args.draft_port, supervisor.processes, args.startup_timeout)
+        supervisor.start("orchestrator", _serve_cmd("orchestrator", [
             "--port", str(args.port), "--host", "127.0.0.1", "--draft", f"127.0.0.1:{args.draft_port}",
             "--target", f"127.0.0.1:{args.target_port}", "--policy", args.policy,
-            "--num-draft-tokens", str(args.num_draft_tokens), "--tokenizer", args.target_model, *_metrics_flag(args, 0)], env))
-        wait_serving(args.port, procs, 120)
+            "--num-draft-tokens", str(args.num_draft_tokens), "--tokenizer", args.target_model, *_metrics_flag(args, 0)]), env)
+        wait_serving(args.port, supervisor.processes, 120)
         print(f"\nspecd up: serving on 127.0.0.1:{args.port} "
               f"(draft {args.draft_model}, target {args.target_model}). Try:\n"
               f"  specd generate --server 127.0.0.1:{args.port} --temperature 0 --stats \"def fibonacci(n):\"\n"
               f"  specd trace show      # its spans, from {env[TRACE_FILE_ENV]}\n"
-              "Ctrl-C stops all three.", file=sys.stderr, flush=True)
-        while not stop_requested and all(p.poll() is None for p in procs):
+              "A role that exits is restarted; Ctrl-C stops all three.", file=sys.stderr, flush=True)
+        while not stop_requested:
+            supervisor.poll()
             time.sleep(0.5)
-        return 0 if stop_requested else 1
+        return 0
     except KeyboardInterrupt:
         return 0
     except RuntimeError as exc:
@@ -116,4 +122,4 @@ def run(args: argparse.Namespace) -> int:
         return 1
     finally:
         print("specd up: stopping...", file=sys.stderr)
-        stop_processes(procs)
+        supervisor.stop()

@@ -285,7 +285,7 @@ class ModelEngine:
     def rollback(self, session_id: str, length: int) -> int:
         """Keep the first `length` tokens of the context: O(1)."""
         session = self.session(session_id)
-        self.rules.check_keep(session, length)
+        self.rules.check_rollback(session, length)
         del session.tokens[length:]
         session.cached = min(session.cached, length)
         return session.length

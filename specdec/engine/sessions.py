@@ -129,6 +129,15 @@ class ContextRules:
         if length > session.length:
             raise OutOfRange(f"cannot keep {length} tokens: session {session.id!r} holds only {session.length}")
 
+    def check_rollback(self, session: Session, length: int) -> None:
+        """An explicit Rollback keeps at least one token: a session of length
+        0 has nothing to decode from, so every later call on it would fail.
+        (A keep_length of 0 riding on Propose/Verify is fine: tokens are
+        appended in the same call.)"""
+        if length < 1:
+            raise InvalidArgument(f"a rollback must keep at least 1 token, got length {length}")
+        self.check_keep(session, length)
+
     def check_length(self, session: Session, new_length: int) -> None:
         if new_length > self.max_context:
             raise OutOfRange(

@@ -64,6 +64,7 @@ class RunningServer:
         self.health = health_servicer
         self.service_names = ("", *service_names)
         self._stopped = asyncio.Event()
+        self.draining = False  # once set, nothing may report SERVING again
 
     async def set_status(self, status) -> None:
         for name in self.service_names:
@@ -77,6 +78,7 @@ class RunningServer:
         and let in-flight calls finish within the grace period."""
         if self._stopped.is_set():
             return
+        self.draining = True
         await self.set_status(NOT_SERVING)
         await self.server.stop(grace_s)
         self._stopped.set()

@@ -1,0 +1,155 @@
+"""Keeping a request alive when its target replica fails.
+
+The orchestrator holds each request's whole token history, so a target
+session lost with its process (or its connection) loses nothing that cannot
+be rebuilt: the session is re-opened by prefilling the history, on a live
+replica, or on the same address once it is back, and the request goes on.
+Greedy output is unchanged, and so are a seeded sampled request's tokens: the
+target's draws are keyed by (seed, position), not by the session.
+
+`TargetLease` is the request's hold on one target replica (its pool count
+and its batcher's request count) and moves that hold when it re-opens the
+session elsewhere. `SpeculativeRequest` calls `reopen` when a target call
+fails with UNAVAILABLE; the servicer calls `release` when the request ends.
+
+Limitations: the round in flight when the target failed is run again, so its
+draft is asked twice (the drafts are the same: they are keyed by seed and
+position too); a replica that keeps failing is retried until the window
+closes; a request with no deadline waits at most `window_s` for a replica.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Awaitable, Callable
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from orchestrator.downstream import CallCost
+from orchestrator.replicas import Replica, ReplicaPool
+from specdec.errors import Unavailable
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RecoverySettings:
+    window_s: float = 30.0  # how long a request without a (shorter) deadline looks for a replica
+    retry_initial_s: float = 0.1  # wait between passes over the replicas, doubled up to retry_max_s
+    retry_max_s: float = 1.0
+    rpc_timeout_s: float = 60.0  # the prefill call's own deadline
+
+
+class TargetLease:
+    """The target replica a request is pinned to, re-pinned after a failure."""
+
+    def __init__(self, pool: ReplicaPool, settings: RecoverySettings = RecoverySettings()):
+        self.pool = pool
+        self.settings = settings
+        self.replica: Replica = pool.acquire()
+        self.replica.batcher.request_started()
+
+    @property
+    def client(self):
+        return self.replica.client
+
+    @property
+    def batcher(self):
+        return self.replica.batcher
+
+    async def release(self) -> None:
+        self.replica.batcher.request_finished()
+        await self.pool.release(self.replica)
+
+    async def reopen(self, open_request, deadline: float | None, cause: Exception) -> tuple[str, CallCost]:
+        """Open a session prefilled with `open_request` (the full history) on
+        the first replica that answers: the others first, the failed one last.
+        Passes over the replicas (re-resolving the name each time) until the
+        request's deadline or the recovery window ends; then Unavailable."""
+        failed = self.replica
+        log.info("target %s failed (%s); re-opening the session on a live replica", failed.address, cause)
+        give_up = time.monotonic() + self.settings.window_s
+        if deadline is not None:
+            give_up = min(give_up, deadline)
+        wait = self.settings.retry_initial_s
+        last_error = str(cause)
+        while True:
+            for replica in self._candidates(failed):
+                left = give_up - time.monotonic()
+                if left <= 0:
+                    break
+                start = time.perf_counter()
+                try:
+                    reply = await replica.client.stub.OpenSession(open_request,
+                                                                 timeout=min(left, self.settings.rpc_timeout_s))
+                except grpc.aio.AioRpcError as exc:
+                    last_error = f"{replica.address}: {exc.code().name}: {exc.details()}"
+                    continue
+                self._move_to(replica)
+                await self._release_failed(failed)
+                log.info("target session re-opened on %s (%d tokens prefilled)", replica.address,
+                         len(open_request.prompt_token_ids))
+                return reply.session_id, CallCost(time.perf_counter() - start,
+                                                  open_request.ByteSize() + reply.ByteSize())
+            left = give_up - time.monotonic()
+            if left <= 0:
+                raise Unavailable(f"the target service failed and no replica could re-open the session "
+                                  f"within {self.settings.window_s:.0f} s: {last_error}")
+            await asyncio.sleep(min(wait, left))
+            wait = min(wait * 2, self.settings.retry_max_s)
+            await self._refresh()
+
+    def _candidates(self, failed: Replica) -> list[Replica]:
+        live = [r for r in self.pool.replicas.values() if not r.retired and r is not failed]
+        return sorted(live, key=lambda r: r.active) + [failed]
+
+    def _move_to(self, replica: Replica) -> None:
+        if replica is self.replica:
+            return
+        replica.active += 1
+        replica.batcher.request_started()
+        self.replica = replica
+
+    async def _release_failed(self, failed: Replica) -> None:
+        if failed is not self.replica:
+            failed.batcher.request_finished()
+            await self.pool.release(failed)
+
+    async def _refresh(self) -> None:
+        try:
+            await self.pool.refresh()
+        except Exception as exc:  # noqa: BLE001 - keep trying the replicas we know
+            log.info("re-resolving %s failed: %s", self.pool.address, exc)
+
+
+async def any_target_serving(pool: ReplicaPool, timeout_s: float) -> bool:
+    """Whether some live target replica answers its health check with SERVING."""
+    async def serving(replica: Replica) -> bool:
+        try:
+            reply = await health_pb2_grpc.HealthStub(replica.client.channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=timeout_s)
+        except grpc.aio.AioRpcError:
+            return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    replicas = [r for r in pool.replicas.values() if not r.retired]
+    return any(await asyncio.gather(*(serving(r) for r in replicas)))
+
+
+async def report_target_health(pool: ReplicaPool, set_serving: Callable[[bool], Awaitable[None]],
+                               interval_s: float = 1.0) -> None:
+    """Forever: the orchestrator is SERVING while some target replica is, and
+    NOT_SERVING (so balancers route elsewhere) while none is reachable.
+    Requests in flight meanwhile wait for one (`TargetLease.reopen`)."""
+    was = True
+    while True:
+        await asyncio.sleep(interval_s)
+        now = await any_target_serving(pool, timeout_s=max(0.2, interval_s))
+        if now != was:
+            log.log(logging.INFO if now else logging.WARNING, "target %s: %s", pool.address,
+                    "a replica is back: SERVING" if now else "no replica is reachable: NOT_SERVING")
+            await set_serving(now)
+            was = now
