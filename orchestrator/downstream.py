@@ -60,11 +60,15 @@ class DraftClient(ModelClient):
 
     async def propose(self, session_id: str, keep_length: int, append: list[int], k: int, timeout: float,
                       first: asyncio.Future | None = None) -> tuple[list[draft_pb2.ProposeResponse], CallCost]:
-        """The whole stream of drafts; `first`, if given, gets the first token
-        id as soon as it arrives (or None if the stream ends without one)."""
+        """The k drafts; `first`, if given, gets the first token id as soon as
+        it arrives (or None if the stream ends without one) from a Propose
+        stream; without it one ProposeAll answers with all of them."""
         request = draft_pb2.ProposeRequest(session_id=session_id, keep_length=keep_length,
                                            append_token_ids=append, num_draft_tokens=k)
         start = time.perf_counter()
+        if first is None:  # nothing wants a token early: one message, not a stream of k
+            reply = await self.stub.ProposeAll(draft_pb2.ProposeAllRequest(propose=request), timeout=timeout)
+            return list(reply.drafts), CallCost(time.perf_counter() - start, request.ByteSize() + reply.ByteSize())
         drafts = []
         try:
             async for d in self.stub.Propose(request, timeout=timeout):
