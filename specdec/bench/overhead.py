@@ -117,7 +117,6 @@ def start_stack(bg: BackgroundLoop, tracing: bool, trace_dir: Path) -> Stack:
     from draft_service.drafters import ModelDrafter
     from draft_service.server import start_draft_service
     from orchestrator.downstream import DraftClient, TargetClient, channel_to
-    from specdec.rpc.grpc_tracing import client_interceptors
     from specdec.rpc.model_service import SessionLimits
     from specdec.rpc.serving import ServerConfig
     from specdec.telemetry import TelemetrySettings, setup_telemetry
@@ -134,12 +133,8 @@ def start_stack(bg: BackgroundLoop, tracing: bool, trace_dir: Path) -> Stack:
     cfg = ServerConfig(host="127.0.0.1", port=0)
     target = bg.run(start_target_service(cfg, limits, lambda: verifier, telemetry=telemetry("target")))
     draft = bg.run(start_draft_service(cfg, limits, lambda: drafter, telemetry=telemetry("draft")))
-    client_telemetry = telemetry("orchestrator")
-    interceptors = client_interceptors(client_telemetry)
-    return Stack(target, draft, verifier, drafter,
-                 TargetClient(channel_to(f"127.0.0.1:{target.port}", interceptors=interceptors)),
-                 DraftClient(channel_to(f"127.0.0.1:{draft.port}", interceptors=interceptors)),
-                 client_telemetry)
+    return Stack(target, draft, verifier, drafter, TargetClient(channel_to(f"127.0.0.1:{target.port}")),
+                 DraftClient(channel_to(f"127.0.0.1:{draft.port}")), telemetry("orchestrator"))
 
 
 # ------------------------------------------------------------ the measurement
@@ -208,11 +203,16 @@ async def round_calls(stack: Stack, sampling: str, k: int, prefix: str) -> dict[
 
 async def noop_call(stack: Stack, prefix: str) -> dict[str, Call]:
     from orchestrator.downstream import open_request
+    from specdec.rpc.grpc_tracing import trace_metadata
     from specdec.v1 import common_pb2
 
     t_sid, _ = await stack.target_client.open(open_request([5, 6, 7], 0.0, 0, 1.0, 1, 0, "noop"), DEADLINE_S)
     request = common_pb2.RollbackRequest(session_id=t_sid, length=3)
-    return {f"{prefix} noop": lambda: stack.target_client.stub.Rollback(request, timeout=DEADLINE_S)}
+
+    def noop():
+        return stack.target_client.stub.Rollback(request, timeout=DEADLINE_S, metadata=trace_metadata())
+
+    return {f"{prefix} noop": noop}
 
 
 async def bare_calls(port: int) -> tuple[dict[str, Call], Callable[[], Awaitable[None]]]:
