@@ -1,14 +1,11 @@
-"""What the gRPC edge of the draft and target services costs (issue 3).
+"""Bytes on the wire and Verify throughput of the services (issue 3).
 
-    python benchmarks/service_overhead.py [--target tiny|MODEL] [--num-draft-tokens 4] [--reps 300]
+    python benchmarks/service_overhead.py [--target tiny|MODEL] [--num-draft-tokens 4]
 
-Three measurements, printed as Markdown tables:
+The gRPC overhead per call and per round that this script also measured is
+now `specd overhead` (specdec/bench/overhead.py), against bare grpcio calls
+measured in the same run. What remains here, printed as Markdown tables:
 
-1. Overhead per call on loopback: the median time of a Verify (one session, k
-   drafts) through the server minus the median of the same `Verifier.verify`
-   call in-process (same engine, same session, same inputs), repetitions
-   interleaved; the same for a Propose of k against the in-process drafter.
-   The per-round overhead is the sum of the two. Tiny random models.
 2. Bytes on the wire (protobuf `SerializeToString` lengths; HTTP/2 and gRPC
    framing not counted) of one round at the Qwen vocabulary size (151936, so
    token ids take realistic varint widths), greedy and T=0.7 (q truncated to 32
@@ -23,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import inspect
 import random
 import statistics
 import sys
@@ -45,7 +41,7 @@ from specdec.rpc.model_service import SessionLimits  # noqa: E402
 from specdec.rpc.serving import ServerConfig  # noqa: E402
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc  # noqa: E402
 from target_service.server import start_target_service  # noqa: E402
-from target_service.verifier import Verifier, VerifyRequestItem  # noqa: E402
+from target_service.verifier import Verifier  # noqa: E402
 
 DEADLINE_S = 120.0
 QWEN_VOCAB = 151936
@@ -106,91 +102,6 @@ def tokens(n: int, vocab: int, rng: random.Random) -> list[int]:
 
 def ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3f}"
-
-
-# ------------------------------------------------------------- 1. overhead
-
-
-def measure_overhead(services: Services, k: int, reps: int, sampling, label: str, client: str) -> list[list[str]]:
-    return asyncio.run(_measure_overhead(services, k, reps, sampling, label, client))
-
-
-async def _measure_overhead(services: Services, k: int, reps: int, sampling, label: str,
-                            client: str) -> list[list[str]]:
-    """Median time of the same call through gRPC and in-process, interleaved.
-
-    client "aio": grpc.aio stubs, as the orchestrator calls the services;
-    "sync": plain blocking stubs.
-    """
-    rng = random.Random(0)
-    vocab = services.verifier.info.vocab_size
-    prompt = tokens(64, vocab, rng)
-    t_sid, d_sid = services.open(prompt, sampling)
-    n = len(prompt)
-    # Realistic drafts and q: one in-process proposal, reused for every rep.
-    proposal = list(services.drafter.propose(d_sid, n, [], k))
-    drafts = [d.token_id for d in proposal]
-    qs = [d.q.to_lists() if d.q is not None else None for d in proposal]
-    q_wire = [common_pb2.SparseDistribution(token_ids=i, probs=p) for i, p in filter(None, qs)]
-    core_item = VerifyRequestItem(t_sid, n, [], drafts, [q for q in qs if q is not None])
-    verify_req = target_pb2.VerifyRequest(items=[target_pb2.VerifyItem(
-        session_id=t_sid, keep_length=n, draft_token_ids=drafts, draft_q=q_wire)])
-    propose_req = draft_pb2.ProposeRequest(session_id=d_sid, keep_length=n, num_draft_tokens=k)
-    propose1_req = draft_pb2.ProposeRequest(session_id=d_sid, keep_length=n, num_draft_tokens=1)
-    rollback_req = common_pb2.RollbackRequest(session_id=t_sid, length=n)
-
-    if client == "aio":
-        channels = [grpc.aio.insecure_channel(f"127.0.0.1:{s.port}") for s in (services.target, services.draft)]
-        target_stub = target_pb2_grpc.TargetServiceStub(channels[0])
-        draft_stub = draft_pb2_grpc.DraftServiceStub(channels[1])
-
-        async def stream(req):
-            return [d async for d in draft_stub.Propose(req, timeout=DEADLINE_S)]
-    else:
-        channels, target_stub, draft_stub = [], services.target_stub, services.draft_stub
-
-        def stream(req):
-            return list(draft_stub.Propose(req, timeout=DEADLINE_S))
-
-    calls = {
-        "verify grpc": lambda: target_stub.Verify(verify_req, timeout=DEADLINE_S),
-        "verify local": lambda: services.verifier.verify([core_item]),
-        "propose grpc": lambda: stream(propose_req),
-        "propose local": lambda: list(services.drafter.propose(d_sid, n, [], k)),
-        # Decomposition: the fixed cost of a unary call, and of a stream of one token.
-        "rollback grpc": lambda: target_stub.Rollback(rollback_req, timeout=DEADLINE_S),
-        "rollback local": lambda: services.verifier.rollback(t_sid, n),
-        "propose1 grpc": lambda: stream(propose1_req),
-        "propose1 local": lambda: list(services.drafter.propose(d_sid, n, [], 1)),
-    }
-    times: dict[str, list[float]] = {name: [] for name in calls}
-    for rep in range(reps + 20):  # 20 warm-up rounds
-        order = list(calls) if rep % 2 else list(reversed(calls))
-        for name in order:
-            start = time.perf_counter()
-            result = calls[name]()
-            if inspect.isawaitable(result):
-                await result
-            if rep >= 20:
-                times[name].append(time.perf_counter() - start)
-    for channel in channels:
-        await channel.close()
-    med = {name: statistics.median(t) for name, t in times.items()}
-
-    def row(name: str, call: str) -> list[str]:
-        local, remote = med[f"{name} local"], med[f"{name} grpc"]
-        return [label, client, call, ms(local), ms(remote), ms(remote - local)]
-
-    v_over = med["verify grpc"] - med["verify local"]
-    p_over = med["propose grpc"] - med["propose local"]
-    return [
-        row("rollback", "Rollback (no-op: fixed cost of a unary call)"),
-        row("propose1", "Propose (stream of 1)"),
-        row("verify", f"Verify (k={k})"),
-        row("propose", f"Propose (stream of {k})"),
-        [label, client, "**round: Verify + Propose**", ms(med["verify local"] + med["propose local"]),
-         ms(med["verify grpc"] + med["propose grpc"]), f"**{ms(v_over + p_over)}**"],
-    ]
 
 
 # ---------------------------------------------------------------- 2. bytes
@@ -286,7 +197,7 @@ def main() -> None:
     parser.add_argument("--target", default="tiny",
                         help="tiny, or a cached model for the throughput table (e.g. qwen2.5-coder-1.5b-instruct)")
     parser.add_argument("--num-draft-tokens", type=int, default=4, help="tokens drafted per round")
-    parser.add_argument("--reps", type=int, default=300, help="repetitions per overhead measurement")
+    parser.add_argument("--reps", type=int, default=300, help="sets the tiny throughput's calls (reps / 5, at least 20)")
     parser.add_argument("--acceptance", type=float, default=0.8, help="acceptance rate for bytes per token")
     parser.add_argument("--dtype", default="bfloat16", help="dtype of the real target")
     parser.add_argument("--threads", type=int, default=2, help="CPU threads for forward passes")
@@ -298,12 +209,6 @@ def main() -> None:
 
     services = Services(tiny_engine(seed=0), tiny_engine(seed=1))
     try:
-        rows = []
-        for client in ("aio", "sync"):
-            rows += measure_overhead(services, k, args.reps, GREEDY, "greedy", client)
-            rows += measure_overhead(services, k, args.reps, SAMPLED, "T=0.7", client)
-        print(f"## gRPC overhead per call, loopback, tiny models (median of {args.reps}, ms)\n")
-        print(table(["sampling", "client", "call", "in-process", "through gRPC", "overhead"], rows))
         tiny_rows = measure_throughput(services, k, (1, 4, 16), max(args.reps // 5, 20), "tiny (fp32)")
     finally:
         services.close()

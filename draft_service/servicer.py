@@ -1,6 +1,8 @@
 """DraftService over a drafter: translates protobuf to the core and back."""
 from __future__ import annotations
 
+import functools
+
 from draft_service.step_batcher import DraftStepBatcher
 from specdec.rpc import grpc_errors
 from specdec.rpc.model_service import SessionServicer
@@ -23,13 +25,8 @@ class DraftServicer(SessionServicer, draft_pb2_grpc.DraftServiceServicer):
 
     @grpc_errors.stream
     async def Propose(self, request, context):
-        attributes = {A_K: request.num_draft_tokens, A_APPENDED: len(request.append_token_ids)}
-        with self.telemetry.server_span(SPAN_PROPOSE, context.invocation_metadata(), attributes) as span:
-            stream = await self.worker.run(
-                self.backend.propose, request.session_id,
-                request.keep_length if request.HasField("keep_length") else None,
-                list(request.append_token_ids), request.num_draft_tokens,
-            )
+        with self._span(request, context) as span:
+            stream = await self._start(request)
             sent = 0
             # Each step is one forward pass on the engine thread, shared with
             # the other requests' streams; the token is on the wire as soon as
@@ -38,6 +35,32 @@ class DraftServicer(SessionServicer, draft_pb2_grpc.DraftServiceServicer):
                 sent += 1
                 yield _to_wire(draft, seconds)
             span.set_attribute(A_TOKENS, sent)
+
+    @grpc_errors.unary
+    async def ProposeAll(self, request, context):
+        """Propose answered in one message: one message on the wire instead
+        of k, and the k steps back to back in one engine-thread job when no
+        other stream shares them (`DraftStepBatcher.collect`)."""
+        request = request.propose
+        with self._span(request, context) as span:
+            drafts = await self.steps.start_and_collect(functools.partial(_validate, self.backend, request))
+            span.set_attribute(A_TOKENS, len(drafts))
+        return draft_pb2.ProposeAllResponse(drafts=[_to_wire(draft, seconds) for draft, seconds in drafts])
+
+    def _span(self, request, context):
+        attributes = {A_K: request.num_draft_tokens, A_APPENDED: len(request.append_token_ids)}
+        return self.telemetry.server_span(SPAN_PROPOSE, context.invocation_metadata(), attributes)
+
+    async def _start(self, request):
+        """The call's DraftStream, validated on the engine thread."""
+        return await self.worker.run(_validate, self.backend, request)
+
+
+def _validate(backend, request):
+    """The call's DraftStream (run on the engine thread; `backend` is taken on
+    the event loop, which answers UNAVAILABLE while the model loads)."""
+    return backend.propose(request.session_id, request.keep_length if request.HasField("keep_length") else None,
+                           list(request.append_token_ids), request.num_draft_tokens)
 
 
 def _to_wire(draft, seconds: float) -> draft_pb2.ProposeResponse:

@@ -28,6 +28,8 @@ class DraftStepBatcher:
         self.max_batch = max_batch
         self._active: dict[DraftStream, asyncio.Queue] = {}
         self._driver: asyncio.Task | None = None
+        self._collecting: set[DraftStream] = set()  # streams whose caller wants all tokens at once
+        self._arrivals = 0  # streams registered so far; a job of several steps stops when it moves
         self.passes = 0  # forward passes run (for tests and metrics)
         self.steps = 0  # draft tokens made
 
@@ -36,6 +38,7 @@ class DraftStepBatcher:
         raises the stream's own error if it hits one."""
         queue: asyncio.Queue = asyncio.Queue()
         self._active[stream] = queue
+        self._arrivals += 1
         if self._driver is None or self._driver.done():
             self._driver = asyncio.ensure_future(self._drive())
         try:
@@ -48,6 +51,42 @@ class DraftStepBatcher:
                 yield item
         finally:
             self._active.pop(stream, None)
+
+    async def collect(self, stream: DraftStream) -> list[tuple[DraftToken, float]]:
+        """All of the stream's (token, compute seconds), at once. A caller
+        that uses no token before the last needs no hand-off per token: while
+        every stream of a pass is collected, the pass's steps run back to back
+        in one engine-thread job, until a stream ends or a new one arrives
+        (which then joins the next step, as with streaming)."""
+        self._collecting.add(stream)
+        try:
+            return [item async for item in self.stream(stream)]
+        finally:
+            self._collecting.discard(stream)
+
+    async def start_and_collect(self, start) -> list[tuple[DraftToken, float]]:
+        """`collect(start())`, where `start` makes the DraftStream on the
+        engine thread. With no other stream active, the start and the steps
+        run in ONE engine-thread job (one hand-off for the whole call); a
+        stream arriving meanwhile stops that job after its current step and
+        the rest of the call joins the shared passes."""
+        if self._active:
+            return await self.collect(await self.worker.run(start))
+        arrivals = self._arrivals
+        stream, steps = await self.worker.run(_start_and_step, start, self.drafter.step_many,
+                                              lambda: self._arrivals == arrivals)
+        tokens = []
+        for (result,), seconds in steps:
+            self.passes += 1
+            if result is None:
+                return tokens
+            if isinstance(result, BaseException):
+                raise result
+            self.steps += 1
+            tokens.append((result, seconds))
+        if not stream.done:
+            tokens += await self.collect(stream)
+        return tokens
 
     async def _drive(self) -> None:
         try:
@@ -63,11 +102,18 @@ class DraftStepBatcher:
 
     async def _one_pass(self) -> None:
         streams = list(self._active)[: self.max_batch]
+        arrivals = self._arrivals
+        # Read on the engine thread between steps: an int read is atomic.
+        more = (lambda: self._arrivals == arrivals) if all(s in self._collecting for s in streams) else None
         try:
-            results, seconds = await self.worker.run(_timed, self.drafter.step_many, streams)
+            steps = await self.worker.run(_timed_steps, self.drafter.step_many, streams, more)
         except Exception as exc:  # a bug, not one stream's problem: fail this pass, keep serving
             log.exception("draft step failed")
-            results, seconds = [exc] * len(streams), 0.0
+            steps = [([exc] * len(streams), 0.0)]
+        for results, seconds in steps:
+            self._deliver(streams, results, seconds)
+
+    def _deliver(self, streams: list[DraftStream], results: list, seconds: float) -> None:
         self.passes += 1
         for stream, result in zip(streams, results):
             queue = self._active.get(stream)
@@ -79,7 +125,7 @@ class DraftStepBatcher:
                 continue
             self.steps += 1
             queue.put_nowait((result, seconds))
-            if stream.done:
+            if result.index + 1 >= stream.k:  # its last token (later steps of the job may have run)
                 queue.put_nowait(None)
                 self._active.pop(stream, None)
             elif len(self._active) > self.max_batch:
@@ -88,9 +134,21 @@ class DraftStepBatcher:
                 self._active[stream] = self._active.pop(stream)
 
 
-def _timed(fn, *args):
-    """fn(*args) and its duration, measured on the engine thread itself (not
-    the wait for the thread)."""
-    start = time.perf_counter()
-    result = fn(*args)
-    return result, time.perf_counter() - start
+def _timed_steps(step_many, streams: list[DraftStream], more) -> list[tuple[list, float]]:
+    """(results, seconds) of one step of `streams`, or of several while
+    `more()` says no stream has arrived since and every stream got a token
+    and is not done; each step's duration measured on the engine thread
+    itself (not the wait for the thread)."""
+    steps = []
+    while True:
+        start = time.perf_counter()
+        results = step_many(streams)
+        steps.append((results, time.perf_counter() - start))
+        if (more is None or not more() or any(not isinstance(r, DraftToken) for r in results)
+                or all(s.done for s in streams)):
+            return steps
+
+
+def _start_and_step(start, step_many, more) -> tuple[DraftStream, list[tuple[list, float]]]:
+    stream = start()
+    return stream, _timed_steps(step_many, [stream], more)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import grpc
 
 from specdec.errors import Unavailable
+from specdec.rpc.grpc_tracing import trace_metadata
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
 
@@ -45,13 +46,14 @@ class ModelClient:
 
     async def open(self, request: common_pb2.OpenSessionRequest, timeout: float) -> tuple[str, CallCost]:
         start = time.perf_counter()
-        reply = await self.stub.OpenSession(request, timeout=timeout)
+        reply = await self.stub.OpenSession(request, timeout=timeout, metadata=trace_metadata())
         return reply.session_id, CallCost(time.perf_counter() - start, request.ByteSize() + reply.ByteSize())
 
     async def close(self, session_id: str, timeout: float) -> None:
         """Best effort: a failure to close is logged by the caller, never raised
         into a request that is already ending."""
-        await self.stub.CloseSession(common_pb2.CloseSessionRequest(session_id=session_id), timeout=timeout)
+        await self.stub.CloseSession(common_pb2.CloseSessionRequest(session_id=session_id), timeout=timeout,
+                                     metadata=trace_metadata())
 
 
 class DraftClient(ModelClient):
@@ -60,14 +62,19 @@ class DraftClient(ModelClient):
 
     async def propose(self, session_id: str, keep_length: int, append: list[int], k: int, timeout: float,
                       first: asyncio.Future | None = None) -> tuple[list[draft_pb2.ProposeResponse], CallCost]:
-        """The whole stream of drafts; `first`, if given, gets the first token
-        id as soon as it arrives (or None if the stream ends without one)."""
+        """The k drafts; `first`, if given, gets the first token id as soon as
+        it arrives (or None if the stream ends without one) from a Propose
+        stream; without it one ProposeAll answers with all of them."""
         request = draft_pb2.ProposeRequest(session_id=session_id, keep_length=keep_length,
                                            append_token_ids=append, num_draft_tokens=k)
         start = time.perf_counter()
+        if first is None:  # nothing wants a token early: one message, not a stream of k
+            reply = await self.stub.ProposeAll(draft_pb2.ProposeAllRequest(propose=request), timeout=timeout,
+                                               metadata=trace_metadata())
+            return list(reply.drafts), CallCost(time.perf_counter() - start, request.ByteSize() + reply.ByteSize())
         drafts = []
         try:
-            async for d in self.stub.Propose(request, timeout=timeout):
+            async for d in self.stub.Propose(request, timeout=timeout, metadata=trace_metadata()):
                 drafts.append(d)
                 if first is not None and not first.done():
                     first.set_result(d.token_id)
@@ -86,7 +93,7 @@ class TargetClient(ModelClient):
                      timeout: float) -> tuple[target_pb2.VerifyResponse, int]:
         """The reply and the request's size in bytes (for the wire statistics)."""
         request = target_pb2.VerifyRequest(items=items)
-        reply = await self.stub.Verify(request, timeout=timeout)
+        reply = await self.stub.Verify(request, timeout=timeout, metadata=trace_metadata())
         return reply, request.ByteSize()
 
 

@@ -19,7 +19,6 @@ from orchestrator.servicer import Backends, OrchestratorServicer
 from orchestrator.speculation import LoopSettings
 from specdec.engine.vocab import usable_size_of
 from specdec.errors import FailedPrecondition, Unavailable
-from specdec.rpc.grpc_tracing import client_interceptors
 from specdec.rpc.serving import NOT_SERVING, SERVING, RunningServer, ServerConfig, start_server
 from specdec.telemetry import NOOP, Telemetry
 from specdec.v1 import orchestrator_pb2_grpc
@@ -127,10 +126,10 @@ def load_tokenizer(name: str):
 async def build_backends(cfg: OrchestratorConfig, tokenizer=None, telemetry: Telemetry = NOOP) -> Backends:
     """Resolve and connect every replica of both services, check that they
     fit together, and load the tokenizer."""
-    interceptors = client_interceptors(telemetry)  # trace context on every downstream call
+    # The clients put the trace context on each call themselves (no interceptors: they cost a call's worth).
 
     async def make_target(address: str) -> Replica:
-        client = TargetClient(channel_to(address, interceptors=interceptors))
+        client = TargetClient(channel_to(address))
         await _wait_for_info(client, cfg.connect_timeout_s)
         batcher = VerifyBatcher(client, max_batch=min(cfg.max_batch, client.info.max_verify_batch or cfg.max_batch),
                                 window_s=cfg.batch_window_ms / 1000, rpc_timeout_s=cfg.rpc_timeout_s,
@@ -139,7 +138,7 @@ async def build_backends(cfg: OrchestratorConfig, tokenizer=None, telemetry: Tel
         return Replica(address, client, batcher)
 
     async def make_draft(address: str) -> Replica:
-        client = DraftClient(channel_to(address, interceptors=interceptors))
+        client = DraftClient(channel_to(address))
         await _wait_for_info(client, cfg.connect_timeout_s)
         return Replica(address, client)
 

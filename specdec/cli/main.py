@@ -8,6 +8,7 @@
     specd bench [--quick]     # side-by-side benchmark, results folder + docs figures
     specd proxy               # a TCP proxy adding network latency (tests, benchmarks)
     specd steps MODEL...      # step costs against the memory-bandwidth floor
+    specd overhead            # per-round wire and loop overhead vs bare grpcio
 """
 from __future__ import annotations
 
@@ -23,8 +24,8 @@ import argparse  # noqa: E402
 import logging  # noqa: E402
 import sys  # noqa: E402
 
-from specdec.cli import (bench_cmd, generate_cmd, models_cmd, proxy_cmd, serve_cmd, steps_cmd,  # noqa: E402
-                         trace_cmd, up_cmd)
+from specdec.cli import (bench_cmd, generate_cmd, models_cmd, overhead_cmd, proxy_cmd, serve_cmd,  # noqa: E402
+                         steps_cmd, trace_cmd, up_cmd)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_cmd.register(sub)
     proxy_cmd.register(sub)
     steps_cmd.register(sub)
+    overhead_cmd.register(sub)
     return parser
 
 

@@ -152,11 +152,11 @@ class SessionServicer:
     @grpc_errors.unary
     async def Rollback(self, request, context):
         with self.telemetry.server_span(SPAN_ROLLBACK, context.invocation_metadata(), {A_LENGTH: request.length}):
-            length = await self.worker.run(self.backend.rollback, request.session_id, request.length)
+            length = await self.worker.run_quick(self.backend.rollback, request.session_id, request.length)
         return common_pb2.RollbackResponse(length=length)
 
     @grpc_errors.unary
     async def CloseSession(self, request, context):
         with self.telemetry.server_span(SPAN_CLOSE, context.invocation_metadata()):
-            closed = await self.worker.run(self.backend.close, request.session_id)
+            closed = await self.worker.run_quick(self.backend.close, request.session_id)
         return common_pb2.CloseSessionResponse(closed=closed)

@@ -1,0 +1,305 @@
+"""What a speculative round spends outside the models (`specd overhead`).
+
+Everything runs in one process on loopback, plaintext, over tiny random
+models, with the services on a background event loop and the client (the
+orchestrator's own `DraftClient` / `TargetClient` on channels built as the
+orchestrator builds them) on the main one. Each figure is a median over
+`reps` repetitions, every kind of call interleaved with the others, so a
+machine that slows down during the run moves all of them alike:
+
+- bare unary: a grpc.aio unary call of a 16-byte message to a generic
+  handler that echoes it (no interceptors, no protobuf): the floor of a call.
+- bare stream message: one message each way on an already-open
+  bidirectional stream: the floor of a message.
+- no-op unary: our target service's Rollback to the length the session
+  already has (it takes the engine thread, does nothing, and returns).
+- round overhead: Verify (k drafts) + Propose (k) through the services,
+  minus the same `Verifier.verify` and drafter calls in-process (the
+  services' compute), greedy and T=0.7.
+- tracing: the same round with tracing on as `specd up` runs it (a batch span
+  processor into a JSON-lines file, trace context on every call, the
+  orchestrator's client spans round / draft.propose / target.verify around
+  the calls) minus the round with tracing off.
+
+Our figures are also printed as ratios to the bare ones, measured in the same
+run.
+"""
+from __future__ import annotations
+
+import asyncio
+import inspect
+import random
+import statistics
+import tempfile
+import threading
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Awaitable, Callable
+
+DEADLINE_S = 60.0
+BARE_SERVICE = "specdec.bench.Bare"
+
+
+def tiny_engine(vocab_size: int = 128, seed: int = 0):
+    """A 2-layer random Llama in float32: steps of about a millisecond."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from specdec.engine.config import EngineConfig
+    from specdec.engine.engine import ModelEngine
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         initializer_range=0.3, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa").eval()
+    return ModelEngine(model, EngineConfig(dtype="float32", max_kv_bytes=1 << 28), name=f"tiny-v{vocab_size}")
+
+
+# --------------------------------------------------------------- the servers
+
+
+class BackgroundLoop:
+    """An event loop on its own thread, for the servers."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(DEADLINE_S)
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+async def start_bare_server():
+    """A grpc.aio server with two generic echo handlers: unary and bidi."""
+    import grpc
+
+    async def echo(request: bytes, context) -> bytes:
+        return request
+
+    async def echo_stream(requests, context):
+        async for message in requests:
+            yield message
+
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(BARE_SERVICE, {
+        "Echo": grpc.unary_unary_rpc_method_handler(echo),
+        "EchoStream": grpc.stream_stream_rpc_method_handler(echo_stream),
+    })])
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, port
+
+
+@dataclass
+class Stack:
+    """A target and a draft service over tiny engines, and the orchestrator's
+    clients of them; `telemetry` is the client side's (its spans, its trace
+    context on the calls)."""
+
+    target: object
+    draft: object
+    verifier: object
+    drafter: object
+    target_client: object
+    draft_client: object
+    telemetry: object
+
+
+def start_stack(bg: BackgroundLoop, tracing: bool, trace_dir: Path) -> Stack:
+    from draft_service.drafters import ModelDrafter
+    from draft_service.server import start_draft_service
+    from orchestrator.downstream import DraftClient, TargetClient, channel_to
+    from specdec.rpc.model_service import SessionLimits
+    from specdec.rpc.serving import ServerConfig
+    from specdec.telemetry import TelemetrySettings, setup_telemetry
+    from target_service.server import start_target_service
+    from target_service.verifier import Verifier
+
+    def telemetry(role: str):
+        settings = TelemetrySettings(tracing=tracing, trace_file=str(trace_dir / "spans.jsonl") if tracing else "")
+        return setup_telemetry(role, settings)
+
+    limits = SessionLimits()
+    verifier = Verifier(tiny_engine(seed=0), limits.max_draft_tokens, limits.max_verify_batch)
+    drafter = ModelDrafter(tiny_engine(seed=1), limits.max_draft_tokens)
+    cfg = ServerConfig(host="127.0.0.1", port=0)
+    target = bg.run(start_target_service(cfg, limits, lambda: verifier, telemetry=telemetry("target")))
+    draft = bg.run(start_draft_service(cfg, limits, lambda: drafter, telemetry=telemetry("draft")))
+    return Stack(target, draft, verifier, drafter, TargetClient(channel_to(f"127.0.0.1:{target.port}")),
+                 DraftClient(channel_to(f"127.0.0.1:{draft.port}")), telemetry("orchestrator"))
+
+
+# ------------------------------------------------------------ the measurement
+
+
+Call = Callable[[], Awaitable[object] | object]
+
+
+async def _timed(call: Call) -> float:
+    start = time.perf_counter()
+    result = call()
+    if inspect.isawaitable(result):
+        await result
+    return time.perf_counter() - start
+
+
+async def interleave(calls: dict[str, Call], reps: int, warmup: int = 20) -> dict[str, float]:
+    """Median seconds of each call, the calls taken in turn (forwards, then
+    backwards) so that drift touches all of them alike."""
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for rep in range(reps + warmup):
+        order = list(calls) if rep % 2 else list(reversed(calls))
+        for name in order:
+            seconds = await _timed(calls[name])
+            if rep >= warmup:
+                times[name].append(seconds)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+async def round_calls(stack: Stack, sampling: str, k: int, prefix: str) -> dict[str, Call]:
+    """A round through the services, and the same compute in-process."""
+    from orchestrator.downstream import open_request
+    from specdec.telemetry import SPAN_DRAFT_PROPOSE, SPAN_ROUND, SPAN_TARGET_VERIFY
+    from specdec.v1 import common_pb2, target_pb2
+    from target_service.verifier import VerifyRequestItem
+
+    rng = random.Random(0)
+    vocab = stack.verifier.info.vocab_size
+    prompt = [rng.randrange(3, vocab) for _ in range(64)]
+    temperature = 0.7 if sampling == "T=0.7" else 0.0
+    request = open_request(prompt, temperature, 0, 1.0, 1, 0, "overhead")
+    t_sid, _ = await stack.target_client.open(request, DEADLINE_S)
+    d_sid, _ = await stack.draft_client.open(request, DEADLINE_S)
+    n = len(prompt)
+    proposal = list(stack.drafter.propose(d_sid, n, [], k))  # realistic drafts and q, reused every rep
+    drafts = [d.token_id for d in proposal]
+    qs = [d.q.to_lists() for d in proposal if d.q is not None]
+    item = target_pb2.VerifyItem(session_id=t_sid, keep_length=n, draft_token_ids=drafts,
+                                 draft_q=[common_pb2.SparseDistribution(token_ids=i, probs=p) for i, p in qs])
+    core_item = VerifyRequestItem(t_sid, n, [], drafts, qs)
+    span = stack.telemetry.span if stack.telemetry.tracing else (lambda *a, **kw: nullcontext())
+
+    async def remote_round():
+        with span(SPAN_ROUND):
+            with span(SPAN_DRAFT_PROPOSE):
+                await stack.draft_client.propose(d_sid, n, [], k, DEADLINE_S)
+            with span(SPAN_TARGET_VERIFY):
+                await stack.target_client.verify([item], DEADLINE_S)
+
+    def local_round():
+        list(stack.drafter.propose(d_sid, n, [], k))
+        stack.verifier.verify([core_item])
+
+    return {f"{prefix} {sampling} round": remote_round, f"{prefix} {sampling} compute": local_round}
+
+
+async def noop_call(stack: Stack, prefix: str) -> dict[str, Call]:
+    from orchestrator.downstream import open_request
+    from specdec.rpc.grpc_tracing import trace_metadata
+    from specdec.v1 import common_pb2
+
+    t_sid, _ = await stack.target_client.open(open_request([5, 6, 7], 0.0, 0, 1.0, 1, 0, "noop"), DEADLINE_S)
+    request = common_pb2.RollbackRequest(session_id=t_sid, length=3)
+
+    def noop():
+        return stack.target_client.stub.Rollback(request, timeout=DEADLINE_S, metadata=trace_metadata())
+
+    return {f"{prefix} noop": noop}
+
+
+async def bare_calls(port: int) -> tuple[dict[str, Call], Callable[[], Awaitable[None]]]:
+    import grpc
+
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    unary = channel.unary_unary(f"/{BARE_SERVICE}/Echo")
+    stream = channel.stream_stream(f"/{BARE_SERVICE}/EchoStream")()
+    payload = b"0123456789abcdef"
+
+    async def one_message():
+        await stream.write(payload)
+        await stream.read()
+
+    async def close():
+        await stream.done_writing()
+        await channel.close()
+
+    return {"bare unary": lambda: unary(payload, timeout=DEADLINE_S), "bare stream message": one_message}, close
+
+
+@dataclass
+class Figures:
+    medians: dict[str, float]
+    k: int
+
+    def round_overhead(self, prefix: str, sampling: str) -> float:
+        return self.medians[f"{prefix} {sampling} round"] - self.medians[f"{prefix} {sampling} compute"]
+
+
+async def measure(reps: int, k: int) -> Figures:
+    bg = BackgroundLoop()
+    stacks: list[Stack] = []
+    with tempfile.TemporaryDirectory() as trace_dir:
+        try:
+            bare_server, bare_port = bg.run(start_bare_server())
+            calls, close_bare = await bare_calls(bare_port)
+            for tracing in (False, True):
+                stack = start_stack(bg, tracing, Path(trace_dir))
+                stacks.append(stack)
+                prefix = "traced" if tracing else "plain"
+                calls |= await noop_call(stack, prefix)
+                for sampling in ("greedy", "T=0.7"):
+                    calls |= await round_calls(stack, sampling, k, prefix)
+            medians = await interleave(calls, reps)
+            await close_bare()
+            for stack in stacks:
+                await stack.target_client.channel.close()
+                await stack.draft_client.channel.close()
+        finally:
+            for stack in stacks:
+                bg.run(stack.target.stop(0))
+                bg.run(stack.draft.stop(0))
+            bg.run(bare_server.stop(0))
+            bg.stop()
+    return Figures(medians, k)
+
+
+def report(fig: Figures, reps: int) -> str:
+    m = fig.medians
+    unary, message = m["bare unary"], m["bare stream message"]
+
+    def ms(seconds: float) -> str:
+        return f"{seconds * 1e3:.3f}"
+
+    rows = [
+        ("bare grpc.aio unary call", unary, "1.00x", ""),
+        ("bare message each way on an open stream", message, f"{message / unary:.2f}x", ""),
+        ("no-op unary (target Rollback), tracing off", m["plain noop"], f"{m['plain noop'] / unary:.2f}x",
+         "<= 1.3x"),
+        ("no-op unary (target Rollback), tracing on", m["traced noop"], f"{m['traced noop'] / unary:.2f}x", ""),
+    ]
+    for sampling in ("greedy", "T=0.7"):
+        plain = fig.round_overhead("plain", sampling)
+        traced = fig.round_overhead("traced", sampling)
+        rows.append((f"round overhead, {sampling}, k={fig.k}, tracing off", plain, f"{plain / unary:.2f}x",
+                     "<= 1.0 ms"))
+        rows.append((f"round overhead, {sampling}, k={fig.k}, tracing on", traced, f"{traced / unary:.2f}x",
+                     "<= 1.0 ms"))
+        rows.append((f"tracing cost per round, {sampling}", traced - plain, f"{(traced - plain) / unary:.2f}x", ""))
+    lines = [f"Loopback, plaintext, tiny models; median of {reps}, calls interleaved.", "",
+             "| figure | ms | / bare unary | goal |", "|---|---|---|---|"]
+    lines += [f"| {name} | {ms(value)} | {ratio} | {goal} |" for name, value, ratio, goal in rows]
+    lines += ["", "Round wall time and the services' compute measured in-process (ms):", "",
+              "| sampling | tracing | round through the services | compute in-process |", "|---|---|---|---|"]
+    for sampling in ("greedy", "T=0.7"):
+        for prefix in ("plain", "traced"):
+            lines.append(f"| {sampling} | {'on' if prefix == 'traced' else 'off'} | "
+                         f"{ms(m[f'{prefix} {sampling} round'])} | {ms(m[f'{prefix} {sampling} compute'])} |")
+    return "\n".join(lines)

@@ -1,0 +1,60 @@
+"""ProposeAll: the same drafts as a Propose stream, in one message."""
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from orchestrator.downstream import open_request
+from specdec.bench.overhead import BackgroundLoop, interleave, start_stack
+from specdec.v1 import draft_pb2
+
+T = 30.0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_propose_all_equals_the_stream_and_measures_itself(tmp_path: Path, temperature: float):
+    async def run():
+        bg = BackgroundLoop()
+        stack = start_stack(bg, tracing=False, trace_dir=tmp_path)
+        try:
+            request = open_request(list(range(5, 40)), temperature, 0, 1.0, 7, 0, "t")
+            sid, _ = await stack.draft_client.open(request, T)
+            propose = draft_pb2.ProposeRequest(session_id=sid, keep_length=35, num_draft_tokens=4)
+            streamed = [d async for d in stack.draft_client.stub.Propose(propose, timeout=T)]
+            reply = await stack.draft_client.stub.ProposeAll(draft_pb2.ProposeAllRequest(propose=propose), timeout=T)
+            assert [d.token_id for d in reply.drafts] == [d.token_id for d in streamed]
+            assert [d.q for d in reply.drafts] == [d.q for d in streamed]
+            assert [d.index for d in reply.drafts] == [0, 1, 2, 3]
+            assert reply.drafts[-1].length == 39
+            # The orchestrator's client takes ProposeAll when nothing wants the first token early.
+            drafts, cost = await stack.draft_client.propose(sid, 35, [], 4, T)
+            assert [d.token_id for d in drafts] == [d.token_id for d in streamed] and cost.wire_bytes > 0
+            # Two concurrent ProposeAlls on two sessions both complete whole.
+            sid2, _ = await stack.draft_client.open(request, T)
+            both = await asyncio.gather(stack.draft_client.propose(sid, 35, [], 4, T),
+                                        stack.draft_client.propose(sid2, 35, [], 3, T))
+            assert [len(d) for d, _ in both] == [4, 3]
+            assert [d.token_id for d in both[0][0]] == [d.token_id for d in streamed]
+            assert [d.token_id for d in both[1][0]] == [d.token_id for d in streamed][:3]
+            medians = await interleave({"noop": lambda: None}, reps=3, warmup=1)
+            assert set(medians) == {"noop"}
+        finally:
+            await stack.draft_client.channel.close()
+            await stack.target_client.channel.close()
+            bg.run(stack.draft.stop(0))
+            bg.run(stack.target.stop(0))
+            bg.stop()
+
+    asyncio.run(run())
+
+
+def test_specd_overhead_prints_our_figures_against_bare_grpc(capsys):
+    from specdec.cli.main import main
+
+    assert main(["--log-level", "WARNING", "overhead", "--reps", "2"]) == 0
+    out = capsys.readouterr().out
+    for figure in ("bare grpc.aio unary call", "no-op unary (target Rollback), tracing off",
+                   "round overhead, greedy, k=4, tracing on", "tracing cost per round, T=0.7"):
+        assert f"| {figure} |" in out
