@@ -47,13 +47,18 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         # The root of the request's trace (or a child of the client's span,
         # when the call carries one).
         with self.telemetry.server_span(SPAN_GENERATE, context.invocation_metadata()) as span:
-            async for reply in self._generate(request, context, span):
+            async for reply in self.generate(request, span, context.time_remaining()):
                 yield reply
 
-    async def _generate(self, request, context, span):
+    async def generate(self, request: pb.GenerateRequest, span, time_remaining: float | None):
+        """The request path every front door shares (gRPC Generate, the
+        OpenAI-compatible HTTP API): validate, run the loop, stream chunks,
+        end with the statistics. Raises the core's errors (`specdec.errors`);
+        `span` is the request's `generate` span, `time_remaining` its deadline
+        in seconds (None: none)."""
         start = time.perf_counter()
         prompt = self._prompt_tokens(request)
-        spec, policy, stops = self._parse(request, prompt, context.time_remaining())
+        spec, policy, stops = self._parse(request, prompt, time_remaining)
         target = self.b.targets.acquire()
         draft = self.b.drafts.acquire() if spec.speculate else None
         loop = SpeculativeRequest(spec, policy, target.client, target.batcher,
@@ -170,6 +175,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         s = loop.stats
         duration = time.perf_counter() - start
         ks = [k for k, n in enumerate(s.k_histogram) for _ in range(n)]
+        # One bin per number of drafts a round could accept: 0..k.max.
+        acceptance = s.acceptance_histogram + [0] * (len(s.k_histogram) - len(s.acceptance_histogram))
         return pb.GenerateStats(
             prompt_tokens=len(loop.spec.prompt),
             completion_tokens=s.completion_tokens,
@@ -192,6 +199,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
             round_trips=s.round_trips,
             pipelined_rounds=s.pipelined_rounds,
             rejected_rounds=s.rejected_rounds,
+            acceptance_histogram=acceptance,
+            k_per_round=s.k_per_round,
             verify_time_s=s.verify_time_s,
             target_compute_time_s=s.target_compute_s,
             wire_bytes=s.wire_bytes,
