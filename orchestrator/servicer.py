@@ -152,6 +152,9 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
             stops = validate_stops(list(request.stop))
         except ValueError as exc:
             raise InvalidArgument(str(exc)) from None
+        if stops and self.b.tokenizer is None:
+            raise InvalidArgument("stop strings need text, and this server has no tokenizer: "
+                                  "start the orchestrator with --tokenizer, or leave stop empty")
         opts = request.speculation
         try:
             policy = make_policy(opts.policy or cfg.policy, opts.num_draft_tokens or cfg.num_draft_tokens,

@@ -340,6 +340,7 @@ def test_target_failure_ends_the_request_with_unavailable():
     (dict(prompt=[3], policy="psychic"), "unknown policy"),
     (dict(prompt=[3], num_draft_tokens=99), "k"),
     (dict(prompt=[3], stop=[""]), "stop"),
+    (dict(prompt=[3], stop=["\n"]), "no tokenizer"),
 ])
 def test_bad_requests_get_invalid_argument(greedy_system, kwargs, message):
     prompt = kwargs.pop("prompt")
