@@ -6,6 +6,7 @@ decoding metrics, clear 400s, and error statuses (429, 503, 504)."""
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 import urllib.error
@@ -69,6 +70,12 @@ def post(system, path: str, body, headers: dict | None = None, timeout_s: float 
 
 
 # ------------------------------------------------------------- same output
+
+def test_responses_are_not_held_back_by_delayed_acks(http_system):
+    # asyncio sets TCP_NODELAY only on sockets created as IPPROTO_TCP; without
+    # it a plain response waited ~40 ms for the client's delayed ACK.
+    assert http_system.orchestrator.http._socket.proto == socket.IPPROTO_TCP
+
 
 def test_models_and_health(http_system):
     models = http_system.openai.models.list().data
@@ -281,3 +288,23 @@ def test_target_down_is_503(fragile_system):
     with pytest.raises(openai.InternalServerError) as err:
         s.openai.completions.create(model="tiny-llama-0", prompt="hi", max_tokens=4)
     assert err.value.status_code == 503 and "target" in err.value.message
+
+
+def test_draining_lets_requests_in_flight_finish_and_refuses_new_ones():
+    tokenizer, target, _ = tiny_text_pair()
+    with running_system(tiny_engine(model=target), tokenizer=tokenizer, http=HttpConfig(http_port=0)) as s:
+        client = openai_client(s)
+        replies = []
+        worker = threading.Thread(target=lambda: replies.append(client.completions.create(
+            model="tiny-llama-0", prompt=PROMPT, max_tokens=300, temperature=0)))
+        worker.start()
+        try:
+            assert _wait_until(lambda: s.orchestrator.backends.targets.any().active == 1)
+            s.loop.run(s.orchestrator.http.stop(60))  # returns once the request in flight is done
+        finally:
+            worker.join(60)
+        assert replies and replies[0].usage.completion_tokens > 0  # answered in full, not cut
+        assert replies[0].choices[0].finish_reason in ("length", "stop")
+        with pytest.raises(openai.APIConnectionError):
+            client.completions.create(model="tiny-llama-0", prompt="hi", max_tokens=2)
+        client.close()
