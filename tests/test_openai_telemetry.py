@@ -20,7 +20,7 @@ from specdec import telemetry as T
 from specdec.cli.main import main as specd
 from tests.conftest import tiny_engine, tiny_model
 from tests.harness import running_system
-from tests.test_orchestrator import GREEDY_PROMPTS, perturbed
+from tests.test_orchestrator import GREEDY_PROMPTS, _wait_until, perturbed
 from tests.test_telemetry import PARENT, hist_count, in_memory_telemetry, metric_values, wait_for_spans
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -91,14 +91,14 @@ def test_http_requests_are_counted_by_route_and_status(traced_http):
     before = metric_values(reader)
     assert post(f"{s.url}/v1/completions", {"prompt": [3, 4, 5], "max_tokens": 6})[0] == 200
     assert post(f"{s.url}/v1/completions", {"prompt": [3], "n": 3})[0] == 400
-    after = metric_values(reader)
 
     def delta(name, **attrs):
-        return hist_count(after, name, **attrs) - hist_count(before, name, **attrs)
+        return hist_count(metric_values(reader), name, **attrs) - hist_count(before, name, **attrs)
 
+    # Recorded once the response's last byte is sent: the client may read it first.
     http = "specdec_http_request_duration_seconds"
-    assert delta(http, **{"http.route": "/v1/completions", "http.response.status_code": 200}) == 1
-    assert delta(http, **{"http.route": "/v1/completions", "http.response.status_code": 400}) == 1
+    assert _wait_until(lambda: delta(http, **{"http.route": "/v1/completions", "http.response.status_code": 200}) == 1)
+    assert _wait_until(lambda: delta(http, **{"http.route": "/v1/completions", "http.response.status_code": 400}) == 1)
     assert delta("specdec_request_duration_seconds") == 1  # the generation's own metrics, as for gRPC
 
 
