@@ -100,7 +100,7 @@ def _serve_orchestrator(args: argparse.Namespace) -> int:
     from orchestrator.server import start_orchestrator
 
     server_cfg, cfg = from_args(ServerConfig, args), from_args(OrchestratorConfig, args)
-    http_cfg = from_args(HttpConfig, args).validate()
+    http_cfg = from_args(HttpConfig, args)  # validated by start_orchestrator (a bad value: one line)
 
     async def main():
         with _telemetry("orchestrator", server_cfg) as telemetry:
