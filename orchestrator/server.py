@@ -13,6 +13,7 @@ from orchestrator.batcher import VerifyBatcher
 from orchestrator.config import OrchestratorConfig
 from orchestrator.downstream import DraftClient, TargetClient, channel_to
 from orchestrator.gamma_policy import make_policy
+from orchestrator.openai_api.config import HttpConfig
 from orchestrator.recovery import RecoverySettings, report_target_health
 from orchestrator.replicas import Replica, ReplicaPool
 from orchestrator.servicer import Backends, OrchestratorServicer
@@ -33,15 +34,23 @@ class Orchestrator:
     running: RunningServer
     backends: Backends
     health_task: asyncio.Task | None = None  # NOT_SERVING while no target replica is reachable
+    http: object | None = None  # the OpenAI-compatible front door (openai_api.server.HttpFrontDoor)
 
     @property
     def port(self) -> int:
         return self.running.port
 
+    async def drain(self, grace_s: float) -> None:
+        """Both front doors at once: refuse new requests, give those in flight grace_s."""
+        await asyncio.gather(self.running.drain(grace_s), *([self.http.stop(grace_s)] if self.http else []))
+
+    async def wait(self) -> None:
+        await self.running.wait()
+
     async def stop(self, grace_s: float = 0.0) -> None:
         if self.health_task is not None:
             self.health_task.cancel()
-        await self.running.drain(grace_s)
+        await self.drain(grace_s)
         await self.close_channels()
 
     async def close_channels(self) -> None:
@@ -174,8 +183,10 @@ async def build_backends(cfg: OrchestratorConfig, tokenizer=None, telemetry: Tel
 
 
 async def start_orchestrator(server_cfg: ServerConfig, cfg: OrchestratorConfig, tokenizer=None,
-                             interceptors=(), telemetry: Telemetry = NOOP) -> Orchestrator:
-    """Bind (NOT_SERVING), connect to the services, then SERVING."""
+                             interceptors=(), telemetry: Telemetry = NOOP,
+                             http: HttpConfig | None = None) -> Orchestrator:
+    """Bind (NOT_SERVING; the HTTP port too when `http` enables it), connect
+    to the services, then SERVING."""
     holder: dict[str, OrchestratorServicer] = {}
 
     class _Pending(orchestrator_pb2_grpc.OrchestratorServiceServicer):
@@ -189,12 +200,19 @@ async def start_orchestrator(server_cfg: ServerConfig, cfg: OrchestratorConfig, 
     running = await start_server(
         server_cfg, lambda server: orchestrator_pb2_grpc.add_OrchestratorServiceServicer_to_server(_Pending(), server),
         [SERVICE_NAME], interceptors=interceptors)
+    front = None
     try:
+        if http is not None and http.enabled:
+            from orchestrator.openai_api.server import start_http
+
+            front = await start_http(http.validate(), server_cfg.host, telemetry)
         backends = await build_backends(cfg, tokenizer, telemetry)
     except BaseException:
-        await running.drain(0)
+        await asyncio.gather(running.drain(0), *([front.stop(0)] if front else []))
         raise
     holder["s"] = OrchestratorServicer(cfg, backends, telemetry)
+    if front is not None:
+        front.set_ready(holder["s"], backends.targets.any().client.info.model_name, backends.settings.max_context)
     await running.set_serving()
 
     async def set_serving(serving: bool) -> None:
@@ -202,4 +220,4 @@ async def start_orchestrator(server_cfg: ServerConfig, cfg: OrchestratorConfig, 
             await running.set_status(SERVING if serving else NOT_SERVING)
 
     health = asyncio.ensure_future(report_target_health(backends.targets, set_serving, cfg.health_interval_s))
-    return Orchestrator(running=running, backends=backends, health_task=health)
+    return Orchestrator(running=running, backends=backends, health_task=health, http=front)

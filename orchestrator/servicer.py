@@ -50,18 +50,27 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
     async def Generate(self, request, context):
         # The root of the request's trace (or a child of the client's span,
         # when the call carries one).
+        with self.telemetry.server_span(SPAN_GENERATE, context.invocation_metadata()) as span:
+            async for reply in self.generate(request, span, context.time_remaining()):
+                yield reply
+
+    async def generate(self, request: pb.GenerateRequest, span, time_remaining: float | None):
+        """The request path every front door shares (gRPC Generate, the
+        OpenAI-compatible HTTP API): validate, run the loop, stream chunks,
+        end with the statistics. Raises the core's errors (`specdec.errors`);
+        `span` is the request's `generate` span, `time_remaining` its deadline
+        in seconds (None: none). Counted in the requests-in-flight gauge."""
         self.in_flight += 1
         try:
-            with self.telemetry.server_span(SPAN_GENERATE, context.invocation_metadata()) as span:
-                async for reply in self._generate(request, context, span):
-                    yield reply
+            async for reply in self._generate(request, span, time_remaining):
+                yield reply
         finally:
             self.in_flight -= 1
 
-    async def _generate(self, request, context, span):
+    async def _generate(self, request: pb.GenerateRequest, span, time_remaining: float | None):
         start = time.perf_counter()
         prompt = self._prompt_tokens(request)
-        spec, policy, stops = self._parse(request, prompt, context.time_remaining())
+        spec, policy, stops = self._parse(request, prompt, time_remaining)
         target = TargetLease(self.b.targets, self.b.recovery)
         draft = self.b.drafts.acquire() if spec.speculate else None
         loop = SpeculativeRequest(spec, policy, target.client, target.batcher,
@@ -153,6 +162,9 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
             stops = validate_stops(list(request.stop))
         except ValueError as exc:
             raise InvalidArgument(str(exc)) from None
+        if stops and self.b.tokenizer is None:
+            raise InvalidArgument("stop strings need text, and this server has no tokenizer: "
+                                  "start the orchestrator with --tokenizer, or leave stop empty")
         opts = request.speculation
         limit = self.b.settings.max_draft_tokens  # the orchestrator's and both services' smallest
         try:
@@ -176,6 +188,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         s = loop.stats
         duration = time.perf_counter() - start
         ks = [k for k, n in enumerate(s.k_histogram) for _ in range(n)]
+        # One bin per number of drafts a round could accept: 0..k.max.
+        acceptance = s.acceptance_histogram + [0] * (len(s.k_histogram) - len(s.acceptance_histogram))
         return pb.GenerateStats(
             prompt_tokens=len(loop.spec.prompt),
             completion_tokens=s.completion_tokens,
@@ -199,6 +213,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
             pipelined_rounds=s.pipelined_rounds,
             rejected_rounds=s.rejected_rounds,
             target_recoveries=s.target_recoveries,
+            acceptance_histogram=acceptance,
+            k_per_round=s.k_per_round,
             verify_time_s=s.verify_time_s,
             target_compute_time_s=s.target_compute_s,
             wire_bytes=s.wire_bytes,

@@ -100,6 +100,9 @@ class RequestStats:
 
     rejected_rounds: int = 0  # speculative rounds that ended in a rejection
     target_recoveries: int = 0  # target sessions re-opened after a failure
+    # speculative rounds (k > 0) by drafts accepted: [j] = rounds that accepted exactly j
+    acceptance_histogram: list[int] = field(default_factory=list)
+    k_per_round: list[int] = field(default_factory=list)  # drafts verified in each round, in order
 
     def record_round(self, k: int, accepted: int) -> None:
         self.rejected_rounds += accepted < k
@@ -107,6 +110,9 @@ class RequestStats:
         self.proposed += k
         self.accepted += accepted
         _bump(self.k_histogram, k)
+        self.k_per_round.append(k)
+        if k:
+            _bump(self.acceptance_histogram, accepted)
         for i in range(accepted):
             _bump(self.accepted_per_position, i)
 

@@ -36,3 +36,8 @@ class Unavailable(SpecdecError):
 
 class DeadlineExceeded(SpecdecError):
     """The request's deadline passed (DEADLINE_EXCEEDED)."""
+
+
+class Unauthenticated(SpecdecError):
+    """A credential is required and missing or wrong (UNAUTHENTICATED). Nothing
+    requires one yet; the front doors already map it (HTTP 401)."""

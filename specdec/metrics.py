@@ -64,6 +64,11 @@ class Metrics:
             "specdec_rpc_round_trip_seconds", unit="s",
             description="orchestrator-side time of a downstream call (attributes service, method)",
             explicit_bucket_boundaries_advisory=RPC_BUCKETS_S)
+        self.http_request_duration = histogram(
+            "specdec_http_request_duration_seconds", unit="s",
+            description="orchestrator: HTTP front door requests, to the last byte of the response "
+                        "(attributes http.request.method, http.route, http.response.status_code)",
+            explicit_bucket_boundaries_advisory=DURATION_BUCKETS_S)
         # target service
         self.verify_batch_size = histogram(
             "specdec_verify_batch_size", description="target: items per Verify call",
@@ -93,6 +98,10 @@ class Metrics:
                 self.time_per_output_token.record((duration_s - first_token_s) / (completion_tokens - 1))
         attrs = self._reason_attrs.setdefault(finish_reason, {"finish_reason": finish_reason})
         self.requests.add(1, attrs)
+
+    def record_http(self, method: str, route: str, status: int, seconds: float) -> None:
+        self.http_request_duration.record(seconds, {"http.request.method": method, "http.route": route,
+                                                    "http.response.status_code": status})
 
     def record_rpc(self, service: str, method: str, seconds: float) -> None:
         attrs = self._rpc_attrs.get((service, method))

@@ -79,9 +79,11 @@ def running_draft(engine=None, limits: SessionLimits | None = None, ngram_vocab:
 
 @contextmanager
 def running_system(target_engine, draft_engine=None, ngram: bool = False, tokenizer=None,
-                   limits: SessionLimits | None = None, telemetry: dict | None = None, **orch_kwargs):
+                   limits: SessionLimits | None = None, telemetry: dict | None = None, http=None, **orch_kwargs):
     """Target + draft (model, ngram, or none) + orchestrator, all on port 0.
-    `telemetry` maps a role (draft, target, orchestrator) to its Telemetry.
+    `telemetry` maps a role (draft, target, orchestrator) to its Telemetry;
+    `http` (an HttpConfig) adds the orchestrator's HTTP front door
+    (.orchestrator.http.port).
     Yields a namespace with .client (orchestrator.client.Client), .target, .draft,
     .orchestrator, .loop."""
     import types
@@ -102,7 +104,7 @@ def running_system(target_engine, draft_engine=None, ngram: bool = False, tokeni
                                      draft=f"127.0.0.1:{draft[0].port}" if draft else "",
                                      connect_timeout_s=10, **orch_kwargs)
             orch = loop.run(start_orchestrator(local_config(), cfg, tokenizer=tokenizer,
-                                               telemetry=tel["orchestrator"]))
+                                               telemetry=tel["orchestrator"], http=http))
             client = Client(f"127.0.0.1:{orch.port}", timeout_s=120)
             try:
                 yield types.SimpleNamespace(client=client, target=target, draft=draft[0] if draft else None,

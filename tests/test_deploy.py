@@ -50,7 +50,8 @@ ROLE_FLAGS = {
     "draft": COMMON_FLAGS | MODEL_FLAGS | {"--drafter"},
     "target": COMMON_FLAGS | MODEL_FLAGS | {"--max-verify-batch"},
     "orchestrator": COMMON_FLAGS
-    | {"--draft", "--target", "--policy", "--num-draft-tokens", "--batch-window-ms", "--max-batch", "--tokenizer"},
+    | {"--draft", "--target", "--policy", "--num-draft-tokens", "--batch-window-ms", "--max-batch", "--tokenizer",
+       "--http-port"},
 }
 BOOLEAN_FLAGS = {"--reflection"}
 DEFAULT_PORTS = {"orchestrator": 50051, "draft": 50052, "target": 50053}
@@ -677,6 +678,15 @@ def test_manifests_use_only_flags_and_ports_of_the_cli_contract(rendered, render
         assert int(endpoint.group(2)) in {p["port"] for p in collector["spec"]["ports"]}
         assert env.get("SPECD_TRACING", "on") != "off"
     orchestrator = _serve_settings(objects, "orchestrator")
+    # The OpenAI-compatible HTTP API: the flag, the container port, the Service port, open to clients.
+    http_port = int(orchestrator["--http-port"])
+    orchestrator_container = _main_container(_deployment(objects, "orchestrator"))
+    assert _container_port(orchestrator_container, "http") == http_port
+    named = {p["name"]: p for p in services["specdec-orchestrator"]["spec"]["ports"]}
+    assert _container_port(orchestrator_container, named["http"]["targetPort"]) == http_port
+    rules = [r for p in _policies_for(objects, _pod_labels(_deployment(objects, "orchestrator")))
+             for r in p["spec"].get("ingress", [])]
+    assert any(not r.get("from") and _opens(r, orchestrator_container, http_port) for r in rules)
     for role in MODEL_ROLES:
         host, port = orchestrator[f"--{role}"].rsplit(":", 1)
         service = services[host.split(".")[0]]

@@ -460,6 +460,7 @@ def _gauge(reader, name):
     (dict(prompt=[3], policy="psychic"), "unknown policy"),
     (dict(prompt=[3], num_draft_tokens=99), "num_draft_tokens must be in [1, 8], got 99"),
     (dict(prompt=[3], stop=[""]), "stop"),
+    (dict(prompt=[3], stop=["\n"]), "no tokenizer"),
 ])
 def test_bad_requests_get_invalid_argument(greedy_system, kwargs, message):
     prompt = kwargs.pop("prompt")

@@ -210,7 +210,9 @@ class ServiceSet:
             return None
         return int(sum(getattr(p, "bytes_up", 0) + getattr(p, "bytes_down", 0) for p in self.proxies.values()))
 
-    def start_orchestrator(self) -> None:
+    def start_orchestrator(self, extra: list[str] | tuple[str, ...] = ()) -> None:
+        """extra: more `specd serve orchestrator` flags."""
+
         def upstream(role: str) -> str:
             proxy = self.proxies.get(role)
             return proxy.address if proxy is not None else self.services[role].address
@@ -219,6 +221,7 @@ class ServiceSet:
                 "--rpc-timeout-s", "600", "--max-tokens-limit", "100000"]
         if self.opts.tokenizer:
             args += ["--tokenizer", self.opts.tokenizer]
+        args += list(extra)
         orch = _spawn("orchestrator", args, self.log_dir, self.env)
         self.services["orchestrator"] = orch
         orch.port = _read_port(orch, 120.0)

@@ -11,7 +11,9 @@ from google.protobuf.json_format import MessageToDict
 
 def register(sub) -> None:
     p = sub.add_parser("generate", help="stream a generation from an orchestrator")
-    p.add_argument("prompt", help="the prompt text ('-' reads standard input)")
+    p.add_argument("prompt", nargs="?", default=None, help="the prompt text ('-' reads standard input)")
+    p.add_argument("--prompt-ids", type=_token_ids, default=None, metavar="ID,ID,...",
+                   help="a pre-tokenized prompt instead of text: comma-separated token ids (e.g. 1,2,3)")
     p.add_argument("--server", default="127.0.0.1:50051", help="orchestrator address (default 127.0.0.1:50051)")
     p.add_argument("--chat", action="store_true", help="send the prompt as a user message (chat template)")
     p.add_argument("--max-tokens", type=int, default=128)
@@ -34,10 +36,29 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
+def _token_ids(text: str) -> list[int]:
+    try:
+        ids = [int(part) for part in text.replace(" ", "").split(",") if part]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"token ids must be comma-separated integers, got {text!r}") from None
+    if not ids:
+        raise argparse.ArgumentTypeError("no token ids given")
+    return ids
+
+
 def run(args: argparse.Namespace) -> int:
     from orchestrator.client import Client
 
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if (args.prompt is None) == (args.prompt_ids is None):
+        print("specd generate: give a prompt, or --prompt-ids, not both", file=sys.stderr)
+        return 2
+    if args.prompt_ids is not None:
+        if args.chat:
+            print("specd generate: --chat needs a text prompt, not --prompt-ids", file=sys.stderr)
+            return 2
+        prompt = args.prompt_ids
+    else:
+        prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if args.chat:
         prompt = [{"role": "user", "content": prompt}]
     kwargs = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,

@@ -24,6 +24,7 @@ def register(sub) -> None:
     from draft_service.server import DrafterConfig
     from orchestrator.config import DEFAULT_PORT as ORCH_PORT
     from orchestrator.config import OrchestratorConfig
+    from orchestrator.openai_api.config import HttpConfig
     from target_service.server import DEFAULT_PORT as TARGET_PORT
 
     serve = sub.add_parser("serve", help="run one role (draft, target or orchestrator)")
@@ -45,6 +46,7 @@ def register(sub) -> None:
     orch = roles.add_parser("orchestrator", help="the orchestrator clients call")
     add_arguments(orch, ServerConfig, defaults={"port": ORCH_PORT})
     add_arguments(orch, OrchestratorConfig)
+    add_arguments(orch, HttpConfig)
     orch.set_defaults(func=_serve_orchestrator)
 
 
@@ -95,14 +97,18 @@ def _serve_target(args: argparse.Namespace) -> int:
 
 def _serve_orchestrator(args: argparse.Namespace) -> int:
     from orchestrator.config import OrchestratorConfig
+    from orchestrator.openai_api.config import HttpConfig
     from orchestrator.server import start_orchestrator
 
     server_cfg, cfg = from_args(ServerConfig, args), from_args(OrchestratorConfig, args)
+    http_cfg = from_args(HttpConfig, args)  # validated by start_orchestrator (a bad value: one line)
 
     async def main():
         with _telemetry("orchestrator", server_cfg) as telemetry:
-            orch = await start_orchestrator(server_cfg, cfg, telemetry=telemetry)
-            await _serve_forever(orch.running, server_cfg, "orchestrator", f"draft={cfg.draft} target={cfg.target}")
+            orch = await start_orchestrator(server_cfg, cfg, telemetry=telemetry, http=http_cfg)
+            http = f", HTTP on {orch.http.host}:{orch.http.port}" if orch.http else ""
+            # Draining the orchestrator drains both front doors.
+            await _serve_forever(orch, server_cfg, "orchestrator", f"draft={cfg.draft} target={cfg.target}{http}")
             await orch.close_channels()
 
     return _run(main())

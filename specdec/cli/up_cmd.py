@@ -33,6 +33,8 @@ def register(sub) -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--threads", type=int, default=0, help="CPU threads per model service (0: torch default)")
     p.add_argument("--port", type=int, default=50051, help="orchestrator port")
+    p.add_argument("--http-port", type=int, default=8000,
+                   help="the orchestrator's OpenAI-compatible HTTP API (/v1) port (-1: off)")
     p.add_argument("--draft-port", type=int, default=50052)
     p.add_argument("--target-port", type=int, default=50053)
     p.add_argument("--policy", default="fixed", help="policy choosing num_draft_tokens: fixed, adaptive or goodput")
@@ -104,11 +106,17 @@ def run(args: argparse.Namespace) -> int:
         supervisor.start("orchestrator", _serve_cmd("orchestrator", [
             "--port", str(args.port), "--host", "127.0.0.1", "--draft", f"127.0.0.1:{args.draft_port}",
             "--target", f"127.0.0.1:{args.target_port}", "--policy", args.policy,
-            "--num-draft-tokens", str(args.num_draft_tokens), "--tokenizer", args.target_model, *_metrics_flag(args, 0)]), env)
+            "--num-draft-tokens", str(args.num_draft_tokens), "--tokenizer", args.target_model,
+            "--http-port", str(args.http_port), *_metrics_flag(args, 0)]), env)
         wait_serving(args.port, supervisor.processes, 120)
-        print(f"\nspecd up: serving on 127.0.0.1:{args.port} "
-              f"(draft {args.draft_model}, target {args.target_model}). Try:\n"
+        where, curl = f"127.0.0.1:{args.port} (gRPC)", ""
+        if args.http_port >= 0:
+            where += f" and http://127.0.0.1:{args.http_port}/v1 (OpenAI-compatible)"
+            curl = (f"  curl -s http://127.0.0.1:{args.http_port}/v1/completions -H 'Content-Type: application/json' "
+                    "-d '{\"prompt\": \"def fibonacci(n):\", \"max_tokens\": 32, \"temperature\": 0}'\n")
+        print(f"\nspecd up: serving on {where} (draft {args.draft_model}, target {args.target_model}). Try:\n"
               f"  specd generate --server 127.0.0.1:{args.port} --temperature 0 --stats \"def fibonacci(n):\"\n"
+              f"{curl}"
               f"  specd trace show      # its spans, from {env[TRACE_FILE_ENV]}\n"
               "A role that exits is restarted; Ctrl-C stops all three.", file=sys.stderr, flush=True)
         while not stop_requested:

@@ -23,6 +23,7 @@ _CODES: dict[type, grpc.StatusCode] = {
     errors.FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
     errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
     errors.DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
+    errors.Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
 }
 
 

@@ -1,0 +1,234 @@
+"""The routes of the OpenAI-compatible API (FastAPI).
+
+    POST /v1/completions        prompt (text or token ids) -> text
+    POST /v1/chat/completions   messages (the target tokenizer's chat template) -> message
+    GET  /v1/models             the served model
+    GET  /health                200 while serving, 503 while connecting or draining
+
+A generation request is translated into a GenerateRequest (`translate`) and
+run on the gRPC path (`runner`). Errors are one JSON shape (`errors`); a
+stream that has begun reports a later error as an SSE event carrying the same
+JSON, then `[DONE]`. A client that disconnects ends its request: a plain
+request is watched for the disconnect while it runs, a stream by Starlette
+(which cancels the sending task, and so the request).
+"""
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from specdec.errors import SpecdecError
+from specdec.telemetry import (CLIENT_ADDRESS, HTTP_REQUEST_METHOD, HTTP_ROUTE, NETWORK_PROTOCOL_VERSION,
+                               SERVER_ADDRESS, SERVER_PORT, URL_PATH, URL_SCHEME, USER_AGENT, Telemetry)
+
+from . import responses, translate
+from .config import HttpConfig
+from .errors import ApiError, api_error
+from .runner import ClientGone, RequestRun, unless_gone
+from .schemas import ChatCompletionRequest, CompletionRequest
+
+log = logging.getLogger(__name__)
+
+STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+@dataclass
+class FrontDoorState:
+    """What the routes read; the orchestrator fills in the servicer once its
+    services are connected, and sets `draining` on shutdown."""
+
+    cfg: HttpConfig
+    telemetry: Telemetry
+    servicer: object | None = None  # OrchestratorServicer; None while connecting
+    model: str = ""  # the served model name
+    max_model_len: int = 0
+    draining: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def ready(self):
+        if self.draining:
+            raise ApiError(503, "the server is shutting down", code="unavailable")
+        if self.servicer is None:
+            raise ApiError(503, "the orchestrator is still connecting to its services", code="unavailable")
+        return self.servicer
+
+
+def create_app(state: FrontDoorState) -> FastAPI:
+    app = FastAPI(title="specdec: OpenAI-compatible API",
+                  description="Speculative decoding over gRPC services; output distributed as the target model's.")
+    app.state.front_door = state
+    _install_error_handlers(app)
+    app.add_middleware(_HttpMetrics, telemetry=state.telemetry)
+
+    @app.get("/health")
+    async def health():
+        state.ready()
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        state.ready()
+        return {"object": "list", "data": [{"id": state.model, "object": "model", "created": state.created,
+                                            "owned_by": "specdec", "max_model_len": state.max_model_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await _generate(state, request, body, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await _generate(state, request, body, chat=True)
+
+    return app
+
+
+async def _generate(state: FrontDoorState, request: Request, body, chat: bool) -> Response:
+    servicer = state.ready()
+    if body.model is not None and body.model != state.model:
+        raise ApiError(404, f"the model {body.model!r} does not exist: this server serves {state.model!r}",
+                       code="model_not_found", param="model")
+    response_id = f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}"
+    request_id = request.headers.get("x-request-id") or response_id
+    gen_request = translate.chat_request(body, request_id) if chat else translate.completion_request(body, request_id)
+    stream = bool(body.stream)
+    include_usage = bool(stream and body.stream_options and body.stream_options.include_usage)
+    head = responses.Head(id=response_id, created=int(time.time()), model=state.model, chat=chat,
+                          include_usage=include_usage)
+    route = request.scope["route"].path
+    run = RequestRun(servicer, gen_request, state.telemetry, request.headers, _http_attributes(request, route),
+                     state.cfg.http_request_timeout_s or None, stream)
+    headers = {"X-Request-Id": request_id}
+    try:
+        if not stream:
+            text, stats = await unless_gone(run.collect(), request.receive, run)
+            return JSONResponse(responses.body(head, text, stats), headers=headers)
+        # The status line waits for the first reply, so an error before any
+        # token (bad input, over capacity, target down) gets its own status.
+        first = await unless_gone(run.next(), request.receive, run)
+    except ClientGone:
+        return Response(status_code=499)  # nobody reads it; the request has been ended
+    return StreamingResponse(_events(run, head, first), media_type="text/event-stream",
+                             headers={**headers, **STREAM_HEADERS})
+
+
+async def _events(run: RequestRun, head: responses.Head, reply):
+    """The SSE body: text chunks as tokens are accepted, the final chunks, [DONE]."""
+    try:
+        if head.chat:
+            yield responses.sse(responses.role_chunk(head))
+        stats = None
+        while reply is not None:
+            if reply.HasField("chunk"):
+                if reply.chunk.text:
+                    yield responses.sse(responses.text_chunk(head, reply.chunk.text))
+            else:
+                stats = reply.stats
+            reply = await run.next()
+        for chunk in responses.final_chunks(head, stats):
+            yield responses.sse(chunk)
+        yield responses.DONE
+    except ApiError as error:
+        yield responses.sse(error.body())
+        yield responses.DONE
+    finally:
+        run.cancel()  # a no-op when the request has ended; frees the sessions when the client left
+
+
+def _http_attributes(request: Request, route: str) -> dict:
+    """OpenTelemetry HTTP semantic-convention attributes of the `generate` span."""
+    attrs = {HTTP_REQUEST_METHOD: request.method, HTTP_ROUTE: route, URL_PATH: request.url.path,
+             URL_SCHEME: request.url.scheme, NETWORK_PROTOCOL_VERSION: request.scope.get("http_version", "1.1")}
+    server = request.scope.get("server")
+    if server:
+        attrs[SERVER_ADDRESS], attrs[SERVER_PORT] = server[0], server[1]
+    if request.client:
+        attrs[CLIENT_ADDRESS] = request.client.host
+    if "user-agent" in request.headers:
+        attrs[USER_AGENT] = request.headers["user-agent"]
+    return attrs
+
+
+# ------------------------------------------------------------------ errors
+
+def _error_response(error: ApiError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def on_api_error(_request, exc: ApiError):
+        return _error_response(exc)
+
+    @app.exception_handler(SpecdecError)
+    async def on_core_error(_request, exc: SpecdecError):
+        return _error_response(api_error(exc))
+
+    @app.exception_handler(RequestValidationError)
+    async def on_invalid(_request, exc: RequestValidationError):
+        return _error_response(validation_error(exc.errors()))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http(_request, exc: StarletteHTTPException):
+        return _error_response(ApiError(exc.status_code, str(exc.detail), code=None))
+
+    @app.exception_handler(Exception)
+    async def on_bug(_request, exc: Exception):
+        return _error_response(api_error(exc))
+
+
+def validation_error(errors: list[dict]) -> ApiError:
+    """pydantic's errors as one 400 naming the first bad field."""
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    param = ".".join(loc) or None
+    kind = first.get("type", "")
+    if kind == "extra_forbidden":
+        message = f"unknown field {param!r}"
+    elif kind == "json_invalid":
+        message = f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}"
+        param = None
+    elif kind in ("model_attributes_type", "dict_type") and not loc:
+        message = "the request body must be a JSON object (Content-Type: application/json)"
+    elif kind == "missing":
+        message = f"{param} is required"
+    else:
+        message = f"{param}: {first['msg']}" if param else first["msg"]
+    more = len(errors) - 1
+    if more > 0:
+        message += f" (and {more} more error{'s' if more > 1 else ''})"
+    return ApiError(400, message, code="invalid_argument", param=param)
+
+
+class _HttpMetrics:
+    """ASGI middleware: each HTTP request's duration, to the last byte of its
+    response, by method, route and status (`specdec_http_request_duration_seconds`)."""
+
+    def __init__(self, app, telemetry: Telemetry):
+        self.app = app
+        self.metrics = telemetry.metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status = [500]
+
+        async def send_and_note(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note)
+        finally:
+            route = scope.get("route")
+            self.metrics.record_http(scope["method"], route.path if route is not None else "other", status[0],
+                                     time.perf_counter() - start)

@@ -1,0 +1,30 @@
+"""Settings of the orchestrator's HTTP front door (flags / SPECD_* environment)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specdec.config import opt
+
+OFF = -1
+UP_DEFAULT_PORT = 8000  # `specd up` serves HTTP here unless told otherwise
+
+
+@dataclass
+class HttpConfig:
+    http_port: int = opt(OFF, "OpenAI-compatible HTTP API port (-1: off; 0: pick a free one)")
+    http_host: str = opt("", "HTTP bind address (empty: the same as --host)")
+    served_model_name: str = opt("", "the model name /v1/models lists and requests may name "
+                                     "(default: the target's model name)")
+    http_request_timeout_s: float = opt(600.0, "deadline of each HTTP generation request, seconds (0: none)")
+    http_access_log: bool = opt(False, "log one line per HTTP request")
+
+    @property
+    def enabled(self) -> bool:
+        return self.http_port != OFF
+
+    def validate(self) -> "HttpConfig":
+        if self.http_port < OFF or self.http_port > 65535:
+            raise ValueError(f"--http-port must be -1 (off), 0 (any free port) or a port number, got {self.http_port}")
+        if self.http_request_timeout_s < 0:
+            raise ValueError("--http-request-timeout-s must be >= 0")
+        return self
