@@ -55,7 +55,7 @@ GOLDEN_METRICS = {
         "finish_reason": "FINISH_REASON_EOS", "seed": 9223372036854775813, "accepted_per_position": [2, 1, 1],
         "fallback_rounds": 1, "draft_time_s": 0.125, "verify_time_s": 0.25, "target_compute_time_s": 0.1875,
         "wire_bytes": 2048, "draft_model": "draft-m", "target_model": "target-m", "policy": "adaptive",
-        "round_trips": 9, "pipelined_rounds": 0, "draft_compute_time_s": 0.0625, "rejected_rounds": 3,
+        "round_trips": 9, "pipelined_rounds": 0, "draft_compute_time_s": 0.0625, "rejected_rounds": 3, "target_recoveries": 0,
         "acceptance_histogram": [1, 1, 0, 1, 0], "k_per_round": [4, 3, 3, 0],
     },
 }

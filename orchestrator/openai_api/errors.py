@@ -1,7 +1,7 @@
 """Errors of the HTTP front door: HTTP statuses and the OpenAI error JSON.
 
 One chain for both front doors: the core's error becomes its gRPC status in
-`specdec.grpc_errors` (one table), and that status becomes an HTTP status
+`specdec.rpc.grpc_errors` (one table), and that status becomes an HTTP status
 here, following the mapping google.rpc.Code documents (INVALID_ARGUMENT 400,
 UNAUTHENTICATED 401, RESOURCE_EXHAUSTED 429, UNAVAILABLE 503, DEADLINE_EXCEEDED
 504, ...). The body is OpenAI's:
@@ -17,7 +17,7 @@ import logging
 
 import grpc
 
-from specdec import grpc_errors
+from specdec.rpc import grpc_errors
 
 log = logging.getLogger(__name__)
 

@@ -155,7 +155,7 @@ def measure(grpc_address: str, port: int, prompts, max_tokens: int) -> dict:
 def report(samples: dict, args) -> str:
     rows = [("request, 1 token", "one"), (f"request, {args.max_tokens} tokens", "plain"),
             ("first token, streamed", "first"), ("per token, streamed", "token")]
-    lines = [f"front doors: {args.requests} greedy requests, tiny pair, k={args.k}, one server, each request "
+    lines = [f"front doors: {args.requests} greedy requests, tiny pair, k={args.num_draft_tokens}, one server, each request "
              "through both doors (order alternating); client-side ms",
              f"{'':24}{'gRPC median':>12}{'HTTP median':>12}{'added (paired median)':>23}{'paired IQR':>20}"]
     for label, key in rows:
@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--requests", type=int, default=100)
     p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--k", type=int, default=4)
+    p.add_argument("--num-draft-tokens", type=int, default=4)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--threads", type=int, default=1, help="CPU threads per model service")
     args = p.parse_args(argv)
@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             services.start_models()
             services.wait_models()
-            services.start_orchestrator(extra=["--http-port", "0", "--num-draft-tokens", str(args.k)])
+            services.start_orchestrator(extra=["--http-port", "0", "--num-draft-tokens", str(args.num_draft_tokens)])
             port = http_port(services.services["orchestrator"].log_path)
             prompts = tiny_prompts(args.requests + args.warmup)
             measure(services.orchestrator_address, port, prompts[:args.warmup], args.max_tokens)
