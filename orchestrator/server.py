@@ -187,6 +187,8 @@ async def start_orchestrator(server_cfg: ServerConfig, cfg: OrchestratorConfig, 
                              http: HttpConfig | None = None) -> Orchestrator:
     """Bind (NOT_SERVING; the HTTP port too when `http` enables it), connect
     to the services, then SERVING."""
+    if http is not None:
+        http.validate()  # before anything binds
     holder: dict[str, OrchestratorServicer] = {}
 
     class _Pending(orchestrator_pb2_grpc.OrchestratorServiceServicer):
@@ -205,7 +207,7 @@ async def start_orchestrator(server_cfg: ServerConfig, cfg: OrchestratorConfig, 
         if http is not None and http.enabled:
             from orchestrator.openai_api.server import start_http
 
-            front = await start_http(http.validate(), server_cfg.host, telemetry)
+            front = await start_http(http, server_cfg.host, telemetry)
         backends = await build_backends(cfg, tokenizer, telemetry)
     except BaseException:
         await asyncio.gather(running.drain(0), *([front.stop(0)] if front else []))

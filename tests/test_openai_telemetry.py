@@ -90,15 +90,21 @@ def test_http_requests_are_counted_by_route_and_status(traced_http):
     reader = s.telemetry["orchestrator"].reader
     before = metric_values(reader)
     assert post(f"{s.url}/v1/completions", {"prompt": [3, 4, 5], "max_tokens": 6})[0] == 200
-    assert post(f"{s.url}/v1/completions", {"prompt": [3], "n": 3})[0] == 400
+    chat = {"messages": [{"role": "user", "content": "hi"}], "n": 3}
+    assert post(f"{s.url}/v1/chat/completions", chat)[0] == 400
+    with urllib.request.urlopen(f"{s.url}/v1/models", timeout=10) as response:
+        assert response.status == 200
 
     def delta(name, **attrs):
         return hist_count(metric_values(reader), name, **attrs) - hist_count(before, name, **attrs)
 
-    # Recorded once the response's last byte is sent: the client may read it first.
+    # The histogram records once a response's last byte is sent (the client may
+    # read it first), so each route here is one no other test of this module uses.
     http = "specdec_http_request_duration_seconds"
-    assert _wait_until(lambda: delta(http, **{"http.route": "/v1/completions", "http.response.status_code": 200}) == 1)
-    assert _wait_until(lambda: delta(http, **{"http.route": "/v1/completions", "http.response.status_code": 400}) == 1)
+    assert _wait_until(lambda: delta(http, **{"http.route": "/v1/chat/completions",
+                                              "http.response.status_code": 400}) == 1)
+    assert _wait_until(lambda: delta(http, **{"http.request.method": "GET", "http.route": "/v1/models",
+                                              "http.response.status_code": 200}) == 1)
     assert delta("specdec_request_duration_seconds") == 1  # the generation's own metrics, as for gRPC
 
 
