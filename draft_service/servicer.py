@@ -7,7 +7,7 @@ from draft_service.step_batcher import DraftStepBatcher
 from specdec.rpc import grpc_errors
 from specdec.rpc.model_service import SessionServicer
 from specdec.telemetry import A_APPENDED, A_K, A_TOKENS, NOOP, SPAN_PROPOSE
-from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
+from specdec.v1 import draft_pb2, draft_pb2_grpc
 
 
 class DraftServicer(SessionServicer, draft_pb2_grpc.DraftServiceServicer):
@@ -68,5 +68,6 @@ def _to_wire(draft, seconds: float) -> draft_pb2.ProposeResponse:
                                     compute_micros=round(seconds * 1e6))
     if draft.q is not None:
         ids, probs = draft.q.to_lists()
-        msg.q.CopyFrom(common_pb2.SparseDistribution(token_ids=ids, probs=probs))
+        msg.q.token_ids.extend(ids)
+        msg.q.probs.extend(probs)
     return msg

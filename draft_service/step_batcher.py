@@ -67,14 +67,15 @@ class DraftStepBatcher:
     async def start_and_collect(self, start) -> list[tuple[DraftToken, float]]:
         """`collect(start())`, where `start` makes the DraftStream on the
         engine thread. With no other stream active, the start and the steps
-        run in ONE engine-thread job (one hand-off for the whole call); a
-        stream arriving meanwhile stops that job after its current step and
-        the rest of the call joins the shared passes."""
+        run as ONE job: on the event loop itself when such jobs are short
+        (`EngineWorker.run_short`: no hand-off at all), else one engine-thread
+        job, which a stream arriving meanwhile stops after its current step,
+        the rest of the call then joining the shared passes."""
         if self._active:
             return await self.collect(await self.worker.run(start))
         arrivals = self._arrivals
-        stream, steps = await self.worker.run(_start_and_step, start, self.drafter.step_many,
-                                              lambda: self._arrivals == arrivals)
+        stream, steps = await self.worker.run_short("propose", _start_and_step, start, self.drafter.step_many,
+                                                    lambda: self._arrivals == arrivals)
         tokens = []
         for (result,), seconds in steps:
             self.passes += 1

@@ -10,7 +10,8 @@ from orchestrator.detokenizer import IncrementalDetokenizer
 from orchestrator.gamma_policy import make_policy
 from orchestrator.recovery import RecoverySettings, TargetLease
 from orchestrator.replicas import ReplicaPool
-from orchestrator.speculation import LoopSettings, RequestSpec, SpeculativeRequest
+from orchestrator.request_stats import RequestSpec
+from orchestrator.speculation import LoopSettings, SpeculativeRequest
 from orchestrator.stop import StopMatcher, validate_stops
 from specdec.errors import InvalidArgument
 from specdec.rpc import grpc_errors
@@ -215,6 +216,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
             target_recoveries=s.target_recoveries,
             acceptance_histogram=acceptance,
             k_per_round=s.k_per_round,
+            prefill_time_s=s.prefill_time_s,
             verify_time_s=s.verify_time_s,
             target_compute_time_s=s.target_compute_s,
             wire_bytes=s.wire_bytes,

@@ -32,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import AsyncIterator
 
 import grpc
@@ -42,11 +42,12 @@ from orchestrator.batcher import VerifyBatcher
 from orchestrator.downstream import CallCost, DraftClient, TargetClient, open_request
 from orchestrator.gamma_policy import GammaPolicy, RoundObservation, acceptance_estimate
 from orchestrator.pipelining import AheadDecision, Pipeline, draft_ahead_length
+from orchestrator.request_stats import RequestSpec, RequestStats
 from specdec.errors import DeadlineExceeded, NotFound, Unavailable
 from specdec.limits import DEFAULT_MAX_DRAFT_TOKENS
 from specdec.rpc.grpc_errors import from_rpc_error
 from specdec.sampling.rejection import RoundResult, VerifyOutcome, accept_greedy, accept_sampled
-from specdec.sampling.sparse import SparseDist
+from specdec.sampling.sparse import prob_of
 from specdec.telemetry import (A_ACCEPTED, A_BATCH_ITEMS, A_BATCH_SESSIONS, A_EMITTED, A_FALLBACK, A_K, A_PEER,
                                A_FAILED_REPLICA, A_RECOVERED_ON, A_RETURNED, A_ROUND, NOOP, SPAN_ACCEPT,
                                SPAN_DRAFT_PROPOSE, SPAN_ROUND, SPAN_SESSION_CLOSE, SPAN_SESSION_OPEN,
@@ -58,69 +59,6 @@ log = logging.getLogger(__name__)
 CLOSE_TIMEOUT_S = 5.0
 # A target that fails again after each re-open is not coming back for this request.
 MAX_TARGET_RECOVERIES = 8
-
-
-@dataclass(frozen=True)
-class RequestSpec:
-    prompt: list[int]
-    max_tokens: int
-    temperature: float
-    top_k: int
-    top_p: float
-    seed: int
-    eos_ids: frozenset[int]
-    speculate: bool
-    request_id: str = ""
-    pipeline: bool = False  # pipelined drafting (see the module docstring)
-    # time.monotonic() by which the request must end; None: no deadline.
-    deadline: float | None = None
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-
-@dataclass
-class RequestStats:
-    rounds: int = 0
-    proposed: int = 0
-    accepted: int = 0
-    completion_tokens: int = 0
-    fallback_rounds: int = 0
-    k_histogram: list[int] = field(default_factory=list)  # rounds per k used
-    accepted_per_position: list[int] = field(default_factory=list)
-    draft_time_s: float = 0.0  # time the request waited for drafts
-    draft_compute_s: float = 0.0  # draft forward time the draft service reported (speculative drafting included)
-    verify_time_s: float = 0.0
-    target_compute_s: float = 0.0
-    wire_bytes: int = 0
-    batch_sizes: list[int] = field(default_factory=list)
-    round_trips: int = 0  # downstream RPCs: opens, proposes, verifies, closes
-    pipelined_rounds: int = 0  # rounds whose drafts were made during the previous round's verify
-
-    rejected_rounds: int = 0  # speculative rounds that ended in a rejection
-    target_recoveries: int = 0  # target sessions re-opened after a failure
-    # speculative rounds (k > 0) by drafts accepted: [j] = rounds that accepted exactly j
-    acceptance_histogram: list[int] = field(default_factory=list)
-    k_per_round: list[int] = field(default_factory=list)  # drafts verified in each round, in order
-
-    def record_round(self, k: int, accepted: int) -> None:
-        self.rejected_rounds += accepted < k
-        self.rounds += 1
-        self.proposed += k
-        self.accepted += accepted
-        _bump(self.k_histogram, k)
-        self.k_per_round.append(k)
-        if k:
-            _bump(self.acceptance_histogram, accepted)
-        for i in range(accepted):
-            _bump(self.accepted_per_position, i)
-
-
-def _bump(counts: list[int], index: int) -> None:
-    if len(counts) <= index:
-        counts.extend([0] * (index + 1 - len(counts)))
-    counts[index] += 1
 
 
 @dataclass(frozen=True)
@@ -211,7 +149,11 @@ class SpeculativeRequest:
         old_client, old_session = self.target, self._target_session
         with self.telemetry.span(SPAN_TARGET_RECOVER, {A_FAILED_REPLICA: self.lease.replica.address}) as span:
             self._target_session = None
-            session, cost = await self.lease.reopen(self._open_request(), self.spec.deadline, cause)
+            start = time.perf_counter()
+            try:
+                session, cost = await self.lease.reopen(self._open_request(), self.spec.deadline, cause)
+            finally:
+                self.stats.prefill_time_s += time.perf_counter() - start
             span.set_attribute(A_RECOVERED_ON, self.lease.replica.address)
         if old_session is not None:  # if its replica still lives, the session must not wait for expiry
             self._close_later(old_client, old_session)
@@ -270,7 +212,10 @@ class SpeculativeRequest:
         # failure is raised once both calls have ended, so close() sees every
         # session that was opened.
         opens = [self._open_target()] + ([self._open_draft()] if self.spec.speculate else [])
-        for outcome in await asyncio.gather(*opens, return_exceptions=True):
+        start = time.perf_counter()
+        outcomes = await asyncio.gather(*opens, return_exceptions=True)
+        self.stats.prefill_time_s += time.perf_counter() - start
+        for outcome in outcomes:
             if isinstance(outcome, Unavailable):
                 await self._recover_target(outcome)
             elif isinstance(outcome, BaseException):
@@ -335,7 +280,9 @@ class SpeculativeRequest:
     async def _reopen_draft_if_due(self) -> None:
         if self.spec.speculate and self._draft_session is None:
             if self._draft_down_since is None or time.monotonic() - self._draft_down_since >= self.settings.draft_retry_s:
+                start = time.perf_counter()
                 await self._open_draft()
+                self.stats.prefill_time_s += time.perf_counter() - start
 
     async def _propose(self, k: int) -> tuple[list, float, float]:
         """(drafts, wall seconds, draft compute seconds)"""
@@ -431,7 +378,7 @@ class SpeculativeRequest:
             return accept_greedy(ids, list(result.argmax_token_ids))
         outcome = VerifyOutcome(target_probs=list(result.target_probs),
                                 recovery_ids=list(result.recovery_token_ids), bonus_id=result.bonus_token_id)
-        q_of_x = [SparseDist.from_lists(d.q.token_ids, d.q.probs).prob(d.token_id) for d in drafts]
+        q_of_x = [prob_of(d.q.token_ids, d.q.probs, d.token_id) for d in drafts]
         return accept_sampled(ids, q_of_x, outcome, self.spec.seed, first_position=len(self.history))
 
     def _advance_prefixes(self, k: int, accepted: int) -> None:

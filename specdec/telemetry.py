@@ -18,11 +18,12 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
+from opentelemetry import context as context_api
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.metrics import NoOpMeterProvider
 from opentelemetry.propagate import extract, inject
-from opentelemetry.trace import INVALID_SPAN, Link, SpanKind
+from opentelemetry.trace import INVALID_SPAN, Link, SpanKind, Status, StatusCode
 
 from specdec.metrics import Metrics
 
@@ -111,6 +112,31 @@ A_LENGTH = "specdec.length"  # session length after the call
 _NO_SPAN = nullcontext(INVALID_SPAN)
 
 
+class _CurrentSpan:
+    """`tracer.start_as_current_span` as a plain class: the span is current
+    inside, an exception is recorded and sets ERROR, the span ends on exit.
+    The SDK's version nests two generator context managers, a measurable
+    part of a span's cost on a round's hot path (`specd overhead`)."""
+
+    __slots__ = ("span", "_token")
+
+    def __init__(self, span):
+        self.span = span
+
+    def __enter__(self):
+        self._token = context_api.attach(trace.set_span_in_context(self.span))
+        return self.span
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        context_api.detach(self._token)
+        # Like the SDK: only Exceptions (a GeneratorExit or a cancellation is not an error).
+        if isinstance(exc, Exception) and self.span.is_recording():
+            self.span.record_exception(exc)
+            self.span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
+        self.span.end()
+        return False
+
+
 # ---------------------------------------------------------------- settings
 
 def _exporter_names(var: str, signal: str, env: Mapping[str, str]) -> tuple[str, ...]:
@@ -175,8 +201,8 @@ class Telemetry:
         `parent` (a Context) overrides the current one."""
         if not self.tracing:
             return _NO_SPAN
-        return self.tracer.start_as_current_span(name, context=parent, kind=kind, attributes=attributes,
-                                                 links=links)
+        return _CurrentSpan(self.tracer.start_span(name, context=parent, kind=kind, attributes=attributes,
+                                                   links=links))
 
     def server_span(self, name: str, metadata, attributes: Mapping | None = None):
         """The span of an RPC handler, child of the caller's span when the
@@ -184,7 +210,8 @@ class Telemetry:
         if not self.tracing:
             return _NO_SPAN
         parent = extract({key: value for key, value in metadata or ()})
-        return self.tracer.start_as_current_span(name, context=parent, kind=SpanKind.SERVER, attributes=attributes)
+        return _CurrentSpan(self.tracer.start_span(name, context=parent, kind=SpanKind.SERVER,
+                                                   attributes=attributes))
 
     @staticmethod
     def inject(carrier: dict) -> None:

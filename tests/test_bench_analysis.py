@@ -142,6 +142,13 @@ def test_time_split_definitions():
     assert ts["draft_s"] == pytest.approx(4.8) and ts["target_s"] == pytest.approx(3.0)
     assert ts["other_s"] == pytest.approx(11 - 4.8 - 3.0)
     assert ts["draft_share"] + ts["target_share"] + ts["other_share"] == pytest.approx(1.0)
+    assert ts["prefill_s"] == 0.0  # records from before prefill was reported
+    # the session opens are model time, reported on their own, not in other
+    with_prefill = A.time_split(A.pool_stats([_stats(prefill_time_s=0.5), _stats(prefill_time_s=0.25)]))
+    assert with_prefill["prefill_s"] == pytest.approx(0.75)
+    assert with_prefill["other_s"] == pytest.approx(11 - 4.8 - 3.0 - 0.75)
+    assert (with_prefill["draft_share"] + with_prefill["target_share"] + with_prefill["prefill_share"]
+            + with_prefill["other_share"]) == pytest.approx(1.0)
     assert ts["draft_compute_reported"]
     # an orchestrator that does not report the draft's compute: the propose RPC time stands in
     old = A.time_split(A.pool_stats([_stats(draft_compute_time_s=0.0)]))

@@ -97,6 +97,8 @@ def test_final_statistics_are_consistent(greedy_system):
     assert st.completion_tokens == st.accepted_tokens + st.rounds
     assert st.acceptance_rate == pytest.approx(st.accepted_tokens / st.proposed_tokens)
     assert st.time_to_first_token_s > 0 and st.tokens_per_second > 0 and st.wire_bytes > 0
+    # The prefills come before the first token, and within the request.
+    assert 0 < st.prefill_time_s < st.time_to_first_token_s <= st.duration_s
     assert st.k.max <= 3
     # Rounds with k = 3 that did not accept all three ended in a rejection;
     # capped rounds (k < 3 near max_tokens) may add more.

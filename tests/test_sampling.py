@@ -19,6 +19,7 @@ from specdec.sampling import (
     densify,
     draw_draft,
     logits_to_probs,
+    prob_of,
     random_seed,
     sample,
     sample_dense,
@@ -294,6 +295,30 @@ def test_validate_sparse_accepts_and_builds_and_checks_the_drafted_token():
         validate_sparse([3, 7], [0.25, 0.75], vocab_size=10, drafted_id=5)
     with pytest.raises(ValueError, match="drafted token 3"):
         validate_sparse([3, 7], [0.0, 1.0], vocab_size=10, drafted_id=3)
+
+
+def test_validate_sparse_builds_the_exact_float32_values_and_refuses_bad_ids():
+    probs = [0.1, 0.2, 0.7000001]  # not float32 values: rounded as the tensor path rounds them
+    dist = validate_sparse([5, 6, 9], probs, vocab_size=10)
+    assert torch.equal(dist.probs, torch.tensor(probs, dtype=torch.float32))
+    assert dist.token_ids.dtype == torch.int64 and dist.token_ids.tolist() == [5, 6, 9]
+    with pytest.raises(ValueError, match="token id 10 outside"):
+        validate_sparse([5, 10], [0.5, 0.5], vocab_size=10)
+    with pytest.raises(ValueError, match="token id -1 outside"):
+        validate_sparse([-1, 4], [0.5, 0.5], vocab_size=10)
+    with pytest.raises(ValueError, match="negative"):
+        validate_sparse([1, 2], [1.5, -0.5], vocab_size=10)
+
+
+def test_prob_of_equals_the_sparse_dist_it_stands_for():
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(200):
+        n = int(torch.randint(1, 40, (1,), generator=gen))
+        ids = torch.randperm(500, generator=gen)[:n].tolist()
+        dist = truncate(torch.rand(500, generator=gen) ** 4, n)
+        ids, probs = dist.to_lists()
+        for x in (ids[0], ids[-1], 501):
+            assert prob_of(ids, probs, x) == pytest.approx(dist.prob(x), rel=1e-15, abs=0)
 
 
 def test_sparse_dist_prob_densify_and_wire_round_trip():

@@ -248,7 +248,8 @@ def efficiency(measured_speedup: float | None, expected_speedup: float | None) -
 
 SUMMED_STATS = ("completion_tokens", "prompt_tokens", "rounds", "proposed_tokens", "accepted_tokens",
                 "fallback_rounds", "draft_time_s", "verify_time_s", "target_compute_time_s",
-                "draft_compute_time_s", "wire_bytes", "round_trips", "pipelined_rounds", "duration_s")
+                "draft_compute_time_s", "wire_bytes", "round_trips", "pipelined_rounds", "duration_s",
+                "prefill_time_s")
 
 
 def _add_lists(total: list[int], more: Sequence[int]) -> None:
@@ -295,8 +296,12 @@ def time_split(pooled: dict) -> dict:
     the orchestrator does not report it, the propose time it measured,
     draft_time_s, network included, and draft_compute_reported is False);
     target = the target service's verify compute (target_compute_time_s);
-    other = network + orchestration = duration − draft − target: gRPC and
-    serialization, the verify batcher's window, session opens and closes,
+    prefill = the session opens the request waited for (prefill_time_s: both
+    services' prefills, run at once, and any re-open): model time, reported
+    on its own (0 in records from before the orchestrator counted it, which
+    then sit in other);
+    other = network + orchestration = duration − draft − target − prefill:
+    gRPC and serialization, the verify batcher's window, session closes,
     acceptance, and any added network delay. Shares are of the summed
     duration; with pipelined drafting draft and target overlap, so other is
     floored at 0.
@@ -305,11 +310,13 @@ def time_split(pooled: dict) -> dict:
     reported = (pooled.get("draft_compute_time_s") or 0.0) > 0 or not pooled.get("proposed_tokens")
     draft = (pooled.get("draft_compute_time_s") or 0.0) if reported else (pooled.get("draft_time_s") or 0.0)
     target = pooled.get("target_compute_time_s") or 0.0
-    other = max(0.0, duration - draft - target)
+    prefill = pooled.get("prefill_time_s") or 0.0
+    other = max(0.0, duration - draft - target - prefill)
     return {
-        "draft_s": draft, "target_s": target, "other_s": other, "duration_s": duration,
+        "draft_s": draft, "target_s": target, "prefill_s": prefill, "other_s": other, "duration_s": duration,
         "draft_share": ratio(draft, duration), "target_share": ratio(target, duration),
-        "other_share": ratio(other, duration), "draft_compute_reported": reported,
+        "prefill_share": ratio(prefill, duration), "other_share": ratio(other, duration),
+        "draft_compute_reported": reported,
         "draft_rpc_s": pooled.get("draft_time_s") or 0.0, "verify_rpc_s": pooled.get("verify_time_s") or 0.0,
     }
 

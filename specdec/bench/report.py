@@ -72,7 +72,8 @@ def _split(run: dict) -> str:
     if not ts or run["policy"] == "none" and not ts.get("duration_s"):
         return "-"
     mark = "" if ts["draft_compute_reported"] else "*"
-    return f"{_pct(ts['draft_share'])}{mark} / {_pct(ts['target_share'])} / {_pct(ts['other_share'])}"
+    prefill = _pct(ts.get("prefill_share") or 0.0)  # records from before prefill was reported: 0
+    return f"{_pct(ts['draft_share'])}{mark} / {_pct(ts['target_share'])} / {prefill} / {_pct(ts['other_share'])}"
 
 
 def _pipelined(run: dict) -> str:
@@ -93,7 +94,7 @@ def _identical(run: dict) -> str:
 
 MAIN_HEADER = ["config", "tok/s", "vs target-only", "vs HF assisted", "TTFT s", "p50 ms/tok", "p95 ms/tok",
                "acceptance", "tokens/round", "expected speedup", "efficiency",
-               "draft / target / other %", "B/token", "round trips/token", "pipelined rounds",
+               "draft / target / prefill / other %", "B/token", "round trips/token", "pipelined rounds",
                "peak MB (target / draft / orch)", "identical"]
 
 
@@ -233,10 +234,11 @@ DEFINITIONS = (
     "TTFT: client-side time from sending the request to the first token; p50/p95 ms/tok: per-token latency "
     "after the first chunk (a chunk of n tokens dt after the previous one gives n samples of dt/n).",
     "acceptance: accepted drafts / drafted tokens; tokens/round: emitted tokens / rounds (all rounds).",
-    "draft / target / other %: shares of the orchestrator's request time: the draft service's forward time "
-    "(draft_compute_time_s; * = not reported, the propose RPC time instead), the target's verify compute "
-    "(target_compute_time_s), and the rest = network + orchestration (gRPC, batching window, session "
-    "open/close, acceptance, added network delay).",
+    "draft / target / prefill / other %: shares of the orchestrator's request time: the draft service's "
+    "forward time (draft_compute_time_s; * = not reported, the propose RPC time instead), the target's verify "
+    "compute (target_compute_time_s), the session opens the request waited for (prefill_time_s: both "
+    "prefills at once, re-opens included; model time, not overhead), and the rest = network + orchestration "
+    "(gRPC, batching window, session close, acceptance, added network delay).",
     "α̂: per-draft acceptance MLE = accepted / (accepted + rounds ending in a rejection), with the "
     "rejections counted by the orchestrator (GenerateStats.rejected_rounds); for records without that count, "
     "the rejections of smaller rounds are estimated from the k histogram (analysis.estimate_alpha).",

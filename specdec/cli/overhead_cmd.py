@@ -20,13 +20,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import asyncio
-
     import torch
 
+    from specdec import eventloop
     from specdec.bench.overhead import measure, report
 
     torch.set_num_threads(args.threads)
-    figures = asyncio.run(measure(args.reps, args.num_draft_tokens))
+    figures = eventloop.run(measure(args.reps, args.num_draft_tokens))
     print(report(figures, args.reps))
     return 0

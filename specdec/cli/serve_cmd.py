@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import logging
 import sys
 
+from specdec import eventloop
 from specdec.config import add_arguments, from_args
 from specdec.engine.config import EngineConfig
 from specdec.errors import SpecdecError
@@ -52,7 +52,7 @@ def register(sub) -> None:
 
 def _run(coro) -> int:
     try:
-        asyncio.run(coro)
+        eventloop.run(coro)
     except (SpecdecError, ValueError, OSError) as exc:
         print(f"specd: {exc}", file=sys.stderr)
         return 1

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import functools
 import logging
+import math
 import signal
+import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -19,6 +20,8 @@ log = logging.getLogger(__name__)
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+# The longest job EngineWorker.run_short runs on the event loop, seconds.
+INLINE_MAX_S = 0.005
 
 
 @dataclass
@@ -42,28 +45,77 @@ class ServerConfig:
 class EngineWorker:
     """Runs blocking model work on one dedicated thread, off the event loop,
     so health checks and other calls are answered during a forward pass. One
-    thread also serializes access to the (not thread-safe) engine."""
+    thread also serializes access to the (not thread-safe) engine.
 
-    def __init__(self, name: str = "engine"):
+    A hand-off to the thread and back costs two thread wake-ups (a futex,
+    then the loop's self-pipe): on a busy host that is a large part of a
+    cheap call. So short jobs run right on the event loop when the engine is
+    idle (`run_short`, `run_quick`): the loop is then blocked for at most
+    about `inline_max_s`, no longer than Python's own GIL switch interval.
+    """
+
+    def __init__(self, name: str = "engine", inline_max_s: float = INLINE_MAX_S):
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
-        self._pending = 0  # jobs submitted and not yet awaited back; touched on the event loop only
+        # Jobs handed to the thread, jobs the thread has finished, and jobs
+        # cancelled before they started: each written by one thread only (the
+        # loop, the engine thread, the loop), so `idle` needs no lock; a job
+        # whose caller was cancelled while it ran counts until it ends.
+        self._submitted = 0
+        self._finished = 0
+        self._cancelled = 0
+        self.inline_max_s = inline_max_s
+        self._last_s: dict[object, float] = {}  # the last duration of each kind of short job
+
+    @property
+    def idle(self) -> bool:
+        """No job is queued or running on the engine thread."""
+        return self._submitted == self._finished + self._cancelled
+
+    def _job(self, fn: Callable, args, kwargs):
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self._finished += 1
 
     async def run(self, fn: Callable, *args, **kwargs):
-        loop = asyncio.get_running_loop()
-        self._pending += 1
+        self._submitted += 1
         try:
-            return await loop.run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
-        finally:
-            self._pending -= 1
+            future = self._pool.submit(self._job, fn, args, kwargs)
+        except BaseException:
+            self._cancelled += 1
+            raise
+        future.add_done_callback(self._count_cancelled)
+        return await asyncio.wrap_future(future)
+
+    def _count_cancelled(self, future: concurrent.futures.Future) -> None:
+        if future.cancelled():  # then this runs in the thread that cancelled it: the loop's
+            self._cancelled += 1
 
     async def run_quick(self, fn: Callable, *args, **kwargs):
         """For O(1) bookkeeping (a rollback, a close): run it right here on
         the event loop when no job is queued or running, which saves the two
         thread hand-offs of `run` (most of a no-op call's cost); otherwise
         queue it behind the others like `run`, so calls keep their order."""
-        if self._pending == 0:
+        if self.idle:
             return fn(*args, **kwargs)
         return await self.run(fn, *args, **kwargs)
+
+    async def run_short(self, kind: object, fn: Callable, *args, **kwargs):
+        """A job that is often short (one round's verify, one round's k draft
+        steps on a small model or a fast GPU): run on the event loop when the
+        engine is idle and the last job of this `kind` took at most
+        `inline_max_s`; on the thread otherwise (and the first time, to learn
+        what it costs). Order is kept: an idle engine has nothing queued."""
+        if not (self.idle and self._last_s.get(kind, math.inf) <= self.inline_max_s):
+            return await self.run(self._timed, kind, fn, *args, **kwargs)
+        return self._timed(kind, fn, *args, **kwargs)
+
+    def _timed(self, kind: object, fn: Callable, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self._last_s[kind] = time.perf_counter() - start
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -16,6 +16,7 @@ divide by the same sum.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -69,6 +70,19 @@ class SparseDist:
         if token_id not in ids:
             return 0.0
         return self.normalized()[ids.index(token_id)].item()
+
+
+def prob_of(token_ids: Sequence[int], probs: Sequence[float], token_id: int) -> float:
+    """`SparseDist.from_lists(token_ids, probs).prob(token_id)` without
+    building tensors: q(x) for the orchestrator's accept test, from the wire's
+    float32 values. The sum is exactly rounded (math.fsum), so it may differ
+    from the tensor sum in the last bit of a float64, far below anything the
+    accept test can see."""
+    ids = list(token_ids)
+    if token_id not in ids:
+        return 0.0
+    ps = list(probs)
+    return ps[ids.index(token_id)] / math.fsum(ps)
 
 
 def truncate(probs_row: torch.Tensor, max_tokens: int) -> SparseDist:
@@ -164,28 +178,28 @@ def validate_sparse(
 
     drafted_id, if given, must lie in the support with probability > 0: a draft
     cannot have sampled a token its own q gives no mass.
+
+    The checks run on Python lists: a q is a few dozen entries, and a dozen
+    tensor ops per q cost more than the target's forward pass on a small model
+    (they were most of what a sampled round spent beyond a greedy one).
     """
-    ids = torch.as_tensor(token_ids, dtype=torch.int64).reshape(-1)
-    ps = torch.as_tensor(probs, dtype=torch.float32).reshape(-1)
-    if ids.numel() != ps.numel():
-        raise ValueError(
-            f"sparse distribution has {ids.numel()} token ids but {ps.numel()} probabilities"
-        )
-    if ids.numel() == 0:
+    ids_t = torch.as_tensor(token_ids, dtype=torch.int64).reshape(-1)
+    ps_t = torch.as_tensor(probs, dtype=torch.float32).reshape(-1)
+    ids, ps = ids_t.tolist(), ps_t.tolist()  # ps: the float32 values, exactly
+    if len(ids) != len(ps):
+        raise ValueError(f"sparse distribution has {len(ids)} token ids but {len(ps)} probabilities")
+    if not ids:
         raise ValueError("sparse distribution is empty")
-    bad = ids[(ids < 0) | (ids >= vocab_size)]
-    if bad.numel():
-        raise ValueError(
-            f"sparse distribution has token id {bad[0].item()} outside [0, {vocab_size})"
-        )
-    if torch.unique(ids).numel() != ids.numel():
+    for token in ids:
+        if not 0 <= token < vocab_size:
+            raise ValueError(f"sparse distribution has token id {token} outside [0, {vocab_size})")
+    if len(set(ids)) != len(ids):
         raise ValueError("sparse distribution has duplicate token ids")
-    if not bool(torch.isfinite(ps).all()) or bool((ps < 0).any()):
+    if not all(math.isfinite(p) and p >= 0 for p in ps):
         raise ValueError("sparse distribution has a negative, NaN or infinite probability")
-    total = ps.double().sum().item()
+    total = math.fsum(ps)
     if abs(total - 1.0) > tol:
         raise ValueError(f"sparse distribution sums to {total:.6g}, not 1 (tolerance {tol})")
-    dist = SparseDist(ids, ps)
-    if drafted_id is not None and dist.prob(drafted_id) <= 0:
+    if drafted_id is not None and (drafted_id not in ids or ps[ids.index(drafted_id)] <= 0):
         raise ValueError(f"drafted token {drafted_id} has probability 0 under its own q")
-    return dist
+    return SparseDist(ids_t, ps_t)

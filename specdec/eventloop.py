@@ -1,0 +1,42 @@
+"""The event loop every role runs on: uvloop's (libuv; grpc.aio and uvicorn
+support it) when it is installed, asyncio's own otherwise or when
+SPECD_UVLOOP=off.
+
+A gRPC call crosses the event loop several times (the call, grpc's poller
+waking the loop, the reply); uvloop makes each crossing cheaper: a bare
+grpc.aio unary call on loopback measured 0.73 -> 0.53 ms on the 2-core dev VM
+(`specd overhead` prints which loop it ran on).
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Awaitable, TypeVar
+
+T = TypeVar("T")
+
+
+def _uvloop():
+    if os.environ.get("SPECD_UVLOOP", "on").strip().lower() in ("off", "0", "false", "no"):
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop
+
+
+def loop_name() -> str:
+    return "uvloop" if _uvloop() is not None else "asyncio"
+
+
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    uvloop = _uvloop()
+    return uvloop.new_event_loop() if uvloop is not None else asyncio.new_event_loop()
+
+
+def run(main: Awaitable[T]) -> T:
+    """`asyncio.run(main)` on the loop chosen above."""
+    with asyncio.Runner(loop_factory=new_event_loop) as runner:
+        return runner.run(main)
+
