@@ -58,3 +58,16 @@ def test_specd_overhead_prints_our_figures_against_bare_grpc(capsys):
     for figure in ("bare grpc.aio unary call", "no-op unary (target Rollback), tracing off",
                    "round overhead, greedy, k=4, tracing on", "tracing cost per round, T=0.7"):
         assert f"| {figure} |" in out
+
+
+def test_specd_overhead_wire_prints_bytes_per_token_and_verify_throughput(capsys):
+    from specdec.cli.main import main
+
+    assert main(["--log-level", "WARNING", "overhead", "--wire", "--reps", "5", "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split(" | ")[0].strip("| "): line for line in out.splitlines() if line.startswith("| ")}
+    greedy, sampled = rows["greedy"].split(" | "), rows["T=0.7"].split(" | ")
+    assert int(greedy[1]) == 0 and int(sampled[1]) > 0  # q entries: none under greedy
+    assert int(sampled[6]) > int(greedy[6]) > 0  # the round's bytes: q costs bytes
+    assert "**" in greedy[-1] and "Verify throughput through the server" in out
+    assert [line.split(" | ")[1] for line in out.splitlines() if line.startswith("| tiny (fp32)")] == ["1", "4", "16"]
