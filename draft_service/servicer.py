@@ -26,6 +26,7 @@ class DraftServicer(SessionServicer, draft_pb2_grpc.DraftServiceServicer):
     @grpc_errors.stream
     async def Propose(self, request, context):
         with self._span(request, context) as span:
+            self.steps.note_caller(request.session_id)
             stream = await self._start(request)
             sent = 0
             # Each step is one forward pass on the engine thread, shared with
@@ -43,7 +44,8 @@ class DraftServicer(SessionServicer, draft_pb2_grpc.DraftServiceServicer):
         other stream shares them (`DraftStepBatcher.collect`)."""
         request = request.propose
         with self._span(request, context) as span:
-            drafts = await self.steps.start_and_collect(functools.partial(_validate, self.backend, request))
+            drafts = await self.steps.start_and_collect(functools.partial(_validate, self.backend, request),
+                                                        request.session_id)
             span.set_attribute(A_TOKENS, len(drafts))
         return draft_pb2.ProposeAllResponse(drafts=[_to_wire(draft, seconds) for draft, seconds in drafts])
 

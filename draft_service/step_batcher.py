@@ -20,6 +20,10 @@ from draft_service.drafters import DraftStream, DraftToken
 
 log = logging.getLogger(__name__)
 
+# A session whose Propose came within this many seconds of another session's
+# may be drafting beside it: its steps go where they can share passes.
+ALONE_S = 1.0
+
 
 class DraftStepBatcher:
     def __init__(self, worker, drafter, max_batch: int = 64):
@@ -30,6 +34,7 @@ class DraftStepBatcher:
         self._driver: asyncio.Task | None = None
         self._collecting: set[DraftStream] = set()  # streams whose caller wants all tokens at once
         self._arrivals = 0  # streams registered so far; a job of several steps stops when it moves
+        self._recent: dict[str, float] = {}  # session id -> when it last asked for drafts (note_caller)
         self.passes = 0  # forward passes run (for tests and metrics)
         self.steps = 0  # draft tokens made
 
@@ -64,18 +69,36 @@ class DraftStepBatcher:
         finally:
             self._collecting.discard(stream)
 
-    async def start_and_collect(self, start) -> list[tuple[DraftToken, float]]:
+    def note_caller(self, session_id: str) -> bool:
+        """Note that `session_id` asks for drafts now; True when no other
+        session did in the last `ALONE_S` seconds (then no other request is
+        drafting, and there are no passes to share)."""
+        now = time.monotonic()
+        self._recent[session_id] = now
+        if len(self._recent) > 1:
+            for sid in [sid for sid, t in self._recent.items() if t < now - ALONE_S]:
+                del self._recent[sid]
+        return len(self._recent) == 1
+
+    async def start_and_collect(self, start, session_id: str = "") -> list[tuple[DraftToken, float]]:
         """`collect(start())`, where `start` makes the DraftStream on the
         engine thread. With no other stream active, the start and the steps
-        run as ONE job: on the event loop itself when such jobs are short
-        (`EngineWorker.run_short`: no hand-off at all), else one engine-thread
-        job, which a stream arriving meanwhile stops after its current step,
-        the rest of the call then joining the shared passes."""
+        run as ONE engine-thread job, which a stream arriving meanwhile stops
+        after its current step, the rest of the call then joining the shared
+        passes. When no other session has asked for drafts lately
+        (`note_caller`), nothing could share them: the job runs on the event
+        loop itself if such jobs are short (`EngineWorker.run_short`), which
+        saves the two thread hand-offs."""
+        alone = self.note_caller(session_id)
         if self._active:
             return await self.collect(await self.worker.run(start))
         arrivals = self._arrivals
-        stream, steps = await self.worker.run_short("propose", _start_and_step, start, self.drafter.step_many,
-                                                    lambda: self._arrivals == arrivals)
+        more = lambda: self._arrivals == arrivals  # noqa: E731
+        if alone:
+            stream, steps = await self.worker.run_short("propose", _start_and_step, start, self.drafter.step_many,
+                                                        more)
+        else:
+            stream, steps = await self.worker.run(_start_and_step, start, self.drafter.step_many, more)
         tokens = []
         for (result,), seconds in steps:
             self.passes += 1

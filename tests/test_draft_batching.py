@@ -105,3 +105,19 @@ def test_more_streams_than_a_pass_holds_all_finish_with_their_own_drafts(peaked_
             results = dict(pool.map(lambda sid: (sid, [d.token_id for d in propose(stub, sid, 5, keep=keep[sid])]),
                                     sids))
         assert results == expected
+
+
+def test_a_session_drafting_alone_is_told_so_until_another_session_drafts(monkeypatch):
+    """Only a session with no other drafting beside it may run its steps on
+    the event loop (nothing could share its passes)."""
+    import draft_service.step_batcher as sb
+
+    now = [100.0]
+    monkeypatch.setattr(sb.time, "monotonic", lambda: now[0])
+    batcher = sb.DraftStepBatcher(worker=None, drafter=None)
+    assert batcher.note_caller("a") and batcher.note_caller("a")
+    now[0] += 0.5
+    assert not batcher.note_caller("b")  # a drafted half a second ago
+    assert not batcher.note_caller("a")
+    now[0] += sb.ALONE_S + 0.1
+    assert batcher.note_caller("b")  # a has been quiet long enough

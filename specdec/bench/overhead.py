@@ -279,12 +279,15 @@ async def measure(reps: int, k: int) -> Figures:
             bare_server, bare_port = bg.run(start_bare_server())
             calls, close_bare = await bare_calls(bare_port)
             for tracing in (False, True):
-                stack = start_stack(bg, tracing, Path(trace_dir))
-                stacks.append(stack)
                 prefix = "traced" if tracing else "plain"
-                calls |= await noop_call(stack, prefix)
+                # One stack per kind of round: each draft service then serves
+                # one request, as in a single stream (a draft service serving
+                # several shares its steps between them: draft_service/step_batcher.py).
                 for sampling in ("greedy", "T=0.7"):
+                    stack = start_stack(bg, tracing, Path(trace_dir))
+                    stacks.append(stack)
                     calls |= await round_calls(stack, sampling, k, prefix)
+                calls |= await noop_call(stack, prefix)
             medians = await interleave(calls, reps)
             await close_bare()
             for stack in stacks:
