@@ -40,7 +40,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from orchestrator.batcher import VerifyBatcher
 from orchestrator.downstream import CallCost, DraftClient, TargetClient, open_request
-from orchestrator.gamma_policy import GammaPolicy, RoundObservation, acceptance_estimate
+from orchestrator.gamma_policy import GammaPolicy, RoundObservation, acceptance_estimate, round_observation
 from orchestrator.pipelining import AheadDecision, Pipeline, draft_ahead_length
 from orchestrator.request_stats import RequestSpec, RequestStats
 from specdec.errors import DeadlineExceeded, NotFound, Unavailable
@@ -394,24 +394,13 @@ class SpeculativeRequest:
         self.stats.record_round(k, accepted)
         if self.spec.speculate:
             self.telemetry.metrics.record_round(k_chosen, k, accepted)
-        last = self._last_obs
-        if k and draft_time == 0 and last is not None and last.k:
-            # Pipelined drafts: their cost was hidden; the policy models an
-            # unpipelined round, so it learns the draft's last measured costs
-            # (per token, scaled to this k).
-            draft_compute = (last.draft_compute_s or last.draft_time_s) / last.k * k
-            draft_time = last.draft_rtt_s + draft_compute
         # The whole cycle since the previous round was observed (its tokens
         # streamed to the client included), less the two calls.
         now = time.perf_counter()
         cycle = now - self._last_round_end if self._last_round_end is not None else 0.0
         self._last_round_end = now
-        obs = RoundObservation(
-            k=k, accepted=accepted, draft_time_s=draft_time, verify_time_s=reply.rtt_s,
-            verify_compute_s=reply.compute_s, batch_size=max(1, reply.batch_size),
-            draft_rtt_s=max(0.0, draft_time - draft_compute), target_rtt_s=max(0.0, reply.rtt_s - reply.compute_s),
-            draft_compute_s=draft_compute, overhead_s=max(0.0, cycle - draft_time - reply.rtt_s) if cycle else 0.0,
-        )
+        obs = round_observation(k, accepted, draft_time, draft_compute, reply.rtt_s, reply.compute_s,
+                                reply.batch_size, cycle, self._last_obs)
         self.policy.observe(obs)
         if k:
             self._last_obs = obs
