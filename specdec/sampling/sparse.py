@@ -174,10 +174,11 @@ def densify_many(
     dense = torch.zeros(len(dists), vocab_size, dtype=torch.float32, device=device)
     if not dists:
         return dense
-    rows = torch.cat([torch.full((len(d),), r, dtype=torch.int64) for r, d in enumerate(dists)])
-    cols = torch.cat([d.token_ids for d in dists])
-    vals = torch.cat([d.normalized().float() for d in dists])
-    dense[rows.to(device), cols.to(device)] = vals.to(device)
+    rows = torch.cat([torch.full((len(d),), r, dtype=torch.float64) for r, d in enumerate(dists)])
+    cols = torch.cat([d.token_ids for d in dists]).double()  # ids < 2**53: exact
+    vals = torch.cat([d.normalized().float() for d in dists]).double()  # float32 values: exact
+    staged = torch.stack([rows, cols, vals]).to(device, non_blocking=True)  # no sync on a GPU
+    dense[staged[0].long(), staged[1].long()] = staged[2].float()
     return dense
 
 

@@ -1,7 +1,10 @@
-"""The draft's batched sampling (specdec/sampling/draft_picks.py): every row's
-pick equals the one-row path (`truncate` + `draw_draft`, or the argmax), a
-row picks the same whatever it is batched with, and a row without mass fails
-alone."""
+"""Sampling done where the logits are, one transfer per step.
+
+The draft's batched picks (specdec/sampling/draft_picks.py): every row's pick
+equals the one-row path (`truncate` + `draw_draft`, or the argmax), a row
+picks the same whatever it is batched with, and a row without mass fails
+alone. The target's batched scoring (`rejection.score_many`): each job's
+outcome equals its own `score_drafts`, in any batch."""
 from __future__ import annotations
 
 import pytest
@@ -9,7 +12,7 @@ import torch
 
 from specdec.sampling.draft_picks import DraftRow, NoMass, pick_drafts
 from specdec.sampling.params import SamplingParams
-from specdec.sampling.rejection import draw_draft
+from specdec.sampling.rejection import NoTargetMass, ScoreJob, draw_draft, score_drafts, score_many
 from specdec.sampling.sparse import truncate
 from specdec.sampling.transform import argmax_tokens, logits_to_probs
 
@@ -103,3 +106,53 @@ def test_on_a_gpu_a_step_syncs_once_and_picks_what_the_cpu_picks():
     assert len(syncs) == 1, [str(w.message) for w in syncs]
     cpu = pick_drafts(logits, rows, 32)
     assert [p.token_id for p in picks] == [p.token_id for p in cpu]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_a_verify_batch_syncs_once():
+    jobs = [ScoreJob(j.target_logits.cuda(), *[getattr(j, f) for f in
+            ("draft_ids", "draft_q", "params", "seed", "first_position")]) for j in score_jobs(seed=8)]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with pytest.warns(UserWarning) as caught:
+            outcomes = score_many(jobs)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert len([w for w in caught if "synchroniz" in str(w.message)]) == 1
+    assert [o.bonus_id for o in outcomes] == [o.bonus_id for o in score_many(score_jobs(seed=8))]
+
+
+def score_jobs(seed: int) -> list[ScoreJob]:
+    jobs = []
+    for j, (params, k) in enumerate([(PARAMS[0], 3), (PARAMS[1], 4), (PARAMS[3], 0), (PARAMS[0], 0),
+                                     (PARAMS[5], 2), (PARAMS[1], 1)]):
+        logits = logits_rows(k + 1, seed=seed + j)
+        rows = [DraftRow(params, seed=j, position=30 + i) for i in range(k)]
+        picks = pick_drafts(logits_rows(max(k, 1), seed=seed + 100 + j)[:k], rows, 8) if k else []
+        jobs.append(ScoreJob(logits, [p.token_id for p in picks], [] if params.greedy else [p.q for p in picks],
+                             params, seed=j, first_position=30))
+    return jobs
+
+
+def test_a_verify_batch_scores_each_session_as_alone():
+    jobs = score_jobs(seed=21)
+    together = score_many(jobs)
+    for job, outcome in zip(jobs, together):
+        assert outcome == score_drafts(job.target_logits, job.draft_ids, job.draft_q, job.params, job.seed,
+                                       job.first_position)
+    assert score_many(jobs[3:] + jobs[:3]) == together[3:] + together[:3]
+    assert score_many([]) == []
+
+
+def test_a_target_row_without_mass_fails_its_job_alone():
+    jobs = score_jobs(seed=4)
+    broken = ScoreJob(torch.full_like(jobs[1].target_logits, float("nan")), *[getattr(jobs[1], f) for f in
+                      ("draft_ids", "draft_q", "params", "seed", "first_position")])
+    out = score_many([jobs[0], broken, jobs[4]])
+    assert isinstance(out[1], NoTargetMass)
+    assert out[0] == score_many([jobs[0]])[0] and out[2] == score_many([jobs[4]])[0]
+    with pytest.raises(NoTargetMass):
+        score_drafts(broken.target_logits, broken.draft_ids, broken.draft_q, broken.params, broken.seed,
+                     broken.first_position)
