@@ -22,14 +22,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterator, Protocol, Sequence
 
+import torch
+
 from specdec.engine.engine import EngineInfo, ExtendItem, ModelEngine
 from specdec.engine.sessions import ContextRules, Session, SessionTable, new_session_id
 from specdec.errors import OutOfRange
 from specdec.limits import DEFAULT_MAX_DRAFT_TOKENS, check_num_draft_tokens
 from specdec.rpc.model_service import EngineBackend, SessionMeta
-from specdec.sampling.rejection import draw_draft
-from specdec.sampling.sparse import SparseDist, truncate
-from specdec.sampling.transform import argmax_tokens, logits_to_probs
+from specdec.sampling.draft_picks import DraftPick, DraftRow, pick_drafts
+from specdec.sampling.sparse import SparseDist
 
 
 @dataclass(frozen=True)
@@ -151,30 +152,43 @@ class ModelDrafter(EngineBackend):
                 results[live[0]] = exc
                 return results
             # Safe to retry: a stream's first step (cut + append) is repeated
-            # whole until _take clears it.
+            # whole until _commit clears it.
             for i in live:
                 results[i] = self.step_many([streams[i]])[0]
             return results
-        for i, row in zip(live, logits):
+        sessions, rows, where = [], [], []
+        for i in live:
             try:
-                results[i] = self._take(streams[i], row)
+                session = self.engine.session(streams[i].session_id)
+            except Exception as exc:  # noqa: BLE001 - closed meanwhile: this stream's problem only
+                results[i] = exc
+                continue
+            sessions.append(session)
+            rows.append(DraftRow(session.meta.params, session.meta.seed, session.length))
+            where.append(i)
+        if not where:
+            return results
+        row_of = dict(zip(live, logits))
+        last = [row_of[i][-1:] for i in where]
+        try:  # one sampling pass for every stream of the step, one transfer to the host
+            picks = pick_drafts(torch.cat(last), rows, self.max_q_tokens)
+        except Exception:  # noqa: BLE001 - unexpected: isolate it, stream by stream
+            picks = [_pick_alone(row, r, self.max_q_tokens) for row, r in zip(last, rows)]
+        for i, session, pick in zip(where, sessions, picks):
+            try:
+                results[i] = self._commit(streams[i], session, pick)
             except Exception as exc:  # noqa: BLE001 - this stream's problem only
                 results[i] = exc
         return results
 
-    def _take(self, stream: DraftStream, logits) -> DraftToken:
-        session = self.engine.session(stream.session_id)
-        meta: SessionMeta = session.meta
-        position = session.length
-        if meta.params.greedy:
-            token, q = int(argmax_tokens(logits[-1:])[0]), None
-        else:
-            q = truncate(logits_to_probs(logits[-1:], meta.params)[0], self.max_q_tokens)
-            token = draw_draft(q, meta.seed, position)
-        self.engine.append_tokens(session.id, [token])
+    def _commit(self, stream: DraftStream, session, pick: DraftPick | Exception) -> DraftToken:
+        """Append a stream's drafted token to its session."""
+        if isinstance(pick, Exception):
+            raise pick
+        self.engine.append_tokens(session.id, [pick.token_id])
         stream.first = None
         stream.produced += 1
-        return DraftToken(index=stream.produced - 1, token_id=token, q=q, length=session.length)
+        return DraftToken(index=stream.produced - 1, token_id=pick.token_id, q=pick.q, length=session.length)
 
     def rollback(self, session_id, length):
         length = super().rollback(session_id, length)
@@ -189,6 +203,13 @@ class ModelDrafter(EngineBackend):
         stale = super().expire_idle(ttl_s)
         self._streams.release(*stale)
         return stale
+
+
+def _pick_alone(logits, row: DraftRow, max_q_tokens: int) -> DraftPick | Exception:
+    try:
+        return pick_drafts(logits, [row], max_q_tokens)[0]
+    except Exception as exc:  # noqa: BLE001 - reported as this stream's error
+        return exc
 
 
 class NgramDrafter:

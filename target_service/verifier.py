@@ -2,7 +2,8 @@
 
 `verify()` runs ONE forward pass over every valid item of a batch (sessions of
 different lengths and different k), then the target's half of rejection
-sampling per item (`specdec.sampling.rejection.score_drafts`). What goes back
+sampling for every item at once (`specdec.sampling.rejection.score_many`, one
+transfer to the host for the whole batch). What goes back
 is O(k) numbers per item, never a distribution. A bad item (expired session,
 malformed q, ...) gets its own error and does not fail the others.
 """
@@ -17,7 +18,7 @@ from specdec.engine.engine import ExtendItem, ModelEngine
 from specdec.errors import InvalidArgument, SpecdecError
 from specdec.limits import DEFAULT_MAX_DRAFT_TOKENS, check_num_draft_tokens
 from specdec.rpc.model_service import EngineBackend, SessionMeta
-from specdec.sampling.rejection import VerifyOutcome, sample_token, score_drafts
+from specdec.sampling.rejection import ScoreJob, VerifyOutcome, sample_token, score_many
 from specdec.sampling.sparse import SparseDist, validate_sparse
 from specdec.sampling.transform import argmax_tokens, logits_to_probs
 
@@ -74,8 +75,11 @@ class Verifier(EngineBackend):
                 results[i].error = exc
         if valid:
             logits = self.engine.extend([extend for _, extend, _ in valid])
-            for (i, extend, q), rows in zip(valid, logits):
-                results[i] = self._score(items[i], extend, q, rows)
+            jobs = [self._job(items[i], q, rows) for (i, _, q), rows in zip(valid, logits)]
+            for (i, _, _), (job, length), outcome in zip(valid, jobs, score_many([job for job, _ in jobs])):
+                if isinstance(outcome, Exception):
+                    raise outcome  # the model itself failed: not one item's fault
+                results[i] = VerifyItemResult(outcome=outcome, length=length)
         return VerifyBatchResult(items=results, batch_size=len(valid))
 
     def _check_item(self, item: VerifyRequestItem) -> tuple[ExtendItem, list[SparseDist]]:
@@ -101,12 +105,12 @@ class Verifier(EngineBackend):
                 raise InvalidArgument(f"draft_q[{i}]: {exc}") from None
         return dists
 
-    def _score(self, item, extend: ExtendItem, q: list[SparseDist], rows: torch.Tensor) -> VerifyItemResult:
+    def _job(self, item, q: list[SparseDist], rows: torch.Tensor) -> tuple[ScoreJob, int]:
+        """The scoring of one item, and its session's length after the Verify."""
         session = self.engine.session(item.session_id)
         meta: SessionMeta = session.meta
         first_position = session.length - len(item.drafts)  # x_1's index in the context
-        outcome = score_drafts(rows, list(item.drafts), q, meta.params, meta.seed, first_position)
-        return VerifyItemResult(outcome=outcome, length=session.length)
+        return ScoreJob(rows, list(item.drafts), q, meta.params, meta.seed, first_position), session.length
 
     # decode -------------------------------------------------------------------
 

@@ -82,14 +82,14 @@ def test_an_unexpected_error_in_one_streams_step_stays_with_that_stream(peaked_e
     drafter = ModelDrafter(peaked_engine)
     meta = SessionMeta(params=SamplingParams(0.0, 0, 1.0), seed=1)
     streams = [drafter.propose(drafter.open(p, meta, 16)[0], None, [], 3) for p in PROMPTS[:3]]
-    take = drafter._take
+    commit = drafter._commit
 
-    def flaky(stream, logits):
+    def flaky(stream, session, pick):
         if stream is streams[1]:
-            raise RuntimeError("a fault in one stream's sampling")
-        return take(stream, logits)
+            raise RuntimeError("a fault in one stream's step")
+        return commit(stream, session, pick)
 
-    monkeypatch.setattr(drafter, "_take", flaky)
+    monkeypatch.setattr(drafter, "_commit", flaky)
     results = drafter.step_many(streams)
     assert isinstance(results[1], RuntimeError)
     assert [r.index for r in (results[0], results[2])] == [0, 0]

@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 
 from specdec.bench.projection import (RoundCosts, best_projection, check_row, expected_tokens, projected_rate,
+                                      request_time,
                                       projection_table, round_cost)
 
 
@@ -50,3 +51,48 @@ def test_check_row_compares_projection_with_measurement():
     assert row["measured_speedup"] == pytest.approx(5.0 / 3.8)
     assert row["projected_speedup"] == pytest.approx(expected_tokens(0.85, 2) / 0.47 / 3.8)
     assert row["error"] == pytest.approx(row["projected_speedup"] / row["measured_speedup"] - 1)
+
+
+def test_a_short_request_pays_for_its_tail():
+    """k = 4 at α = 1 makes 16 tokens in rounds of 5, 5, 5 and 1 (the loop
+    drafts min(k, remaining − 1)): 4 rounds, the last one without drafts."""
+    c = RoundCosts(k=4, t_draft=0.002, t_verify=0.010, overhead=0.001)
+    assert request_time(c, 1.0, "one-gpu", 16) == pytest.approx(3 * c.sequential() + c.sequential(0))
+    assert projected_rate(c, 1.0, "one-gpu", request_tokens=16) == pytest.approx(16 / (3 * 0.019 + 0.011))
+    # α = 0: every round makes one token, drafting fewer as the end nears
+    assert request_time(c, 0.0, "one-gpu", 3) == pytest.approx(c.sequential(2) + c.sequential(1) + c.sequential(0))
+    # pipelined at α = 1: every round after the first starts from drafts made ahead
+    assert request_time(c, 1.0, "two-gpus-pipelined", 16) == pytest.approx(
+        c.sequential() + 2 * c.after_hit() + c.after_hit(0))
+
+
+@pytest.mark.parametrize("layout", ["one-gpu", "two-gpus-pipelined"])
+@pytest.mark.parametrize("alpha", [0.3, 0.8, 0.95])
+def test_long_requests_approach_the_steady_state(alpha, layout):
+    c = RoundCosts(k=4, t_draft=0.002, t_verify=0.010, overhead=0.001)
+    steady = projected_rate(c, alpha, layout)
+    assert projected_rate(c, alpha, layout, request_tokens=4000) == pytest.approx(steady, rel=2e-3)
+    # a short request makes fewer tokens per round; at low α the drafts its
+    # tail skips were mostly wasted anyway, so it can come out ahead
+    assert (projected_rate(c, alpha, layout, request_tokens=16) < steady) == (alpha > 0.5)
+
+
+def test_request_time_matches_a_simulation_of_the_loop():
+    """Monte Carlo of the loop's rule (k' = min(k, remaining − 1), a round makes
+    accepted + 1 tokens) against the dynamic programme."""
+    import random
+
+    c = RoundCosts(k=3, t_draft=0.002, t_verify=0.010, overhead=0.001)
+    rng = random.Random(7)
+    alpha, n, total = 0.7, 11, 0.0
+    trials = 20000
+    for _ in range(trials):
+        left = n
+        while left:
+            k = min(c.k, left - 1)
+            accepted = 0
+            while accepted < k and rng.random() < alpha:
+                accepted += 1
+            total += c.sequential(k)
+            left -= accepted + 1
+    assert request_time(c, alpha, "one-gpu", n) == pytest.approx(total / trials, rel=0.01)

@@ -23,8 +23,14 @@ only:
   k·t_d + t_v(k) + o as without pipelining:
   cost = h · max(t_v + o, (k+1)·t_d) + (1 − h) · (k·t_d + t_v + o).
 
-The projected rate is E / cost; the projected speedup divides it by the
-measured target-only rate of the same run. The same formulas at the
+The projected rate is E / cost in the steady state of a long request. A
+request of n tokens pays for its tail too: the loop drafts only
+k' = min(k, remaining − 1) tokens in a round, so a short request makes fewer
+tokens per round than E (k = 4 at α = 1 takes rounds of 5, 5, 5 and 1 for 16
+tokens: 4 per round, not 5). `request_time` follows that rule exactly, by
+dynamic programming over the tokens still to make, and `specd bench`
+projects for the mean request length of its own run. The projected speedup
+divides the rate by the measured target-only rate of the same run. The same formulas at the
 *measured* acceptance of a real pair give the figure that checks them
 (`check_row`): they should land within ±10% of the measured speedup.
 """
@@ -53,12 +59,15 @@ class RoundCosts:
     t_verify: float  # one verify of k + 1 tokens
     overhead: float  # per round, outside both models
 
-    def sequential(self) -> float:
-        return self.k * self.t_draft + self.t_verify + self.overhead
+    def sequential(self, k: int | None = None) -> float:
+        """A round drafting k tokens (default: this k), then verifying them."""
+        k = self.k if k is None else k
+        return k * self.t_draft + self.t_verify + self.overhead
 
-    def after_hit(self) -> float:
+    def after_hit(self, k: int | None = None) -> float:
         """A round whose drafts were made ahead during the previous verify."""
-        return max(self.t_verify + self.overhead, (self.k + 1) * self.t_draft)
+        k = self.k if k is None else k
+        return max(self.t_verify + self.overhead, (k + 1) * self.t_draft)
 
 
 def round_cost(costs: RoundCosts, alpha: float, layout: str) -> float:
@@ -70,8 +79,37 @@ def round_cost(costs: RoundCosts, alpha: float, layout: str) -> float:
     raise ValueError(f"unknown layout {layout!r}; expected one of {LAYOUTS}")
 
 
-def projected_rate(costs: RoundCosts, alpha: float, layout: str) -> float:
-    """Projected tokens/s of one stream."""
+def request_time(costs: RoundCosts, alpha: float, layout: str, n: int) -> float:
+    """Expected seconds to make n tokens with rounds of k' = min(k, remaining − 1) drafts.
+
+    A round of k' drafts accepts j < k' of them with probability α^j (1 − α)
+    and all k' with probability α^k'; it makes j + 1 tokens either way. With
+    pipelining, a fully accepted round whose bonus also matches (one more
+    factor α) lets the next round start from drafts made ahead.
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; expected one of {LAYOUTS}")
+    assert n >= 1 and 0.0 <= alpha <= 1.0, (n, alpha)
+    pipelined = layout == "two-gpus-pipelined"
+    # time[m] = (expected seconds for m tokens after a miss, after a hit)
+    time: list[tuple[float, float]] = [(0.0, 0.0)]
+    for m in range(1, n + 1):
+        k = min(costs.k, m - 1)
+        rest = 0.0
+        for j in range(k + 1):
+            p = alpha ** j * ((1.0 - alpha) if j < k else 1.0)
+            miss, hit = time[m - j - 1]
+            rest += p * (alpha * hit + (1.0 - alpha) * miss if pipelined and j == k else miss)
+        after_hit = costs.after_hit(k) if pipelined else costs.sequential(k)
+        time.append((costs.sequential(k) + rest, after_hit + rest))
+    return time[n][0]
+
+
+def projected_rate(costs: RoundCosts, alpha: float, layout: str, request_tokens: int | None = None) -> float:
+    """Projected tokens/s of one stream: in the steady state, or over requests
+    of request_tokens tokens."""
+    if request_tokens:
+        return request_tokens / request_time(costs, alpha, layout, request_tokens)
     return expected_tokens(alpha, costs.k) / round_cost(costs, alpha, layout)
 
 
@@ -85,25 +123,26 @@ class Projection:
 
 
 def best_projection(measured: Sequence[RoundCosts], alpha: float, layout: str,
-                    target_only_tokens_per_s: float) -> Projection:
+                    target_only_tokens_per_s: float, request_tokens: int | None = None) -> Projection:
     """The k (among those measured) with the highest projected rate."""
     assert measured and target_only_tokens_per_s > 0
-    best = max(measured, key=lambda c: (projected_rate(c, alpha, layout), -c.k))
-    rate = projected_rate(best, alpha, layout)
+    best = max(measured, key=lambda c: (projected_rate(c, alpha, layout, request_tokens), -c.k))
+    rate = projected_rate(best, alpha, layout, request_tokens)
     return Projection(alpha, layout, best.k, rate, rate / target_only_tokens_per_s)
 
 
 def projection_table(measured: Sequence[RoundCosts], alphas: Iterable[float],
-                     target_only_tokens_per_s: float) -> list[Projection]:
-    return [best_projection(measured, a, layout, target_only_tokens_per_s)
+                     target_only_tokens_per_s: float, request_tokens: int | None = None) -> list[Projection]:
+    return [best_projection(measured, a, layout, target_only_tokens_per_s, request_tokens)
             for a in alphas for layout in LAYOUTS]
 
 
 def check_row(costs: RoundCosts, measured_alpha: float, measured_tokens_per_s: float,
-              target_only_tokens_per_s: float, layout: str = "one-gpu") -> dict:
+              target_only_tokens_per_s: float, layout: str = "one-gpu", request_tokens: int | None = None) -> dict:
     """The projection at the measured acceptance beside the measured speedup:
     how far the formula is from reality on a pair whose acceptance is real."""
-    projected = projected_rate(costs, measured_alpha, layout) / target_only_tokens_per_s
+    projected = projected_rate(costs, measured_alpha, layout, request_tokens) / target_only_tokens_per_s
     measured = measured_tokens_per_s / target_only_tokens_per_s
-    return {"k": costs.k, "alpha": measured_alpha, "layout": layout, "projected_speedup": projected,
+    return {"k": costs.k, "alpha": measured_alpha, "layout": layout, "request_tokens": request_tokens,
+            "projected_speedup": projected,
             "measured_speedup": measured, "error": projected / measured - 1.0}

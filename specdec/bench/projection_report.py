@@ -24,13 +24,22 @@ def _fixed_runs(runs: list[dict], temperature: float) -> list[dict]:
             and r["bound"].get("t_draft_s") is not None]
 
 
-def measured_costs(runs: list[dict], temperature: float) -> tuple[list[RoundCosts], float | None]:
-    """(round costs per measured k, target-only tokens/s) at one temperature."""
+def request_tokens(run: dict) -> int | None:
+    """The run's mean completion tokens per request: the length its requests
+    are projected at (a short request makes fewer tokens per round)."""
+    if not run.get("requests") or not run.get("completion_tokens"):
+        return None
+    return max(1, round(run["completion_tokens"] / run["requests"]))
+
+
+def measured_costs(runs: list[dict], temperature: float) -> tuple[list[RoundCosts], float | None, int | None]:
+    """(round costs per measured k, target-only tokens/s, tokens per request) at one temperature."""
     fixed = _fixed_runs(runs, temperature)
     costs = [RoundCosts(int(r["k"]), r["bound"]["t_draft_s"], r["bound"]["t_verify_s"], r["bound"]["overhead_s"])
              for r in fixed]
     base = fixed[0]["target_only_tokens_per_s"] if fixed else None
-    return sorted(costs, key=lambda c: c.k), base
+    n = request_tokens(fixed[0]) if fixed else None
+    return sorted(costs, key=lambda c: c.k), base, n
 
 
 def projection_markdown(runs: list[dict], alphas: list[float]) -> list[str]:
@@ -38,19 +47,20 @@ def projection_markdown(runs: list[dict], alphas: list[float]) -> list[str]:
     lines: list[str] = []
     temps = list(dict.fromkeys(r["temperature"] for r in runs))
     for temp in temps:
-        costs, base = measured_costs(runs, temp)
+        costs, base, n = measured_costs(runs, temp)
         if not costs or not base:
             continue
         label = "greedy" if temp == 0 else f"T = {temp:g}"
         lines += [f"## Projected speedup ({label}): measured costs, assumed acceptance", "",
                   "**Projected, not measured**: E(α, k) = (1 − α^(k+1)) / (1 − α) tokens per round over the "
-                  "round cost measured in this run (projection.py); against target-only's measured "
-                  f"{base:.2f} tok/s. Layouts: " + "; ".join(f"*{k}* = {v}" for k, v in LAYOUT_LABELS.items()) + ".",
+                  "round cost measured in this run, for requests of "
+                  f"{n} tokens (this run's mean; the last rounds of a request draft fewer: projection.py); "
+                  f"against target-only's measured {base:.2f} tok/s. Layouts: " + "; ".join(f"*{k}* = {v}" for k, v in LAYOUT_LABELS.items()) + ".",
                   ""]
         lines += ["| measured k | t_draft ms/token | t_verify ms | overhead ms/round |", "|---|---|---|---|"]
         lines += [f"| {c.k} | {c.t_draft * 1e3:.2f} | {c.t_verify * 1e3:.2f} | {c.overhead * 1e3:.2f} |"
                   for c in costs] + [""]
-        rows = projection_table(costs, alphas, base)
+        rows = projection_table(costs, alphas, base, n)
         lines += ["| assumed α | layout | best k | projected tok/s | projected speedup |", "|---|---|---|---|---|"]
         lines += [f"| {p.alpha:g} | {p.layout} | {p.k} | {p.tokens_per_s:.2f} | **{p.speedup:.2f}x** (projected) |"
                   for p in rows] + [""]
@@ -71,7 +81,8 @@ def check_rows(runs: list[dict], temperature: float) -> list[dict]:
         if alpha is None or not r.get("target_only_tokens_per_s") or not r.get("tokens_per_s"):
             continue
         costs = RoundCosts(int(r["k"]), r["bound"]["t_draft_s"], r["bound"]["t_verify_s"], r["bound"]["overhead_s"])
-        out.append(check_row(costs, alpha, r["tokens_per_s"], r["target_only_tokens_per_s"]))
+        out.append(check_row(costs, alpha, r["tokens_per_s"], r["target_only_tokens_per_s"],
+                             request_tokens=request_tokens(r)))
     return out
 
 
@@ -86,13 +97,13 @@ def projection_plot(runs: list[dict], out_dir: Path, alphas_grid=None) -> list[s
     temps = list(dict.fromkeys(r["temperature"] for r in runs))
     if not temps:
         return []
-    costs, base = measured_costs(runs, 0.0 if 0.0 in temps else temps[0])
+    costs, base, n = measured_costs(runs, 0.0 if 0.0 in temps else temps[0])
     if not costs or not base:
         return []
     grid = alphas_grid or [a / 100 for a in range(30, 100, 2)]
     fig, ax = plt.subplots(figsize=(6.0, 3.8), dpi=80)
     for layout in LAYOUTS:
-        ys = [p.speedup for p in projection_table(costs, grid, base) if p.layout == layout]
+        ys = [p.speedup for p in projection_table(costs, grid, base, n) if p.layout == layout]
         ax.plot(grid, ys, label=f"projected: {LAYOUT_LABELS[layout]}")
     for c in check_rows(runs, 0.0 if 0.0 in temps else temps[0]):
         ax.plot([c["alpha"]], [c["measured_speedup"]], "ko")

@@ -125,22 +125,24 @@ def markdown(costs: list[StepCost]) -> str:
 
 
 def plot(costs: list[StepCost], path) -> None:
-    """Step cost as a multiple of the floor, per model and shape (bars per path)."""
+    """Step cost as a multiple of the floor: one group of bars per step shape,
+    one bar per model (and per path when several were measured)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = list(dict.fromkeys(f"{c.model}\n{c.shape}" for c in costs))
-    paths = list(dict.fromkeys(c.path for c in costs))
-    fig, ax = plt.subplots(figsize=(max(6, 0.7 * len(labels)), 3.6), dpi=80)
-    width = 0.8 / len(paths)
-    for i, p in enumerate(paths):
-        values = {f"{c.model}\n{c.shape}": c.over_floor for c in costs if c.path == p}
-        ax.bar([x + i * width for x in range(len(labels))], [values.get(label, 0) for label in labels], width,
-               label=p)
+    shapes = list(dict.fromkeys(c.shape for c in costs))
+    several_paths = len({c.path for c in costs}) > 1
+    series = list(dict.fromkeys(f"{c.model} ({c.path})" if several_paths else c.model for c in costs))
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(shapes) + 0.25 * len(series) * len(shapes)), 3.8), dpi=80)
+    width = 0.8 / len(series)
+    for i, name in enumerate(series):
+        values = {c.shape: c.over_floor for c in costs
+                  if (f"{c.model} ({c.path})" if several_paths else c.model) == name}
+        ax.bar([x + i * width for x in range(len(shapes))], [values.get(s, 0) for s in shapes], width, label=name)
     ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--", label="bandwidth floor")
-    ax.set_xticks([x + width * (len(paths) - 1) / 2 for x in range(len(labels))], labels, fontsize=7)
+    ax.set_xticks([x + width * (len(series) - 1) / 2 for x in range(len(shapes))], shapes, fontsize=8)
     ax.set_ylabel("step cost / floor")
     ax.set_title(f"Step cost against the memory-bandwidth floor ({costs[0].device}, {costs[0].dtype})", fontsize=9)
     ax.legend(fontsize=7)

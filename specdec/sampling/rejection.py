@@ -47,7 +47,8 @@ emits [r_1] (at 10) and the next round's x_1 is at 11; if x_1 is accepted and x_
 rejected it emits [x_1, r_2]; if both are accepted, [x_1, x_2, bonus].
 
 The recovered and bonus tokens are drawn where the logits are (the GPU, on a GPU
-target), in float64 (`sparse.sample_rows`): only O(k) numbers cross to the host.
+target), in float64 (`sparse.pick_rows`): only O(k) numbers cross to the host, in
+one transfer for all the sessions of a batched Verify (`score_many`).
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ import torch
 
 from specdec.sampling.params import SamplingParams
 from specdec.sampling.rng import Stream, uniform, uniforms
-from specdec.sampling.sparse import SparseDist, densify_many, sample, sample_dense, sample_rows
+from specdec.sampling.sparse import SparseDist, densify_many, pick_rows, sample, sample_dense
 from specdec.sampling.transform import argmax_tokens, logits_to_probs
 
 
@@ -101,6 +102,22 @@ def sample_token(probs_row: torch.Tensor, seed: int, position: int) -> int:
     return sample_dense(probs_row, uniform(seed, position, Stream.BONUS))
 
 
+@dataclass(frozen=True)
+class ScoreJob:
+    """One session's round, as `score_drafts` takes it."""
+
+    target_logits: torch.Tensor  # [k+1, V]
+    draft_ids: Sequence[int]
+    draft_q: Sequence[SparseDist]
+    params: SamplingParams
+    seed: int
+    first_position: int
+
+
+class NoTargetMass(ValueError):
+    """The target's distribution at some position has no finite mass (NaN or inf logits)."""
+
+
 def score_drafts(
     target_logits: torch.Tensor,
     draft_ids: Sequence[int],
@@ -118,29 +135,57 @@ def score_drafts(
     If max(0, p_i - q_i) has no mass (p_i <= q_i everywhere, i.e. p_i == q_i),
     x_i is always accepted and r_i is never used; it is then drawn from p_i.
     """
-    k = len(draft_ids)
-    assert target_logits.dim() == 2 and target_logits.shape[0] == k + 1, (
-        tuple(target_logits.shape),
-        k,
-    )
-    assert len(draft_q) == (0 if params.greedy else k), (len(draft_q), k, params)
-    assert first_position >= 0, first_position
-    if params.greedy:
-        argmax_ids = argmax_tokens(target_logits).tolist()
-        return VerifyOutcome(argmax_ids=argmax_ids, bonus_id=argmax_ids[k])
+    outcome = score_many([ScoreJob(target_logits, draft_ids, draft_q, params, seed, first_position)])[0]
+    if isinstance(outcome, Exception):
+        raise outcome
+    return outcome
 
-    p = logits_to_probs(target_logits, params)  # [k+1, V]
-    vocab, device = p.shape[-1], p.device
-    x = torch.tensor(list(draft_ids), dtype=torch.int64, device=device)  # [k]
-    target_probs = p[:k].gather(-1, x[:, None])[:, 0].tolist()
-    q = densify_many(draft_q, vocab, device)  # [k, V]
-    residual = (p[:k] - q).clamp_min(0.0)  # [k, V]
-    no_mass = ~(residual > 0).any(dim=-1, keepdim=True)  # [k, 1]
-    residual = torch.where(no_mass, p[:k], residual)
-    us = uniforms(seed, range(first_position, first_position + k), Stream.RECOVERY)
-    us.append(uniform(seed, first_position + k, Stream.BONUS))
-    drawn = sample_rows(torch.cat([residual, p[k:]]), us)  # [k+1]
-    return VerifyOutcome(target_probs=target_probs, recovery_ids=drawn[:k], bonus_id=drawn[k])
+
+def score_many(jobs: Sequence[ScoreJob]) -> list[VerifyOutcome | NoTargetMass]:
+    """`score_drafts` of every session of a batched Verify, computed where the
+    logits are and brought to the host in ONE transfer (one sync per Verify
+    batch, whatever its size). A job whose p has no finite mass gets
+    NoTargetMass, alone."""
+    parts: list[torch.Tensor] = []
+    for job in jobs:
+        k = len(job.draft_ids)
+        assert job.target_logits.dim() == 2 and job.target_logits.shape[0] == k + 1, (
+            tuple(job.target_logits.shape), k)
+        assert len(job.draft_q) == (0 if job.params.greedy else k), (len(job.draft_q), k, job.params)
+        assert job.first_position >= 0, job.first_position
+        if job.params.greedy:
+            parts.append(argmax_tokens(job.target_logits).double())  # [k+1]
+            continue
+        p = logits_to_probs(job.target_logits, job.params)  # [k+1, V]
+        vocab, device = p.shape[-1], p.device
+        x = torch.tensor(list(job.draft_ids), dtype=torch.int64).to(device, non_blocking=True)  # [k]
+        q = densify_many(job.draft_q, vocab, device)  # [k, V]
+        residual = (p[:k] - q).clamp_min(0.0)  # [k, V]
+        no_mass = ~(residual > 0).any(dim=-1, keepdim=True)  # [k, 1]
+        residual = torch.where(no_mass, p[:k], residual)
+        us = uniforms(job.seed, range(job.first_position, job.first_position + k), Stream.RECOVERY)
+        us.append(uniform(job.seed, job.first_position + k, Stream.BONUS))
+        drawn, ok = pick_rows(torch.cat([residual, p[k:]]), us)  # [k+1] each
+        # float64 holds every float32 p_i(x_i) and every token id exactly
+        parts += [p[:k].gather(-1, x[:, None])[:, 0].double(), drawn.double(), ok.double()]
+    host = torch.cat(parts).tolist() if parts else []  # the one device-to-host transfer
+    out: list[VerifyOutcome | NoTargetMass] = []
+    at = 0
+    for job in jobs:
+        k = len(job.draft_ids)
+        if job.params.greedy:
+            argmax_ids = [int(t) for t in host[at: at + k + 1]]
+            at += k + 1
+            out.append(VerifyOutcome(argmax_ids=argmax_ids, bonus_id=argmax_ids[k]))
+            continue
+        target_probs, drawn, ok = host[at: at + k], host[at + k: at + 2 * k + 1], host[at + 2 * k + 1: at + 3 * k + 2]
+        at += 3 * k + 2
+        if not all(ok):
+            out.append(NoTargetMass("the target model's distribution has no finite mass (NaN or inf logits)"))
+            continue
+        drawn = [int(t) for t in drawn]
+        out.append(VerifyOutcome(target_probs=target_probs, recovery_ids=drawn[:k], bonus_id=drawn[k]))
+    return out
 
 
 def accept_greedy(draft_ids: Sequence[int], argmax_ids: Sequence[int]) -> RoundResult:

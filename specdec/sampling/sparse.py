@@ -90,20 +90,42 @@ def truncate(probs_row: torch.Tensor, max_tokens: int) -> SparseDist:
 
     Fewer tokens are kept if fewer have nonzero mass; ties at the cut go to the
     lower token id. The float32 probabilities are made to sum to 1 as exactly as
-    float32 allows: divide in float64, round to float32, then fold the rounding
-    left over into the largest entry, so that the float64 sum of the float32 values
-    is within half an ulp of that entry (<= 2**-25) of 1. Returns CPU tensors.
+    float32 allows (see `truncate_rows`). Returns CPU tensors.
     """
     assert probs_row.dim() == 1 and max_tokens >= 1, (tuple(probs_row.shape), max_tokens)
-    n = min(max_tokens, probs_row.shape[0])
-    ids = top_indices(probs_row[None], n)[0]  # [n], most likely first
-    vals = probs_row.gather(0, ids).to("cpu", torch.float64)  # [n]
-    ids = ids.cpu()
-    assert vals[0] > 0, "probs_row has no mass"
-    q = (vals / vals.sum()).float()  # [n]; a mass below float32's range becomes 0
-    ids, q = ids[q > 0], q[q > 0]
-    q[0] = (q[0].double() + (1.0 - q.double().sum())).float()
-    return SparseDist(ids, q)
+    ids, q = truncate_rows(probs_row[None], max_tokens)
+    ids, q = ids[0].cpu(), q[0].cpu()
+    assert q[0] > 0, "probs_row has no mass"
+    return kept(ids, q)
+
+
+def truncate_rows(probs: torch.Tensor, max_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`truncate` of every row of probs [B, V], where they are (no transfer).
+
+    Returns (ids [B, n], q [B, n] float32), n = min(max_tokens, V), most likely
+    first. Per row: divide the kept values by their sum in float64, round to
+    float32, then fold the rounding left over into the largest entry, so that
+    the float64 sum of the float32 values is within half an ulp of that entry
+    (<= 2**-25) of 1. Entries of mass 0 (fewer than n tokens have mass, or a
+    mass below float32's range) come last with q = 0: `kept` drops them.
+    Each row's arithmetic depends on that row alone, so a row truncates the
+    same whatever it is batched with. A row without finite mass gives NaN or
+    0 in q[:, 0]: the caller checks (no sync here).
+    """
+    assert probs.dim() == 2 and max_tokens >= 1, (tuple(probs.shape), max_tokens)
+    n = min(max_tokens, probs.shape[-1])
+    ids = top_indices(probs, n)  # [B, n], most likely first
+    vals = probs.gather(-1, ids).to(torch.float64)  # [B, n]
+    q = (vals / torch.cumsum(vals, dim=-1)[:, -1:]).float()  # [B, n]
+    fold = 1.0 - torch.cumsum(q.double(), dim=-1)[:, -1]  # [B]
+    q[:, 0] = (q[:, 0].double() + fold).float()
+    return ids, q
+
+
+def kept(ids: torch.Tensor, q: torch.Tensor) -> SparseDist:
+    """The SparseDist of one truncated row (CPU tensors [n]): its entries of mass > 0."""
+    mask = q > 0
+    return SparseDist(ids[mask], q[mask])
 
 
 def sample_rows(rows: torch.Tensor, us: Sequence[float]) -> list[int]:
@@ -119,19 +141,25 @@ def sample_rows(rows: torch.Tensor, us: Sequence[float]) -> list[int]:
     u * total rounds up to the total (u within 2**-53 of 1) no index
     qualifies, so the last index of positive weight is used.
     """
+    picked, ok = pick_rows(rows, us)
+    host = torch.cat([picked, ok]).tolist()  # the one device-to-host transfer
+    assert all(host[len(us):]), "rows without finite mass"
+    return host[: len(us)]
+
+
+def pick_rows(rows: torch.Tensor, us: Sequence[float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sample_rows` without the transfer: (picked [R] int64, ok [R] int64,
+    0 where a row has no finite mass), on the rows' device."""
     assert rows.dim() == 2 and rows.shape[0] == len(us), (tuple(rows.shape), len(us))
     weights = rows.detach().to(torch.float64)  # [R, V]
     vocab = weights.shape[-1]
     cumulative = torch.cumsum(weights, dim=-1)  # [R, V]
     totals = cumulative[:, -1]  # [R]
-    u = torch.tensor(list(us), dtype=torch.float64, device=weights.device)
+    u = torch.tensor(list(us), dtype=torch.float64).to(weights.device, non_blocking=True)
     picked = torch.searchsorted(cumulative, (u * totals)[:, None], right=True)[:, 0]  # [R]
     last_positive = vocab - 1 - torch.argmax((weights > 0).flip(-1).to(torch.int8), dim=-1)
     picked = torch.where(picked >= vocab, last_positive, picked)
-    ok = ((totals > 0) & torch.isfinite(totals)).long()
-    host = torch.cat([picked, ok]).tolist()  # the one device-to-host transfer
-    assert all(host[len(us):]), f"rows without finite mass: {totals.tolist()}"
-    return host[: len(us)]
+    return picked, ((totals > 0) & torch.isfinite(totals)).long()
 
 
 def sample(dist: SparseDist, u: float) -> int:
@@ -160,10 +188,11 @@ def densify_many(
     dense = torch.zeros(len(dists), vocab_size, dtype=torch.float32, device=device)
     if not dists:
         return dense
-    rows = torch.cat([torch.full((len(d),), r, dtype=torch.int64) for r, d in enumerate(dists)])
-    cols = torch.cat([d.token_ids for d in dists])
-    vals = torch.cat([d.normalized().float() for d in dists])
-    dense[rows.to(device), cols.to(device)] = vals.to(device)
+    rows = torch.cat([torch.full((len(d),), r, dtype=torch.float64) for r, d in enumerate(dists)])
+    cols = torch.cat([d.token_ids for d in dists]).double()  # ids < 2**53: exact
+    vals = torch.cat([d.normalized().float() for d in dists]).double()  # float32 values: exact
+    staged = torch.stack([rows, cols, vals]).to(device, non_blocking=True)  # no sync on a GPU
+    dense[staged[0].long(), staged[1].long()] = staged[2].float()
     return dense
 
 

@@ -1,0 +1,94 @@
+"""The draft's half of a step's sampling, for a whole batch of sessions at once.
+
+After one batched forward pass of the draft model, every session in the
+step needs its drafted token x and, when it samples, its proposal q (the
+truncated `SparseDist`, sparse.py). `pick_drafts` makes them all where the
+logits are, on the GPU for a GPU draft, and brings them to the host in ONE
+transfer: the host syncs once per step, whatever the batch size, never
+inside the step, and no full-vocabulary row crosses.
+
+Per row it does exactly what the one-row path does (`truncate`, then
+`draw_draft` with the DRAFT uniform at the token's position): greedy rows
+take the argmax, sampled rows are grouped by their sampling parameters (one
+`logits_to_probs` per group), truncated by `truncate_rows` and drawn by
+`pick_rows`. The uniforms depend on (seed, position) only, so the host
+computes them before the step's result exists.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from specdec.sampling.params import SamplingParams
+from specdec.sampling.rng import Stream, uniform
+from specdec.sampling.sparse import SparseDist, kept, pick_rows, truncate_rows
+from specdec.sampling.transform import argmax_tokens, logits_to_probs
+
+
+@dataclass(frozen=True)
+class DraftRow:
+    """What a row of the step needs to be sampled."""
+
+    params: SamplingParams
+    seed: int
+    position: int  # the drafted token's position in its session
+
+
+@dataclass(frozen=True)
+class DraftPick:
+    token_id: int
+    q: SparseDist | None  # None under greedy decoding
+
+
+class NoMass(ValueError):
+    """A row whose distribution has no finite mass (the model gave NaN or inf)."""
+
+
+def pick_drafts(logits: torch.Tensor, rows: Sequence[DraftRow], max_q_tokens: int) -> list[DraftPick | NoMass]:
+    """For logits [B, V] (row b the last logits of session b), each row's pick,
+    or NoMass for a row that cannot be sampled (that row only)."""
+    assert logits.dim() == 2 and logits.shape[0] == len(rows), (tuple(logits.shape), len(rows))
+    batch = len(rows)
+    tokens = torch.zeros(batch, dtype=torch.long, device=logits.device)
+    greedy = [i for i, r in enumerate(rows) if r.params.greedy]
+    if greedy:
+        tokens[_index(greedy, batch, logits.device)] = argmax_tokens(_rows(logits, greedy))
+    groups: dict[SamplingParams, list[int]] = {}
+    for i, r in enumerate(rows):
+        if not r.params.greedy:
+            groups.setdefault(r.params, []).append(i)
+    sampled, packed = [], []
+    for params, members in groups.items():
+        ids, q = truncate_rows(logits_to_probs(_rows(logits, members), params), max_q_tokens)  # [g, n]
+        picked, ok = pick_rows(q, [uniform(rows[i].seed, rows[i].position, Stream.DRAFT) for i in members])
+        tokens[_index(members, batch, logits.device)] = ids.gather(1, picked[:, None])[:, 0]
+        ok = ok * torch.isfinite(q[:, 0]).long() * (q[:, 0] > 0).long()
+        sampled.append((members, ids.shape[1]))
+        # float64 holds every token id (< 2**53) and every float32 exactly
+        packed += [ids.double().flatten(), q.double().flatten(), ok.double()]
+    host = torch.cat([tokens.double(), *packed]).cpu()  # the one device-to-host transfer of the step
+    out: list[DraftPick | NoMass] = [DraftPick(int(t), None) for t in host[:batch].long().tolist()]
+    at = batch
+    for members, n in sampled:
+        g = len(members)
+        ids = host[at: at + g * n].long().view(g, n)
+        q = host[at + g * n: at + 2 * g * n].float().view(g, n)
+        ok = host[at + 2 * g * n: at + 2 * g * n + g].tolist()
+        at += 2 * g * n + g
+        for j, i in enumerate(members):
+            out[i] = DraftPick(out[i].token_id, kept(ids[j], q[j])) if ok[j] else NoMass(
+                "the draft model's distribution has no finite mass at this position (NaN or inf logits)")
+    return out
+
+
+def _index(members: list[int], batch: int, device) -> torch.Tensor | slice:
+    if len(members) == batch:
+        return slice(None)
+    return torch.tensor(members, dtype=torch.long).to(device, non_blocking=True)
+
+
+def _rows(logits: torch.Tensor, members: list[int]) -> torch.Tensor:
+    index = _index(members, logits.shape[0], logits.device)
+    return logits[index]

@@ -1,0 +1,158 @@
+"""Sampling done where the logits are, one transfer per step.
+
+The draft's batched picks (specdec/sampling/draft_picks.py): every row's pick
+equals the one-row path (`truncate` + `draw_draft`, or the argmax), a row
+picks the same whatever it is batched with, and a row without mass fails
+alone. The target's batched scoring (`rejection.score_many`): each job's
+outcome equals its own `score_drafts`, in any batch."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec.sampling.draft_picks import DraftRow, NoMass, pick_drafts
+from specdec.sampling.params import SamplingParams
+from specdec.sampling.rejection import NoTargetMass, ScoreJob, draw_draft, score_drafts, score_many
+from specdec.sampling.sparse import truncate
+from specdec.sampling.transform import argmax_tokens, logits_to_probs
+
+VOCAB = 300
+PARAMS = [SamplingParams(0.0, 0, 1.0), SamplingParams(0.7, 0, 1.0), SamplingParams(1.0, 5, 1.0),
+          SamplingParams(0.9, 0, 0.8), SamplingParams(1e-4, 0, 1.0), SamplingParams(1.3, 40, 0.95)]
+
+
+def logits_rows(n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.randn(n, VOCAB, generator=g) * 3
+    rows[:, 17] = rows[:, 18] = rows.max() + 1  # a tie at the top: the lower id wins
+    rows[:, 200:] = float("-inf")  # masked (padded) ids are never picked
+    return rows
+
+
+def one_row_path(row: torch.Tensor, r: DraftRow, max_q: int):
+    if r.params.greedy:
+        return int(argmax_tokens(row[None])[0]), None
+    q = truncate(logits_to_probs(row[None], r.params)[0], max_q)
+    return draw_draft(q, r.seed, r.position), q
+
+
+@pytest.mark.parametrize("max_q", [1, 8, 32, 500])
+def test_every_row_picks_what_the_one_row_path_picks(max_q):
+    logits = logits_rows(2 * len(PARAMS), seed=max_q)
+    rows = [DraftRow(PARAMS[i % len(PARAMS)], seed=1000 + i, position=10 + 3 * i) for i in range(logits.shape[0])]
+    picks = pick_drafts(logits, rows, max_q)
+    for row, r, pick in zip(logits, rows, picks):
+        token, q = one_row_path(row, r, max_q)
+        assert pick.token_id == token
+        if q is None:
+            assert pick.q is None
+        else:
+            assert torch.equal(pick.q.token_ids, q.token_ids) and torch.equal(pick.q.probs, q.probs)
+            assert token in pick.q.token_ids.tolist() and token < 200
+
+
+def test_a_row_picks_the_same_alone_and_in_any_batch():
+    logits = logits_rows(12, seed=3)
+    rows = [DraftRow(PARAMS[i % len(PARAMS)], seed=7, position=50 + i) for i in range(12)]
+    together = pick_drafts(logits, rows, 16)
+    order = [5, 0, 11, 3]
+    subset = pick_drafts(logits[order], [rows[i] for i in order], 16)
+    for i, pick in zip(order, subset):
+        alone = pick_drafts(logits[i: i + 1], [rows[i]], 16)[0]
+        for other in (together[i], pick):
+            assert other.token_id == alone.token_id
+            assert (other.q is None) == (alone.q is None)
+            if other.q is not None:
+                assert torch.equal(other.q.probs, alone.q.probs) and torch.equal(other.q.token_ids, alone.q.token_ids)
+
+
+def test_sampled_picks_follow_q():
+    """Many seeds on one row: the picks' frequencies match the q sent with them."""
+    row = logits_rows(1, seed=9)
+    rows = [DraftRow(SamplingParams(1.0, 4, 1.0), seed=s, position=5) for s in range(4000)]
+    picks = pick_drafts(row.expand(len(rows), -1), rows, 4)
+    q = picks[0].q
+    assert all(torch.equal(p.q.probs, q.probs) for p in picks)
+    counts = {t: 0 for t in q.token_ids.tolist()}
+    for p in picks:
+        counts[p.token_id] += 1
+    for t, prob in zip(q.token_ids.tolist(), q.probs.tolist()):
+        assert abs(counts[t] / len(picks) - prob) < 4 * (prob * (1 - prob) / len(picks)) ** 0.5 + 1e-3
+
+
+def test_a_row_without_mass_fails_alone():
+    logits = logits_rows(3, seed=5)
+    logits[1] = float("nan")
+    rows = [DraftRow(SamplingParams(0.8, 0, 1.0), seed=1, position=4 + i) for i in range(3)]
+    picks = pick_drafts(logits, rows, 8)
+    assert isinstance(picks[1], NoMass) and "no finite mass" in str(picks[1])
+    assert [p.token_id for p in (picks[0], picks[2])] == [one_row_path(logits[i], rows[i], 8)[0] for i in (0, 2)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_a_step_syncs_once_and_picks_what_the_cpu_picks():
+    logits = logits_rows(8, seed=11)
+    rows = [DraftRow(PARAMS[i % len(PARAMS)], seed=3, position=20 + i) for i in range(8)]
+    on_gpu = logits.cuda()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with pytest.warns(UserWarning) as caught:
+            picks = pick_drafts(on_gpu, rows, 32)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) == 1, [str(w.message) for w in syncs]
+    cpu = pick_drafts(logits, rows, 32)
+    assert [p.token_id for p in picks] == [p.token_id for p in cpu]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_a_verify_batch_syncs_once():
+    jobs = [ScoreJob(j.target_logits.cuda(), *[getattr(j, f) for f in
+            ("draft_ids", "draft_q", "params", "seed", "first_position")]) for j in score_jobs(seed=8)]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with pytest.warns(UserWarning) as caught:
+            outcomes = score_many(jobs)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert len([w for w in caught if "synchroniz" in str(w.message)]) == 1
+    assert [o.bonus_id for o in outcomes] == [o.bonus_id for o in score_many(score_jobs(seed=8))]
+
+
+def score_jobs(seed: int) -> list[ScoreJob]:
+    jobs = []
+    for j, (params, k) in enumerate([(PARAMS[0], 3), (PARAMS[1], 4), (PARAMS[3], 0), (PARAMS[0], 0),
+                                     (PARAMS[5], 2), (PARAMS[1], 1)]):
+        logits = logits_rows(k + 1, seed=seed + j)
+        rows = [DraftRow(params, seed=j, position=30 + i) for i in range(k)]
+        picks = pick_drafts(logits_rows(max(k, 1), seed=seed + 100 + j)[:k], rows, 8) if k else []
+        jobs.append(ScoreJob(logits, [p.token_id for p in picks], [] if params.greedy else [p.q for p in picks],
+                             params, seed=j, first_position=30))
+    return jobs
+
+
+def test_a_verify_batch_scores_each_session_as_alone():
+    jobs = score_jobs(seed=21)
+    together = score_many(jobs)
+    for job, outcome in zip(jobs, together):
+        assert outcome == score_drafts(job.target_logits, job.draft_ids, job.draft_q, job.params, job.seed,
+                                       job.first_position)
+    assert score_many(jobs[3:] + jobs[:3]) == together[3:] + together[:3]
+    assert score_many([]) == []
+
+
+def test_a_target_row_without_mass_fails_its_job_alone():
+    jobs = score_jobs(seed=4)
+    broken = ScoreJob(torch.full_like(jobs[1].target_logits, float("nan")), *[getattr(jobs[1], f) for f in
+                      ("draft_ids", "draft_q", "params", "seed", "first_position")])
+    out = score_many([jobs[0], broken, jobs[4]])
+    assert isinstance(out[1], NoTargetMass)
+    assert out[0] == score_many([jobs[0]])[0] and out[2] == score_many([jobs[4]])[0]
+    with pytest.raises(NoTargetMass):
+        score_drafts(broken.target_logits, broken.draft_ids, broken.draft_q, broken.params, broken.seed,
+                     broken.first_position)
