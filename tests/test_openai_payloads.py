@@ -26,7 +26,7 @@ STATS = pb.GenerateStats(
     seed=2**63 + 5, accepted_per_position=[2, 1, 1], fallback_rounds=1, draft_time_s=0.125, verify_time_s=0.25,
     target_compute_time_s=0.1875, wire_bytes=2048, draft_model="draft-m", target_model="target-m", policy="adaptive",
     round_trips=9, pipelined_rounds=0, draft_compute_time_s=0.0625, rejected_rounds=3,
-    acceptance_histogram=[1, 1, 0, 1, 0], k_per_round=[4, 3, 3, 0])
+    acceptance_histogram=[1, 1, 0, 1, 0], k_per_round=[4, 3, 3, 0], prefill_time_s=0.03125)
 
 GOLDEN_METRICS = {
     "speculative_decoding": {
@@ -56,7 +56,7 @@ GOLDEN_METRICS = {
         "fallback_rounds": 1, "draft_time_s": 0.125, "verify_time_s": 0.25, "target_compute_time_s": 0.1875,
         "wire_bytes": 2048, "draft_model": "draft-m", "target_model": "target-m", "policy": "adaptive",
         "round_trips": 9, "pipelined_rounds": 0, "draft_compute_time_s": 0.0625, "rejected_rounds": 3, "target_recoveries": 0,
-        "acceptance_histogram": [1, 1, 0, 1, 0], "k_per_round": [4, 3, 3, 0],
+        "acceptance_histogram": [1, 1, 0, 1, 0], "k_per_round": [4, 3, 3, 0], "prefill_time_s": 0.03125,
     },
 }
 USAGE = {"prompt_tokens": 5, "completion_tokens": 8, "total_tokens": 13}
