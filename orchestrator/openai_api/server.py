@@ -16,6 +16,8 @@ import socket
 
 import uvicorn
 
+from specdec.security.api_keys import ApiKeyChecker
+from specdec.security.tls import TlsConfig
 from specdec.telemetry import Telemetry
 
 from .app import FrontDoorState, create_app
@@ -72,12 +74,27 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def start_http(cfg: HttpConfig, host: str, telemetry: Telemetry) -> HttpFrontDoor:
-    """Bind and start serving; routes answer 503 until `set_ready()`."""
-    state = FrontDoorState(cfg=cfg, telemetry=telemetry)
+def _tls_settings(tls: TlsConfig | None) -> dict:
+    """uvicorn's TLS settings: HTTPS with the orchestrator's certificate, and
+    client certificates required when --tls-ca is set (as on gRPC)."""
+    if tls is None or not tls.enabled:
+        return {}
+    import ssl
+
+    settings = {"ssl_certfile": tls.tls_cert, "ssl_keyfile": tls.tls_key}
+    if tls.tls_ca:
+        settings.update(ssl_ca_certs=tls.tls_ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
+    return settings
+
+
+async def start_http(cfg: HttpConfig, host: str, telemetry: Telemetry, tls: TlsConfig | None = None,
+                     api_keys: ApiKeyChecker | None = None) -> HttpFrontDoor:
+    """Bind and start serving (HTTPS when `tls` has a certificate; API keys
+    required when `api_keys` holds any); routes answer 503 until `set_ready()`."""
+    state = FrontDoorState(cfg=cfg, telemetry=telemetry, api_keys=api_keys)
     sock = _bind(cfg.http_host or host, cfg.http_port)
     config = uvicorn.Config(create_app(state), log_config=None, access_log=cfg.http_access_log, lifespan="off",
-                            timeout_graceful_shutdown=None, server_header=False)
+                            timeout_graceful_shutdown=None, server_header=False, **_tls_settings(tls))
     server = _EmbeddedServer(config)
     task = asyncio.ensure_future(server.serve(sockets=[sock]))
     while not server.started and not task.done():  # startup is quick; a failure ends the task
@@ -87,5 +104,6 @@ async def start_http(cfg: HttpConfig, host: str, telemetry: Telemetry) -> HttpFr
         task.result()
         raise OSError("the HTTP server did not start")
     front = HttpFrontDoor(state, server, sock, task)
-    log.info("OpenAI-compatible HTTP API on http://%s:%d/v1", front.host, front.port)
+    scheme = "https" if tls is not None and tls.enabled else "http"
+    log.info("OpenAI-compatible HTTP API on %s://%s:%d/v1", scheme, front.host, front.port)
     return front
