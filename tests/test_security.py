@@ -370,3 +370,32 @@ def test_specd_up_tls_certificates_and_flags_make_a_full_generate_work(tmp_path)
         for server in reversed(started):
             loop.run(server.stop(0))
         loop.close()
+
+
+def test_the_orchestrator_front_doors_can_require_client_certificates_too(pki):
+    """--tls-ca on the orchestrator: both front doors want a client certificate."""
+    from orchestrator.openai_api.server import start_http
+    from specdec.rpc.serving import start_server
+    from specdec.telemetry import NOOP
+
+    own = pki["orchestrator"]
+    tls = TlsConfig(tls_cert=own.cert, tls_key=own.key, tls_ca=own.ca).validate("127.0.0.1", "orchestrator", False)
+    loop = BackgroundLoop()
+    running = loop.run(start_server(local_config(), lambda server: None, [], credentials=tls.server_credentials()))
+    front = loop.run(start_http(HttpConfig(http_port=0), "127.0.0.1", NOOP, tls=tls))
+    try:
+        with tls_channel(f"127.0.0.1:{running.port}", ca=own.ca) as channel:
+            assert refused_with(lambda: health(channel)).code() == grpc.StatusCode.UNAVAILABLE
+        with tls_channel(f"127.0.0.1:{running.port}", pki["intruder"]) as channel:  # any name of the CA will do
+            assert health(channel) == health_pb2.HealthCheckResponse.NOT_SERVING
+        url = f"https://127.0.0.1:{front.port}/health"
+        with https_client(own.ca) as http, pytest.raises(Exception):  # no certificate: no response at all
+            http.get(url)
+        context = ssl.create_default_context(cafile=own.ca)
+        context.load_cert_chain(pki["intruder"].cert, pki["intruder"].key)
+        with openai.DefaultHttpxClient(verify=context) as http:
+            assert http.get(url).status_code == 503  # through the handshake; not ready (no services here)
+    finally:
+        loop.run(front.stop(0))
+        loop.run(running.drain(0))
+        loop.close()

@@ -52,7 +52,8 @@ async def start_model_service(
     With `tls` serving certificates, the port speaks mutual TLS and serves
     only callers whose certificate names one of `tls.allowed_callers`;
     without, plaintext, which only a loopback address or `tls.insecure` allows."""
-    tls = (tls or TlsConfig()).validate(server_cfg.host, service_name.rsplit(".", 1)[-1], require_client_certs=True)
+    role = service_name.rsplit(".", 1)[-1].removesuffix("Service").lower() + " service"
+    tls = (tls or TlsConfig()).validate(server_cfg.host, role, require_client_certs=True)
     if tls.mutual:
         interceptors = (caller_guard(tls.callers()), *interceptors)
     worker = EngineWorker()
