@@ -28,14 +28,17 @@ def server_name_of(service_address: str) -> str:
 
 @dataclass(frozen=True)
 class Dialer:
-    """Opens the channel to one replica of a service."""
+    """Opens the channel to one replica of a service. The certificate files
+    are read per channel, so a replica found after a renewal gets the new
+    client certificate (channels already open keep theirs)."""
 
-    credentials: grpc.ChannelCredentials | None = None
+    tls: ClientTls | None = None
 
     def channel(self, service_address: str, replica_address: str) -> grpc.aio.Channel:
-        if self.credentials is None:
+        if self.tls is None:
             return channel_to(replica_address)
-        return channel_to(replica_address, credentials=self.credentials, server_name=server_name_of(service_address))
+        return channel_to(replica_address, credentials=self.tls.channel_credentials(),
+                          server_name=server_name_of(service_address))
 
 
 def downstream_dialer(cfg: OrchestratorConfig, insecure: bool) -> Dialer:
@@ -44,7 +47,7 @@ def downstream_dialer(cfg: OrchestratorConfig, insecure: bool) -> Dialer:
     client = ClientTls(cfg.downstream_ca, cfg.downstream_cert, cfg.downstream_key).validate(
         "--downstream-ca/--downstream-cert/--downstream-key")
     if client.enabled:
-        return Dialer(client.channel_credentials())
+        return Dialer(client)
     for name, address in (("target", cfg.target), ("draft", cfg.draft)):
         if address:
             refuse_plaintext(split_address(address)[0], f"dialing the {name} service", insecure,

@@ -15,9 +15,15 @@ error, not an open port.
 from __future__ import annotations
 
 import ipaddress
+import logging
+import os
 from dataclasses import dataclass
+from typing import Callable, TypeVar
 
 from specdec.config import opt
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 LOOPBACK_NAMES = ("localhost", "ip6-localhost")
 
@@ -98,14 +104,57 @@ class TlsConfig:
         return self
 
     def server_credentials(self):
-        """grpc server credentials, or None for plaintext."""
+        """grpc server credentials, or None for plaintext. The files are
+        re-read when they change (`ReloadingCertificates`)."""
         if not self.enabled:
             return None
         import grpc
 
-        pair = (read_pem(self.tls_key, "--tls-key"), read_pem(self.tls_cert, "--tls-cert"))
-        ca = read_pem(self.tls_ca, "--tls-ca") if self.tls_ca else None
-        return grpc.ssl_server_credentials([pair], root_certificates=ca, require_client_auth=ca is not None)
+        files = ReloadingCertificates(self.tls_cert, self.tls_key, self.tls_ca)
+        return grpc.dynamic_ssl_server_credentials(files.configuration(), files.fetch_if_changed,
+                                                   require_client_authentication=bool(self.tls_ca))
+
+
+class ReloadingCertificates:
+    """A server's certificate, key and CA files, re-read when they change, so a
+    renewed certificate (cert-manager rewrites the Secret, the kubelet swaps
+    the mounted files at once) is served without a restart. gRPC asks
+    `fetch_if_changed` before each new TLS handshake: one stat per file."""
+
+    def __init__(self, cert: str, key: str, ca: str = ""):
+        self.paths = tuple(p for p in (cert, key, ca) if p)
+        self.cert, self.key, self.ca = cert, key, ca
+        self._signature = self._stat()
+
+    def _stat(self) -> tuple:
+        return tuple((st.st_mtime_ns, st.st_ino, st.st_size) for st in map(os.stat, self.paths))
+
+    def configuration(self):
+        import grpc
+
+        pair = (read_pem(self.key, "--tls-key"), read_pem(self.cert, "--tls-cert"))
+        ca = read_pem(self.ca, "--tls-ca") if self.ca else None
+        return grpc.ssl_server_certificate_configuration([pair], root_certificates=ca)
+
+    def fetch_if_changed(self):
+        """A new gRPC configuration when the files changed, else None."""
+        return self.reload_if_changed(self.configuration)
+
+    def reload_if_changed(self, load: Callable[[], T]) -> T | None:
+        """load()'s result when the files changed since the last load, else
+        None: also when they cannot be loaded (then the current certificate
+        is kept, and the next call tries again)."""
+        try:
+            signature = self._stat()
+            if signature == self._signature:
+                return None
+            loaded = load()
+        except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError; TlsSettingsError a ValueError
+            log.warning("TLS files changed but cannot be loaded; still serving the previous certificate: %s", exc)
+            return None
+        self._signature = signature
+        log.info("TLS files changed: serving the new certificate from %s", self.cert)
+        return loaded
 
 
 @dataclass(frozen=True)
