@@ -281,6 +281,21 @@ def test_grpc_front_door_refuses_a_missing_or_wrong_key_and_serves_the_right_one
         assert refused_with(lambda: plaintext.complete([1, 2, 3], max_tokens=4)).code() == grpc.StatusCode.UNAVAILABLE
 
 
+def test_specd_generate_sends_the_key_over_tls(secured_system, capsys, monkeypatch):
+    import json
+
+    from specdec.cli.main import main
+
+    orch, own = secured_system
+    command = ["generate", "--server", f"127.0.0.1:{orch.port}", "--ca-cert", own.ca, "--prompt-ids", "1,2,3",
+               "--max-tokens", "4", "--temperature", "0", "--json", "--timeout", "60"]
+    assert main([*command, "--api-key", "sk-wrong"]) == 1
+    assert "UNAUTHENTICATED" in capsys.readouterr().err
+    monkeypatch.setenv("SPECD_API_KEY", KEY)  # read when the parser is built
+    assert main(command) == 0
+    assert len(json.loads(capsys.readouterr().out)["token_ids"]) == 4
+
+
 def test_http_front_door_answers_401_in_openai_shape_and_serves_the_right_key(secured_system):
     orch, own = secured_system
     base = f"https://127.0.0.1:{orch.http.port}"
