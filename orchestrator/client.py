@@ -5,6 +5,10 @@
         for chunk in client.generate("def fib(n):", max_tokens=64, temperature=0):
             print(chunk.text, end="", flush=True)
         print(client.last_stats)
+
+Over TLS, with an API key (docs/security.md):
+
+    Client("orch.example:50051", api_key="...", tls=ClientTls(ca="ca.crt"))
 """
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ from typing import Iterator, Sequence
 
 import grpc
 
+from specdec.security.tls import ClientTls
 from specdec.v1 import orchestrator_pb2 as pb
 from specdec.v1 import orchestrator_pb2_grpc
 
@@ -58,20 +63,28 @@ def build_request(prompt: str | Sequence[int] | Sequence[dict] | None = None, *,
 
 
 class Client:
-    def __init__(self, address: str = "127.0.0.1:50051", timeout_s: float = 600.0, wait_for_ready: bool = False):
+    def __init__(self, address: str = "127.0.0.1:50051", timeout_s: float = 600.0, wait_for_ready: bool = False,
+                 api_key: str | None = None, tls: ClientTls | None = None):
         """timeout_s is each request's deadline; wait_for_ready makes a request
-        wait (within it) for a server that is not up yet instead of failing."""
-        self.channel = grpc.insecure_channel(address)
+        wait (within it) for a server that is not up yet instead of failing.
+        api_key is sent as `authorization: Bearer KEY`; tls (a CA to verify
+        the server with, and a client certificate if it asks for one) makes
+        the channel TLS."""
+        if tls is not None and tls.enabled:
+            self.channel = grpc.secure_channel(address, tls.validate("the client's TLS").channel_credentials())
+        else:
+            self.channel = grpc.insecure_channel(address)
         self.stub = orchestrator_pb2_grpc.OrchestratorServiceStub(self.channel)
         self.timeout_s = timeout_s
         self.wait_for_ready = wait_for_ready
+        self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
         self.last_stats: pb.GenerateStats | None = None
 
     def generate(self, prompt, **kwargs) -> Iterator[Chunk]:
         """Stream chunks as tokens are accepted; `last_stats` is set at the end."""
         self.last_stats = None
         for reply in self.stub.Generate(build_request(prompt, **kwargs), timeout=self.timeout_s,
-                                          wait_for_ready=self.wait_for_ready):
+                                          wait_for_ready=self.wait_for_ready, metadata=self.metadata):
             if reply.HasField("stats"):
                 self.last_stats = reply.stats
             else:

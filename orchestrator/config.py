@@ -39,3 +39,11 @@ class OrchestratorConfig:
                                         "answers, seconds")
     resolve_interval_s: float = opt(10.0, "re-resolve the services' names this often to find replicas, seconds")
     connect_timeout_s: float = opt(600.0, "at start-up, wait this long for the target service, seconds")
+    # Security (docs/security.md): the services are dialed over mutual TLS
+    # when a CA is given, and the front doors require an API key when any is.
+    downstream_ca: str = opt("", "PEM CA bundle to verify the draft's and target's certificates with (TLS to them; "
+                                 "checked against the host name of --draft / --target, not a replica's IP)")
+    downstream_cert: str = opt("", "PEM client certificate the orchestrator presents to the services (mutual TLS)")
+    downstream_key: str = opt("", "PEM private key of --downstream-cert")
+    api_key_file: str = opt("", "file of API keys, one per line, any of which a client must send as "
+                                "'authorization: Bearer KEY' (also: env SPECD_API_KEYS, comma-separated)")

@@ -97,8 +97,21 @@ class TargetClient(ModelClient):
         return reply, request.ByteSize()
 
 
-def channel_to(address: str, max_message_bytes: int = 16 << 20, interceptors=()) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, interceptors=list(interceptors) or None, options=[
+def channel_to(address: str, max_message_bytes: int = 16 << 20, interceptors=(),
+               credentials: grpc.ChannelCredentials | None = None, server_name: str = "") -> grpc.aio.Channel:
+    """A channel to one replica; over TLS with `credentials`, checking the
+    server's certificate against `server_name` (the Service's DNS name) when
+    the address is a replica's IP."""
+    options = [("grpc.ssl_target_name_override", server_name)] if credentials and server_name else []
+    if credentials is not None:
+        return grpc.aio.secure_channel(address, credentials, interceptors=list(interceptors) or None,
+                                       options=options + _channel_options(max_message_bytes))
+    return grpc.aio.insecure_channel(address, interceptors=list(interceptors) or None,
+                                     options=_channel_options(max_message_bytes))
+
+
+def _channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    return [
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.enable_retries", 1),
@@ -108,7 +121,7 @@ def channel_to(address: str, max_message_bytes: int = 16 << 20, interceptors=())
         ("grpc.initial_reconnect_backoff_ms", 200),
         ("grpc.min_reconnect_backoff_ms", 200),
         ("grpc.max_reconnect_backoff_ms", 2000),
-    ])
+    ]
 
 
 def unavailable(service: str, exc: grpc.aio.AioRpcError) -> Unavailable:

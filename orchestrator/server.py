@@ -11,16 +11,20 @@ import grpc
 
 from orchestrator.batcher import VerifyBatcher
 from orchestrator.config import OrchestratorConfig
-from orchestrator.downstream import DraftClient, TargetClient, channel_to
+from orchestrator.downstream import DraftClient, TargetClient
 from orchestrator.gamma_policy import make_policy
 from orchestrator.openai_api.config import HttpConfig
 from orchestrator.recovery import RecoverySettings, report_target_health
 from orchestrator.replicas import Replica, ReplicaPool
+from orchestrator.security import Dialer, downstream_dialer
 from orchestrator.servicer import Backends, OrchestratorServicer
 from orchestrator.speculation import LoopSettings
 from specdec.engine.vocab import usable_size_of
 from specdec.errors import FailedPrecondition, Unavailable
+from specdec.rpc.auth import api_key_guard
 from specdec.rpc.serving import NOT_SERVING, SERVING, RunningServer, ServerConfig, start_server
+from specdec.security.api_keys import ApiKeyChecker, load_api_keys
+from specdec.security.tls import TlsConfig, refuse_plaintext
 from specdec.telemetry import NOOP, Telemetry
 from specdec.v1 import orchestrator_pb2_grpc
 
@@ -132,13 +136,16 @@ def load_tokenizer(name: str):
         return None
 
 
-async def build_backends(cfg: OrchestratorConfig, tokenizer=None, telemetry: Telemetry = NOOP) -> Backends:
-    """Resolve and connect every replica of both services, check that they
-    fit together, and load the tokenizer."""
+async def build_backends(cfg: OrchestratorConfig, tokenizer=None, telemetry: Telemetry = NOOP,
+                         dial: Dialer | None = None) -> Backends:
+    """Resolve and connect every replica of both services (channels from
+    `dial`: plaintext by default), check that they fit together, and load the
+    tokenizer."""
+    dial = dial or Dialer()
     # The clients put the trace context on each call themselves (no interceptors: they cost a call's worth).
 
     async def make_target(address: str) -> Replica:
-        client = TargetClient(channel_to(address))
+        client = TargetClient(dial.channel(cfg.target, address))
         await _wait_for_info(client, cfg.connect_timeout_s)
         batcher = VerifyBatcher(client, max_batch=min(cfg.max_batch, client.info.max_verify_batch or cfg.max_batch),
                                 window_s=cfg.batch_window_ms / 1000, rpc_timeout_s=cfg.rpc_timeout_s,
@@ -147,7 +154,7 @@ async def build_backends(cfg: OrchestratorConfig, tokenizer=None, telemetry: Tel
         return Replica(address, client, batcher)
 
     async def make_draft(address: str) -> Replica:
-        client = DraftClient(channel_to(address))
+        client = DraftClient(dial.channel(cfg.draft, address))
         await _wait_for_info(client, cfg.connect_timeout_s)
         return Replica(address, client)
 
@@ -184,11 +191,22 @@ async def build_backends(cfg: OrchestratorConfig, tokenizer=None, telemetry: Tel
 
 async def start_orchestrator(server_cfg: ServerConfig, cfg: OrchestratorConfig, tokenizer=None,
                              interceptors=(), telemetry: Telemetry = NOOP,
-                             http: HttpConfig | None = None) -> Orchestrator:
+                             http: HttpConfig | None = None, tls: TlsConfig | None = None) -> Orchestrator:
     """Bind (NOT_SERVING; the HTTP port too when `http` enables it), connect
-    to the services, then SERVING."""
+    to the services, then SERVING. `tls` secures both front doors (plaintext
+    by default, which only loopback or `tls.insecure` allows); the services
+    are dialed as cfg.downstream_* say; API keys, when configured, are
+    required at both front doors (docs/security.md)."""
+    # Every setting is checked before anything binds.
     if http is not None:
-        http.validate()  # before anything binds
+        http.validate()
+    tls = (tls or TlsConfig()).validate(server_cfg.host, "orchestrator", require_client_certs=False)
+    if http is not None and http.enabled and http.http_host and not tls.enabled:
+        refuse_plaintext(http.http_host, "the orchestrator's HTTP port", tls.insecure)
+    dial = downstream_dialer(cfg, tls.insecure)
+    api_keys = ApiKeyChecker(load_api_keys(cfg.api_key_file))
+    if api_keys.required:
+        interceptors = (api_key_guard(api_keys), *interceptors)
     holder: dict[str, OrchestratorServicer] = {}
 
     class _Pending(orchestrator_pb2_grpc.OrchestratorServiceServicer):
@@ -201,14 +219,14 @@ async def start_orchestrator(server_cfg: ServerConfig, cfg: OrchestratorConfig, 
 
     running = await start_server(
         server_cfg, lambda server: orchestrator_pb2_grpc.add_OrchestratorServiceServicer_to_server(_Pending(), server),
-        [SERVICE_NAME], interceptors=interceptors)
+        [SERVICE_NAME], interceptors=interceptors, credentials=tls.server_credentials())
     front = None
     try:
         if http is not None and http.enabled:
             from orchestrator.openai_api.server import start_http
 
-            front = await start_http(http, server_cfg.host, telemetry)
-        backends = await build_backends(cfg, tokenizer, telemetry)
+            front = await start_http(http, server_cfg.host, telemetry, tls=tls, api_keys=api_keys)
+        backends = await build_backends(cfg, tokenizer, telemetry, dial)
     except BaseException:
         await asyncio.gather(running.drain(0), *([front.stop(0)] if front else []))
         raise

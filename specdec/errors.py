@@ -39,5 +39,6 @@ class DeadlineExceeded(SpecdecError):
 
 
 class Unauthenticated(SpecdecError):
-    """A credential is required and missing or wrong (UNAUTHENTICATED). Nothing
-    requires one yet; the front doors already map it (HTTP 401)."""
+    """A credential is required and missing or wrong (UNAUTHENTICATED, HTTP 401).
+    The API-key checks of the front doors answer it themselves
+    (specdec.rpc.auth, orchestrator.openai_api.app)."""

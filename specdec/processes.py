@@ -17,11 +17,13 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 
-def wait_serving(port: int, procs: list[subprocess.Popen], timeout_s: float) -> None:
+def wait_serving(port: int, procs: list[subprocess.Popen], timeout_s: float, credentials=None) -> None:
     """Wait until the server on `port` reports SERVING; fail early if any of
-    `procs` exits meanwhile."""
+    `procs` exits meanwhile. `credentials` (grpc channel credentials): the
+    port speaks TLS."""
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+    address = f"127.0.0.1:{port}"
+    with (grpc.secure_channel(address, credentials) if credentials else grpc.insecure_channel(address)) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             if any(p.poll() is not None for p in procs):

@@ -6,6 +6,7 @@ from specdec.engine.engine import ModelEngine
 from specdec.rpc.model_server import ModelService, start_model_service
 from specdec.rpc.model_service import SessionLimits
 from specdec.rpc.serving import ServerConfig
+from specdec.security.tls import TlsConfig
 from specdec.telemetry import NOOP, Telemetry
 from specdec.v1 import target_pb2_grpc
 from target_service.servicer import TargetServicer
@@ -23,11 +24,12 @@ def build_verifier(engine_cfg: EngineConfig, limits: SessionLimits, engine: Mode
 
 
 async def start_target_service(server_cfg: ServerConfig, limits: SessionLimits, build_backend,
-                               interceptors=(), telemetry: Telemetry = NOOP) -> ModelService:
+                               interceptors=(), telemetry: Telemetry = NOOP, tls: TlsConfig | None = None) -> ModelService:
     return await start_model_service(
         server_cfg, limits, build_backend,
         make_servicer=lambda worker, lim: TargetServicer(worker, lim, telemetry=telemetry),
         add_to_server=target_pb2_grpc.add_TargetServiceServicer_to_server,
         service_name=SERVICE_NAME,
         interceptors=interceptors,
+        tls=tls,
     )

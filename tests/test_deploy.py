@@ -1,7 +1,7 @@
 """Offline checks of the Kubernetes deployment (deploy/) and the container image (Dockerfile).
 
-`deploy/validate.sh` renders every overlay, with and without the prometheus
-component, and validates each object strictly against the Kubernetes schemas
+`deploy/validate.sh` renders every overlay, with and without the optional
+components (prometheus, mtls, api-keys), and validates each object strictly against the Kubernetes schemas
 bundled in kubernetes-validate. These tests run that script, then check on the
 rendered objects what a schema cannot express: GPU requests, anti-affinity,
 probes, drain timing, security, image tags, headless Services, NetworkPolicy
@@ -29,10 +29,13 @@ ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
 VALIDATE_SH = DEPLOY / "validate.sh"
 
-RENDERS = ["gpu", "gpu+prometheus", "cpu-dev", "cpu-dev+prometheus"]
+RENDERS = ["gpu", "gpu+prometheus", "gpu+mtls", "cpu-dev", "cpu-dev+prometheus", "cpu-dev+mtls+api-keys"]
 GPU_RENDERS = [name for name in RENDERS if name.startswith("gpu")]
 CPU_RENDERS = [name for name in RENDERS if name.startswith("cpu-dev")]
 PROMETHEUS_RENDERS = [name for name in RENDERS if name.endswith("+prometheus")]
+MTLS_RENDERS = [name for name in RENDERS if "+mtls" in name]
+PLAINTEXT_RENDERS = [name for name in RENDERS if name not in MTLS_RENDERS]
+API_KEY_RENDERS = [name for name in RENDERS if "+api-keys" in name]
 ROLES = ("draft", "target", "orchestrator")
 MODEL_ROLES = ("draft", "target")
 NAMESPACE = "specdec"
@@ -41,19 +44,20 @@ GPU = "nvidia.com/gpu"
 
 # -- the `specd` CLI contract (hard-coded until the tests can read the real parser) -------
 
-COMMON_FLAGS = {"--host", "--port", "--metrics-port", "--drain-grace-s", "--reflection", "--max-message-bytes"}
+COMMON_FLAGS = {"--host", "--port", "--metrics-port", "--drain-grace-s", "--reflection", "--max-message-bytes",
+                "--health-port", "--tls-cert", "--tls-key", "--tls-ca", "--insecure"}
 MODEL_FLAGS = {
     "--model", "--device", "--dtype", "--threads", "--max-sessions", "--max-context",
-    "--session-ttl-s", "--max-draft-tokens",
+    "--session-ttl-s", "--max-draft-tokens", "--allowed-callers", "--max-sessions-per-caller",
 }  # fmt: skip
 ROLE_FLAGS = {
     "draft": COMMON_FLAGS | MODEL_FLAGS | {"--drafter"},
     "target": COMMON_FLAGS | MODEL_FLAGS | {"--max-verify-batch"},
     "orchestrator": COMMON_FLAGS
     | {"--draft", "--target", "--policy", "--num-draft-tokens", "--batch-window-ms", "--max-batch", "--tokenizer",
-       "--http-port"},
+       "--http-port", "--downstream-ca", "--downstream-cert", "--downstream-key", "--api-key-file"},
 }
-BOOLEAN_FLAGS = {"--reflection"}
+BOOLEAN_FLAGS = {"--reflection", "--insecure"}
 DEFAULT_PORTS = {"orchestrator": 50051, "draft": 50052, "target": 50053}
 DEFAULT_METRICS_PORT = 9464
 DEFAULT_DRAIN_GRACE_S = 20.0
@@ -133,6 +137,8 @@ def test_validate_script_renders_and_validates_every_overlay(validation):
         # Only the Prometheus Operator's CRD may go without a schema, and it must be said.
         if name in PROMETHEUS_RENDERS:
             assert "SKIPPED 1 (no bundled schema): ServiceMonitor" in line, line
+        elif name in MTLS_RENDERS:  # cert-manager's CRDs: 4 Certificates, 2 Issuers
+            assert "SKIPPED 6 (no bundled schema): Certificate Issuer" in line, line
         else:
             assert "SKIPPED" not in line, line
 
@@ -422,6 +428,10 @@ def test_every_role_has_grpc_probes_on_an_exposed_port(rendered, render):
     objects = rendered[render]
     for role in ROLES:
         deployment = _deployment(objects, role)
+        # Under mutual TLS kubelet's probes (plaintext, no client certificate) use the
+        # plaintext health-only port; otherwise the gRPC port itself.
+        settings = _serve_settings(objects, role)
+        probed = int(settings["--health-port"]) if render in MTLS_RENDERS else DEFAULT_PORTS[role]
         for container in _pod_spec(deployment)["containers"]:
             where = f"{role}/{container['name']}"
             for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
@@ -429,7 +439,7 @@ def test_every_role_has_grpc_probes_on_an_exposed_port(rendered, render):
                 assert probe and "grpc" in probe, f"{where} has no gRPC {kind}"
                 port = probe["grpc"]["port"]
                 assert isinstance(port, int), f"{where} {kind}: port {port!r} is not an integer"
-                assert port == _container_port(container, port) == DEFAULT_PORTS[role]
+                assert port == _container_port(container, port) == probed
                 service = probe["grpc"].get("service", "")
                 allowed = {HEALTH_SERVICES[role]} | ({""} if kind == "livenessProbe" else set())
                 assert service in allowed, f"{where} {kind} checks {service!r}"
@@ -693,6 +703,82 @@ def test_manifests_use_only_flags_and_ports_of_the_cli_contract(rendered, render
         assert service["metadata"]["name"] == f"specdec-{role}"
         assert int(port) == DEFAULT_PORTS[role] in {p["port"] for p in service["spec"]["ports"]}
     assert orchestrator["--tokenizer"] == _serve_settings(objects, "target")["--model"]
+
+
+@pytest.mark.parametrize("render", PLAINTEXT_RENDERS)
+def test_plaintext_renders_say_so_explicitly(rendered, render):
+    # A role bound to 0.0.0.0 refuses plaintext unless --insecure says it is meant.
+    for role in ROLES:
+        settings = _serve_settings(rendered[render], role)
+        assert settings.get("--insecure") == "true", f"{role}: plaintext in {render} without --insecure"
+        assert not any(settings.get(flag) for flag in ("--tls-cert", "--tls-ca", "--downstream-ca")), role
+
+
+def _secret_of_file(deployment: dict, path: str) -> str:
+    """The Secret a file path of the main container is mounted from."""
+    container = _main_container(deployment)
+    volumes = {v["name"]: v for v in _pod_spec(deployment)["volumes"]}
+    for mount in container.get("volumeMounts", []):
+        if path.startswith(mount["mountPath"].rstrip("/") + "/"):
+            volume = volumes[mount["name"]]
+            assert "secret" in volume, f"{path} is not mounted from a Secret"
+            assert mount.get("readOnly"), f"{path}: the Secret must be mounted read-only"
+            return volume["secret"]["secretName"]
+    raise AssertionError(f"{deployment['metadata']['name']}: nothing mounted at {path}")
+
+
+def _certificates(objects: list[dict]) -> dict[str, dict]:
+    """cert-manager Certificates by the Secret they fill."""
+    return {c["spec"]["secretName"]: c for c in _of_kind(objects, "Certificate")}
+
+
+@pytest.mark.parametrize("render", MTLS_RENDERS)
+def test_mtls_component_gives_every_role_its_certificate_and_checks_names(rendered, render):
+    objects = rendered[render]
+    certificates = _certificates(objects)
+    issuers = {i["metadata"]["name"]: i for i in _of_kind(objects, "Issuer")}
+    for certificate in certificates.values():
+        issuer = certificate["spec"]["issuerRef"]
+        assert issuer["kind"] == "Issuer" and issuer["name"] in issuers, certificate["metadata"]["name"]
+        ca_secret = issuers[issuer["name"]]["spec"].get("ca", {}).get("secretName")
+        assert ca_secret is None or certificates[ca_secret]["spec"]["isCA"] is True
+    orchestrator = _serve_settings(objects, "orchestrator")
+    own = certificates[_secret_of_file(_deployment(objects, "orchestrator"), orchestrator["--tls-cert"])]["spec"]
+    for role in ROLES:
+        deployment = _deployment(objects, role)
+        settings = _serve_settings(objects, role)
+        assert settings.get("--insecure") == "false", f"{role}: plaintext must be refused"
+        secret = _secret_of_file(deployment, settings["--tls-cert"])
+        assert _secret_of_file(deployment, settings["--tls-key"]) == secret
+        assert secret in certificates, f"{role}: no Certificate fills the Secret {secret}"
+        spec = certificates[secret]["spec"]
+        if role in MODEL_ROLES:
+            # Mutual TLS, serving only the orchestrator's certificate name...
+            assert _secret_of_file(deployment, settings["--tls-ca"]) == secret
+            allowed = settings.get("--allowed-callers", "orchestrator").split(",")
+            assert own["commonName"] in allowed and "client auth" in own["usages"]
+            # ...which dials each pod by IP and checks the Service's name in its certificate.
+            host = orchestrator[f"--{role}"].rsplit(":", 1)[0]
+            assert host in spec["dnsNames"], f"{role}: the certificate does not name {host}"
+            assert "server auth" in spec["usages"]
+        else:
+            assert "--tls-ca" not in settings, "clients of the orchestrator need no certificate"
+            for flag in ("--downstream-ca", "--downstream-cert", "--downstream-key"):
+                assert _secret_of_file(deployment, orchestrator[flag]) == secret, flag
+        # Probes cannot present a client certificate: the plaintext health-only port.
+        health = int(settings["--health-port"])
+        assert health not in (DEFAULT_PORTS[role], DEFAULT_METRICS_PORT)
+        assert _container_port(_main_container(deployment), "health") == health
+
+
+@pytest.mark.parametrize("render", API_KEY_RENDERS)
+def test_api_keys_component_reads_the_keys_from_a_secret(rendered, render):
+    objects = rendered[render]
+    deployment = _deployment(objects, "orchestrator")
+    settings = _serve_settings(objects, "orchestrator")
+    assert _secret_of_file(deployment, settings["--api-key-file"]) == "specdec-api-keys"
+    for role in MODEL_ROLES:
+        assert "--api-key-file" not in _serve_settings(objects, role)
 
 
 def _fetch_invocation(objects: list[dict], deployment: dict) -> tuple[list[str], dict[str, str], dict]:

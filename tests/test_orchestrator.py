@@ -20,6 +20,7 @@ from orchestrator.config import OrchestratorConfig
 from orchestrator.server import start_orchestrator
 from specdec.sampling.params import SamplingParams
 from specdec.sampling.transform import logits_to_probs
+from specdec.security.tls import TlsConfig
 from specdec.v1 import orchestrator_pb2 as pb
 from tests.conftest import tiny_engine, tiny_model
 from tests.harness import BackgroundLoop, local_config, running_draft, running_system, running_target
@@ -401,8 +402,10 @@ def test_a_failed_target_replica_is_replaced_by_a_live_one(monkeypatch):
             monkeypatch.setattr(socket, "getaddrinfo", fake)
             loop = BackgroundLoop()
             try:
+                # A cluster name, so plaintext must be asked for (docs/security.md).
                 orch = loop.run(start_orchestrator(local_config(), OrchestratorConfig(
-                    target=f"target.specdec.svc:{port}", draft="", connect_timeout_s=10)))
+                    target=f"target.specdec.svc:{port}", draft="", connect_timeout_s=10),
+                    tls=TlsConfig(insecure=True)))
                 try:
                     with Client(f"127.0.0.1:{orch.port}", timeout_s=60) as client:
                         stream = client.stub.Generate(build_request(GREEDY_PROMPTS[3], max_tokens=30, temperature=0),

@@ -41,11 +41,14 @@ def test_requests_spread_over_replicas_and_stay_pinned(monkeypatch):
             from orchestrator.client import Client
             from orchestrator.config import OrchestratorConfig
             from orchestrator.server import start_orchestrator
+            from specdec.security.tls import TlsConfig
 
             loop = BackgroundLoop()
             try:
+                # A cluster name, so plaintext must be asked for (docs/security.md).
                 orch = loop.run(start_orchestrator(local_config(), OrchestratorConfig(
-                    target=f"target.specdec.svc:{port}", draft="", connect_timeout_s=10)))
+                    target=f"target.specdec.svc:{port}", draft="", connect_timeout_s=10),
+                    tls=TlsConfig(insecure=True)))
                 assert len(orch.backends.targets.replicas) == 2
                 seen = {"a": 0, "b": 0}
 

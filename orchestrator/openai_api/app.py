@@ -5,6 +5,10 @@
     GET  /v1/models             the served model
     GET  /health                200 while serving, 503 while connecting or draining
 
+With API keys configured, every route but /health needs `Authorization:
+Bearer KEY` (what `openai` clients send); a missing or wrong key is a 401 in
+the same error JSON, before the body is even read.
+
 A generation request is translated into a GenerateRequest (`translate`) and
 run on the gRPC path (`runner`). Errors are one JSON shape (`errors`); a
 stream that has begun reports a later error as an SSE event carrying the same
@@ -25,6 +29,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specdec.errors import SpecdecError
+from specdec.security.api_keys import ApiKeyChecker
 from specdec.telemetry import (CLIENT_ADDRESS, HTTP_REQUEST_METHOD, HTTP_ROUTE, NETWORK_PROTOCOL_VERSION,
                                SERVER_ADDRESS, SERVER_PORT, URL_PATH, URL_SCHEME, USER_AGENT, Telemetry)
 
@@ -50,6 +55,7 @@ class FrontDoorState:
     model: str = ""  # the served model name
     max_model_len: int = 0
     draining: bool = False
+    api_keys: ApiKeyChecker | None = None  # None or no keys: no key required
     created: int = field(default_factory=lambda: int(time.time()))
 
     def ready(self):
@@ -65,6 +71,8 @@ def create_app(state: FrontDoorState) -> FastAPI:
                   description="Speculative decoding over gRPC services; output distributed as the target model's.")
     app.state.front_door = state
     _install_error_handlers(app)
+    if state.api_keys is not None and state.api_keys.required:
+        app.add_middleware(_ApiKeyGate, checker=state.api_keys)
     app.add_middleware(_HttpMetrics, telemetry=state.telemetry)
 
     @app.get("/health")
@@ -232,3 +240,27 @@ class _HttpMetrics:
             route = scope.get("route")
             self.metrics.record_http(scope["method"], route.path if route is not None else "other", status[0],
                                      time.perf_counter() - start)
+
+
+class _ApiKeyGate:
+    """ASGI middleware: every route but /health needs a valid API key
+    (`Authorization: Bearer KEY`); otherwise a 401 in OpenAI's error JSON,
+    answered before routing or reading the body."""
+
+    OPEN_PATHS = ("/health",)
+
+    def __init__(self, app, checker: ApiKeyChecker):
+        self.app = app
+        self.checker = checker
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] not in self.OPEN_PATHS:
+            headers = dict(scope["headers"])
+            raw = headers.get(b"authorization")
+            problem = self.checker.problem(raw.decode("latin-1") if raw is not None else None)
+            if problem is not None:
+                response = _error_response(ApiError(401, problem, code="invalid_api_key"))
+                response.headers["WWW-Authenticate"] = "Bearer"
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)

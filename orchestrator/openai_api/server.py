@@ -16,6 +16,8 @@ import socket
 
 import uvicorn
 
+from specdec.security.api_keys import ApiKeyChecker
+from specdec.security.tls import ReloadingCertificates, TlsConfig
 from specdec.telemetry import Telemetry
 
 from .app import FrontDoorState, create_app
@@ -32,11 +34,13 @@ class _EmbeddedServer(uvicorn.Server):
 class HttpFrontDoor:
     """A started HTTP server; `state` is what its routes read."""
 
-    def __init__(self, state: FrontDoorState, server: _EmbeddedServer, sock: socket.socket, task: asyncio.Task):
+    def __init__(self, state: FrontDoorState, server: _EmbeddedServer, sock: socket.socket, task: asyncio.Task,
+                 reload_task: asyncio.Task | None = None):
         self.state = state
         self._server = server
         self._socket = sock
         self._task = task
+        self._reload_task = reload_task  # re-reads a renewed TLS certificate
         self.host, self.port = sock.getsockname()[:2]
 
     def set_ready(self, servicer, model: str, max_model_len: int) -> None:
@@ -46,6 +50,8 @@ class HttpFrontDoor:
 
     async def stop(self, grace_s: float = 0.0) -> None:
         """Refuse new requests, give those in flight `grace_s`, then cancel them."""
+        if self._reload_task is not None:
+            self._reload_task.cancel()
         if self._task.done():
             return
         self.state.draining = True
@@ -72,12 +78,39 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def start_http(cfg: HttpConfig, host: str, telemetry: Telemetry) -> HttpFrontDoor:
-    """Bind and start serving; routes answer 503 until `set_ready()`."""
-    state = FrontDoorState(cfg=cfg, telemetry=telemetry)
+def _tls_settings(tls: TlsConfig | None) -> dict:
+    """uvicorn's TLS settings: HTTPS with the orchestrator's certificate, and
+    client certificates required when --tls-ca is set (as on gRPC)."""
+    if tls is None or not tls.enabled:
+        return {}
+    import ssl
+
+    settings = {"ssl_certfile": tls.tls_cert, "ssl_keyfile": tls.tls_key}
+    if tls.tls_ca:
+        settings.update(ssl_ca_certs=tls.tls_ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
+    return settings
+
+
+CERT_RELOAD_PERIOD_S = 30.0  # how often the HTTP port looks for a renewed certificate
+
+
+async def _reload_certificate(context, tls: TlsConfig) -> None:
+    """Load a renewed certificate into the live SSL context (new connections
+    get it), as the gRPC port does; checked every CERT_RELOAD_PERIOD_S."""
+    files = ReloadingCertificates(tls.tls_cert, tls.tls_key)
+    while True:
+        await asyncio.sleep(CERT_RELOAD_PERIOD_S)
+        files.reload_if_changed(lambda: context.load_cert_chain(tls.tls_cert, tls.tls_key))
+
+
+async def start_http(cfg: HttpConfig, host: str, telemetry: Telemetry, tls: TlsConfig | None = None,
+                     api_keys: ApiKeyChecker | None = None) -> HttpFrontDoor:
+    """Bind and start serving (HTTPS when `tls` has a certificate; API keys
+    required when `api_keys` holds any); routes answer 503 until `set_ready()`."""
+    state = FrontDoorState(cfg=cfg, telemetry=telemetry, api_keys=api_keys)
     sock = _bind(cfg.http_host or host, cfg.http_port)
     config = uvicorn.Config(create_app(state), log_config=None, access_log=cfg.http_access_log, lifespan="off",
-                            timeout_graceful_shutdown=None, server_header=False)
+                            timeout_graceful_shutdown=None, server_header=False, **_tls_settings(tls))
     server = _EmbeddedServer(config)
     task = asyncio.ensure_future(server.serve(sockets=[sock]))
     while not server.started and not task.done():  # startup is quick; a failure ends the task
@@ -86,6 +119,8 @@ async def start_http(cfg: HttpConfig, host: str, telemetry: Telemetry) -> HttpFr
         sock.close()
         task.result()
         raise OSError("the HTTP server did not start")
-    front = HttpFrontDoor(state, server, sock, task)
-    log.info("OpenAI-compatible HTTP API on http://%s:%d/v1", front.host, front.port)
+    reload = asyncio.ensure_future(_reload_certificate(server.config.ssl, tls)) if server.config.ssl else None
+    front = HttpFrontDoor(state, server, sock, task, reload)
+    scheme = "https" if tls is not None and tls.enabled else "http"
+    log.info("OpenAI-compatible HTTP API on %s://%s:%d/v1", scheme, front.host, front.port)
     return front

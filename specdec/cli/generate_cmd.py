@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import grpc
@@ -33,6 +34,15 @@ def register(sub) -> None:
     p.add_argument("--timeout", type=float, default=600.0, help="deadline of the request, seconds")
     p.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
                    help="wait up to this long for the server to come up (e.g. while `specd up` loads)")
+    security = p.add_argument_group("security (docs/security.md)")
+    security.add_argument("--api-key", default=os.environ.get("SPECD_API_KEY"),
+                          help="API key, sent as 'authorization: Bearer KEY' [env SPECD_API_KEY]")
+    security.add_argument("--ca-cert", default=os.environ.get("SPECD_CA_CERT", ""),
+                          help="PEM CA certificate to verify the orchestrator with: speak TLS [env SPECD_CA_CERT]")
+    security.add_argument("--client-cert", default=os.environ.get("SPECD_CLIENT_CERT", ""),
+                          help="PEM client certificate, when the orchestrator asks for one [env SPECD_CLIENT_CERT]")
+    security.add_argument("--client-key", default=os.environ.get("SPECD_CLIENT_KEY", ""),
+                          help="PEM private key of --client-cert [env SPECD_CLIENT_KEY]")
     p.set_defaults(func=run)
 
 
@@ -48,6 +58,7 @@ def _token_ids(text: str) -> list[int]:
 
 def run(args: argparse.Namespace) -> int:
     from orchestrator.client import Client
+    from specdec.security.tls import ClientTls
 
     if (args.prompt is None) == (args.prompt_ids is None):
         print("specd generate: give a prompt, or --prompt-ids, not both", file=sys.stderr)
@@ -66,7 +77,13 @@ def run(args: argparse.Namespace) -> int:
                   speculate=not args.no_speculation, pipeline=args.pipeline)
     text, tokens = [], []
     timeout = args.timeout + args.wait
-    with Client(args.server, timeout_s=timeout, wait_for_ready=args.wait > 0) as client:
+    tls = ClientTls(ca=args.ca_cert, cert=args.client_cert, key=args.client_key)
+    try:
+        tls.validate("--ca-cert/--client-cert/--client-key")
+    except ValueError as exc:
+        print(f"specd generate: {exc}", file=sys.stderr)
+        return 2
+    with Client(args.server, timeout_s=timeout, wait_for_ready=args.wait > 0, api_key=args.api_key, tls=tls) as client:
         try:
             for chunk in client.generate(prompt, **kwargs):
                 text.append(chunk.text)

@@ -14,6 +14,7 @@ from specdec.metrics import prometheus_reader, start_metrics_server
 from specdec.models.catalog import DEFAULT_PAIR
 from specdec.rpc.model_service import SessionLimits
 from specdec.rpc.serving import ServerConfig, install_drain_on_signals
+from specdec.security.tls import TlsConfig
 from specdec.telemetry import SERVICE_DRAFT, SERVICE_ORCHESTRATOR, SERVICE_TARGET, setup_telemetry
 
 log = logging.getLogger("specd")
@@ -35,18 +36,21 @@ def register(sub) -> None:
     add_arguments(draft, EngineConfig, defaults={"model": DEFAULT_PAIR.draft})
     add_arguments(draft, SessionLimits, skip=("max_verify_batch",))
     add_arguments(draft, DrafterConfig)
+    add_arguments(draft, TlsConfig)
     draft.set_defaults(func=_serve_draft)
 
     target = roles.add_parser("target", help="the target model service")
     add_arguments(target, ServerConfig, defaults={"port": TARGET_PORT})
     add_arguments(target, EngineConfig, defaults={"model": DEFAULT_PAIR.target})
     add_arguments(target, SessionLimits)
+    add_arguments(target, TlsConfig)
     target.set_defaults(func=_serve_target)
 
     orch = roles.add_parser("orchestrator", help="the orchestrator clients call")
     add_arguments(orch, ServerConfig, defaults={"port": ORCH_PORT})
     add_arguments(orch, OrchestratorConfig)
     add_arguments(orch, HttpConfig)
+    add_arguments(orch, TlsConfig, skip=("allowed_callers",))
     orch.set_defaults(func=_serve_orchestrator)
 
 
@@ -65,12 +69,13 @@ def _serve_draft(args: argparse.Namespace) -> int:
     server_cfg, engine_cfg = from_args(ServerConfig, args), from_args(EngineConfig, args)
     limits, drafter_cfg = from_args(SessionLimits, args), from_args(DrafterConfig, args)
     engine_cfg.validate()
+    tls = from_args(TlsConfig, args)  # checked before anything binds, by start_model_service
 
     async def main():
         with _telemetry("draft", server_cfg) as telemetry:
             service = await start_draft_service(
                 server_cfg, limits, lambda: build_drafter(engine_cfg, drafter_cfg, limits),
-                backend_kind=drafter_cfg.drafter, telemetry=telemetry)
+                backend_kind=drafter_cfg.drafter, telemetry=telemetry, tls=tls)
             await _serve_forever(service.running, server_cfg, "draft", engine_cfg.model)
             service.servicer.stop_reaper()
             service.worker.shutdown()
@@ -83,11 +88,12 @@ def _serve_target(args: argparse.Namespace) -> int:
 
     server_cfg, engine_cfg, limits = from_args(ServerConfig, args), from_args(EngineConfig, args), from_args(SessionLimits, args)
     engine_cfg.validate()
+    tls = from_args(TlsConfig, args)
 
     async def main():
         with _telemetry("target", server_cfg) as telemetry:
             service = await start_target_service(server_cfg, limits, lambda: build_verifier(engine_cfg, limits),
-                                                 telemetry=telemetry)
+                                                 telemetry=telemetry, tls=tls)
             await _serve_forever(service.running, server_cfg, "target", engine_cfg.model)
             service.servicer.stop_reaper()
             service.worker.shutdown()
@@ -102,10 +108,11 @@ def _serve_orchestrator(args: argparse.Namespace) -> int:
 
     server_cfg, cfg = from_args(ServerConfig, args), from_args(OrchestratorConfig, args)
     http_cfg = from_args(HttpConfig, args)  # validated by start_orchestrator (a bad value: one line)
+    tls = from_args(TlsConfig, args)  # so are these
 
     async def main():
         with _telemetry("orchestrator", server_cfg) as telemetry:
-            orch = await start_orchestrator(server_cfg, cfg, telemetry=telemetry, http=http_cfg)
+            orch = await start_orchestrator(server_cfg, cfg, telemetry=telemetry, http=http_cfg, tls=tls)
             http = f", HTTP on {orch.http.host}:{orch.http.port}" if orch.http else ""
             # Draining the orchestrator drains both front doors.
             await _serve_forever(orch, server_cfg, "orchestrator", f"draft={cfg.draft} target={cfg.target}{http}")

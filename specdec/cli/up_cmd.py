@@ -8,13 +8,20 @@ flight survive it (the orchestrator decodes without the draft, and re-opens
 a lost target session by prefilling the history). Ctrl-C (or SIGTERM) stops
 all three and waits for them. A role that exits during start-up still stops
 everything: that is a configuration error, not a crash.
+
+`--tls` creates a throwaway CA in a temporary directory (deleted on exit):
+the orchestrator then dials draft and target over mutual TLS and serves TLS
+at its front doors (docs/security.md). API keys in SPECD_API_KEYS reach the
+orchestrator through the environment.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import time
 
 from specdec.models.catalog import DEFAULT_PAIR
@@ -46,6 +53,9 @@ def register(sub) -> None:
                    help="first delay before restarting a role that exited (doubles per quick exit, up to 30 s)")
     p.add_argument("--metrics-port", type=int, default=0,
                    help="Prometheus metrics: the orchestrator on this port, draft +1, target +2 (0: off)")
+    p.add_argument("--tls", action="store_true",
+                   help="mutual TLS between the roles and TLS at the front doors, with a throwaway local CA "
+                        "(its ca.crt is printed: give it to clients as --ca-cert)")
     p.set_defaults(func=run)
 
 
@@ -86,6 +96,17 @@ def run(args: argparse.Namespace) -> int:
                   "--device", args.draft_device or args.device, *common, *_metrics_flag(args, 1)]
     target_args = ["--model", args.target_model, "--port", str(args.target_port),
                    "--device", args.target_device or args.device, *common, *_metrics_flag(args, 2)]
+    tls, tls_dir, credentials = None, None, None
+    if args.tls:
+        from specdec.security.local_ca import LocalTls
+        from specdec.security.tls import ClientTls
+
+        tls_dir = tempfile.mkdtemp(prefix="specd-tls-")
+        tls = LocalTls.create(tls_dir)
+        draft_args += tls.flags("draft")
+        target_args += tls.flags("target")
+        own = tls.files["orchestrator"]  # the services serve health checks to the orchestrator's certificate
+        credentials = ClientTls(own.ca, own.cert, own.key).channel_credentials()
     supervisor = Supervisor(Backoff(initial_s=args.restart_backoff_s))
     stop_requested = []
 
@@ -101,21 +122,24 @@ def run(args: argparse.Namespace) -> int:
         supervisor.start("target", _serve_cmd("target", target_args), env)
         supervisor.start("draft", _serve_cmd("draft", draft_args), env)
         print("specd up: loading the models (this takes a while on a CPU)...", file=sys.stderr)
-        wait_serving(args.target_port, supervisor.processes, args.startup_timeout)
-        wait_serving(args.draft_port, supervisor.processes, args.startup_timeout)
+        wait_serving(args.target_port, supervisor.processes, args.startup_timeout, credentials)
+        wait_serving(args.draft_port, supervisor.processes, args.startup_timeout, credentials)
         supervisor.start("orchestrator", _serve_cmd("orchestrator", [
             "--port", str(args.port), "--host", "127.0.0.1", "--draft", f"127.0.0.1:{args.draft_port}",
             "--target", f"127.0.0.1:{args.target_port}", "--policy", args.policy,
             "--num-draft-tokens", str(args.num_draft_tokens), "--tokenizer", args.target_model,
-            "--http-port", str(args.http_port), *_metrics_flag(args, 0)]), env)
-        wait_serving(args.port, supervisor.processes, 120)
-        where, curl = f"127.0.0.1:{args.port} (gRPC)", ""
+            "--http-port", str(args.http_port), *_metrics_flag(args, 0),
+            *(tls.flags("orchestrator") if tls else [])]), env)
+        wait_serving(args.port, supervisor.processes, 120, credentials)
+        scheme, ca_flag, curl_ca = ("https", f" --ca-cert {tls.ca}", f" --cacert {tls.ca}") if tls else ("http", "", "")
+        where, curl = f"127.0.0.1:{args.port} (gRPC{', TLS' if tls else ''})", ""
         if args.http_port >= 0:
-            where += f" and http://127.0.0.1:{args.http_port}/v1 (OpenAI-compatible)"
-            curl = (f"  curl -s http://127.0.0.1:{args.http_port}/v1/completions -H 'Content-Type: application/json' "
+            where += f" and {scheme}://127.0.0.1:{args.http_port}/v1 (OpenAI-compatible)"
+            curl = (f"  curl -s{curl_ca} {scheme}://127.0.0.1:{args.http_port}/v1/completions "
+                    "-H 'Content-Type: application/json' "
                     "-d '{\"prompt\": \"def fibonacci(n):\", \"max_tokens\": 32, \"temperature\": 0}'\n")
         print(f"\nspecd up: serving on {where} (draft {args.draft_model}, target {args.target_model}). Try:\n"
-              f"  specd generate --server 127.0.0.1:{args.port} --temperature 0 --stats \"def fibonacci(n):\"\n"
+              f"  specd generate --server 127.0.0.1:{args.port}{ca_flag} --temperature 0 --stats \"def fibonacci(n):\"\n"
               f"{curl}"
               f"  specd trace show      # its spans, from {env[TRACE_FILE_ENV]}\n"
               "A role that exits is restarted; Ctrl-C stops all three.", file=sys.stderr, flush=True)
@@ -131,3 +155,5 @@ def run(args: argparse.Namespace) -> int:
     finally:
         print("specd up: stopping...", file=sys.stderr)
         supervisor.stop()
+        if tls_dir is not None:
+            shutil.rmtree(tls_dir, ignore_errors=True)

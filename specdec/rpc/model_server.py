@@ -12,8 +12,10 @@ from typing import Callable
 
 import grpc
 
+from specdec.rpc.auth import caller_guard
 from specdec.rpc.model_service import SessionLimits, SessionServicer
 from specdec.rpc.serving import EngineWorker, RunningServer, ServerConfig, install_drain_on_signals, start_server
+from specdec.security.tls import TlsConfig
 
 log = logging.getLogger(__name__)
 
@@ -42,13 +44,22 @@ async def start_model_service(
     add_to_server: Callable[[object, grpc.aio.Server], None],
     service_name: str,
     interceptors=(),
+    tls: TlsConfig | None = None,
 ) -> ModelService:
     """Bind, then build the backend (load + warm-up) on the engine thread, then
-    mark SERVING. Raises whatever loading raises (after stopping the server)."""
+    mark SERVING. Raises whatever loading raises (after stopping the server).
+
+    With `tls` serving certificates, the port speaks mutual TLS and serves
+    only callers whose certificate names one of `tls.allowed_callers`;
+    without, plaintext, which only a loopback address or `tls.insecure` allows."""
+    role = service_name.rsplit(".", 1)[-1].removesuffix("Service").lower() + " service"
+    tls = (tls or TlsConfig()).validate(server_cfg.host, role, require_client_certs=True)
+    if tls.mutual:
+        interceptors = (caller_guard(tls.callers()), *interceptors)
     worker = EngineWorker()
     servicer = make_servicer(worker, limits)
     running = await start_server(server_cfg, lambda server: add_to_server(servicer, server),
-                                 [service_name], interceptors=interceptors)
+                                 [service_name], interceptors=interceptors, credentials=tls.server_credentials())
     try:
         backend = await worker.run(build_backend)
     except BaseException:

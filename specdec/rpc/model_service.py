@@ -13,6 +13,7 @@ from specdec.errors import InvalidArgument, Unavailable
 from specdec.limits import DEFAULT_MAX_DRAFT_TOKENS
 from specdec.rpc import grpc_errors
 from specdec.rpc.serving import EngineWorker
+from specdec.rpc.session_quota import SessionQuota
 from specdec.sampling.params import SamplingParams
 from specdec.telemetry import (A_KV_BYTES, A_LENGTH, A_PROMPT_TOKENS, NOOP, SPAN_CLOSE, SPAN_PREFILL,
                                SPAN_ROLLBACK, Telemetry)
@@ -28,6 +29,8 @@ class SessionLimits:
     session_ttl_s: float = opt(300.0, "close sessions idle this long, seconds")
     max_draft_tokens: int = opt(DEFAULT_MAX_DRAFT_TOKENS, "largest num_draft_tokens of one Propose call or Verify item")
     max_verify_batch: int = opt(64, "target: sessions one Verify call may carry")
+    max_sessions_per_caller: int = opt(0, "sessions one caller (certificate name under mutual TLS, else host) "
+                                          "may hold open at once (0: no quota)")
 
 
 @dataclass(frozen=True)
@@ -106,6 +109,7 @@ class SessionServicer:
         self.limits = limits
         self.telemetry = telemetry
         self._reaper: asyncio.Task | None = None
+        self.quota = SessionQuota(limits.max_sessions_per_caller)
 
     def attach(self, backend) -> None:
         self._backend = backend
@@ -130,6 +134,7 @@ class SessionServicer:
         while True:
             await asyncio.sleep(period)
             expired = await self.worker.run(self.backend.expire_idle, self.limits.session_ttl_s)
+            self.quota.closed(expired)
             if expired:
                 log.info("expired %d idle sessions", len(expired))
 
@@ -143,9 +148,15 @@ class SessionServicer:
         with self.telemetry.server_span(SPAN_PREFILL, context.invocation_metadata(),
                                         {A_PROMPT_TOKENS: len(request.prompt_token_ids)}) as span:
             meta = SessionMeta(params=sampling_from_wire(request.sampling), seed=request.seed)
-            session_id, length, kv_bytes = await self.worker.run(
-                self.backend.open, list(request.prompt_token_ids), meta, request.max_new_tokens
-            )
+            caller = self.quota.admit(context)
+            try:
+                session_id, length, kv_bytes = await self.worker.run(
+                    self.backend.open, list(request.prompt_token_ids), meta, request.max_new_tokens
+                )
+            except BaseException:
+                self.quota.abandon(caller)
+                raise
+            self.quota.opened(caller, session_id)
             span.set_attribute(A_KV_BYTES, kv_bytes)
         return common_pb2.OpenSessionResponse(session_id=session_id, length=length, kv_bytes=kv_bytes)
 
@@ -159,4 +170,5 @@ class SessionServicer:
     async def CloseSession(self, request, context):
         with self.telemetry.server_span(SPAN_CLOSE, context.invocation_metadata()):
             closed = await self.worker.run_quick(self.backend.close, request.session_id)
+        self.quota.closed((request.session_id,))
         return common_pb2.CloseSessionResponse(closed=closed)

@@ -34,6 +34,8 @@ class ServerConfig:
     drain_grace_s: float = opt(20.0, "on SIGTERM: seconds in-flight calls get to finish")
     reflection: bool = opt(False, "enable gRPC server reflection")
     metrics_port: int = opt(0, "Prometheus metrics port, served at /metrics on the same host (0: off)")
+    health_port: int = opt(-1, "a plaintext port on the same host serving grpc.health.v1 only, for probes that "
+                               "cannot present a client certificate (-1: off; 0: pick a free one)")
 
     def channel_options(self) -> list[tuple[str, int]]:
         return [
@@ -124,9 +126,12 @@ class EngineWorker:
 class RunningServer:
     """A started grpc.aio server with its health service."""
 
-    def __init__(self, server: grpc.aio.Server, port: int, health_servicer, service_names: Sequence[str]):
+    def __init__(self, server: grpc.aio.Server, port: int, health_servicer, service_names: Sequence[str],
+                 health_server: grpc.aio.Server | None = None, health_port: int = -1):
         self.server = server
         self.port = port
+        self.health_server = health_server  # the plaintext health-only port's server, if any
+        self.health_port = health_port
         self.health = health_servicer
         self.service_names = ("", *service_names)
         self._stopped = asyncio.Event()
@@ -147,6 +152,8 @@ class RunningServer:
         self.draining = True
         await self.set_status(NOT_SERVING)
         await self.server.stop(grace_s)
+        if self.health_server is not None:
+            await self.health_server.stop(0)
         self._stopped.set()
 
     async def wait(self) -> None:
@@ -158,8 +165,11 @@ async def start_server(
     register: Callable[[grpc.aio.Server], None],
     service_names: Sequence[str],
     interceptors: Sequence = (),
+    credentials: grpc.ServerCredentials | None = None,
 ) -> RunningServer:
-    """Bind and start a server that reports NOT_SERVING until `set_serving()`."""
+    """Bind and start a server that reports NOT_SERVING until `set_serving()`;
+    over TLS when `credentials` are given (plaintext otherwise), plus the
+    plaintext health-only port when `cfg.health_port` asks for one."""
     server = grpc.aio.server(options=cfg.channel_options(), interceptors=list(interceptors))
     register(server)
     health_servicer = health.aio.HealthServicer()
@@ -170,14 +180,31 @@ async def start_server(
         names = [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
                  reflection.SERVICE_NAME]
         reflection.enable_server_reflection(names, server)
-    port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+    address = f"{cfg.host}:{cfg.port}"
+    port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"cannot bind {cfg.host}:{cfg.port}")
-    running = RunningServer(server, port, health_servicer, service_names)
+    health_server, health_port = (await _start_health_only(cfg, health_servicer)) if cfg.health_port >= 0 else (None, -1)
+    running = RunningServer(server, port, health_servicer, service_names, health_server, health_port)
     await running.set_status(NOT_SERVING)
     await server.start()
-    log.info("listening on %s:%d", cfg.host, port)
+    log.info("listening on %s:%d%s", cfg.host, port, " (TLS)" if credentials else "")
     return running
+
+
+async def _start_health_only(cfg: ServerConfig, health_servicer) -> tuple[grpc.aio.Server, int]:
+    """Kubernetes' native gRPC probes speak plaintext and present no client
+    certificate, so under mutual TLS they get this port: grpc.health.v1 and
+    nothing else (it reveals only SERVING / NOT_SERVING), sharing the main
+    server's health statuses."""
+    server = grpc.aio.server()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    port = server.add_insecure_port(f"{cfg.host}:{cfg.health_port}")
+    if port == 0:
+        raise OSError(f"cannot bind the health port {cfg.host}:{cfg.health_port}")
+    await server.start()
+    log.info("health checks (plaintext, grpc.health.v1 only) on %s:%d", cfg.host, port)
+    return server, port
 
 
 def install_drain_on_signals(running: RunningServer, grace_s: float) -> None:
