@@ -410,8 +410,9 @@ class SpeculativeRequest:
         if not self.spec.greedy:
             item.draft_q.extend(d.q for d in drafts)
         with self.telemetry.span(SPAN_TARGET_VERIFY, {A_K: len(drafts)}) as span:
+            timeout = self._timeout()  # first: raising after the coroutine was made would leave it never awaited
             try:
-                reply = await asyncio.wait_for(self.batcher.verify(item), self._timeout())
+                reply = await asyncio.wait_for(self.batcher.verify(item), timeout)
             except asyncio.TimeoutError:
                 raise DeadlineExceeded("the request's deadline passed while verifying") from None
             except NotFound as exc:  # the target restarted and forgot the session

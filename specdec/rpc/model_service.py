@@ -106,6 +106,7 @@ class SessionServicer:
         self.limits = limits
         self.telemetry = telemetry
         self._reaper: asyncio.Task | None = None
+        self.expired_sessions = 0  # closed by idle expiry since start: sessions a caller leaked
 
     def attach(self, backend) -> None:
         self._backend = backend
@@ -131,23 +132,41 @@ class SessionServicer:
             await asyncio.sleep(period)
             expired = await self.worker.run(self.backend.expire_idle, self.limits.session_ttl_s)
             if expired:
+                self.expired_sessions += len(expired)
                 log.info("expired %d idle sessions", len(expired))
 
     @grpc_errors.unary
     async def GetModelInfo(self, request, context):
-        info = info_to_wire(self.backend.info, self.limits, self.backend_kind)
-        return common_pb2.GetModelInfoResponse(info=info)
+        backend = self.backend
+        info = info_to_wire(backend.info, self.limits, self.backend_kind)
+        counts = common_pb2.SessionCounts(open=backend.usage()[0], expired=self.expired_sessions)
+        return common_pb2.GetModelInfoResponse(info=info, sessions=counts)
 
     @grpc_errors.unary
     async def OpenSession(self, request, context):
         with self.telemetry.server_span(SPAN_PREFILL, context.invocation_metadata(),
                                         {A_PROMPT_TOKENS: len(request.prompt_token_ids)}) as span:
             meta = SessionMeta(params=sampling_from_wire(request.sampling), seed=request.seed)
-            session_id, length, kv_bytes = await self.worker.run(
-                self.backend.open, list(request.prompt_token_ids), meta, request.max_new_tokens
-            )
+            opening = asyncio.ensure_future(self.worker.run(
+                self.backend.open, list(request.prompt_token_ids), meta, request.max_new_tokens))
+            try:
+                session_id, length, kv_bytes = await asyncio.shield(opening)
+            except asyncio.CancelledError:
+                # The caller gave up (cancelled, or its deadline passed) while
+                # the prefill ran on the engine thread, which finishes it
+                # anyway: close the session nobody will learn of, instead of
+                # holding its KV slot until it expires.
+                opening.add_done_callback(self._close_orphan)
+                raise
             span.set_attribute(A_KV_BYTES, kv_bytes)
         return common_pb2.OpenSessionResponse(session_id=session_id, length=length, kv_bytes=kv_bytes)
+
+    def _close_orphan(self, opening: asyncio.Future) -> None:
+        if opening.cancelled() or opening.exception() is not None:
+            return
+        session_id = opening.result()[0]
+        log.info("closing session %s: its OpenSession call was abandoned while it opened", session_id)
+        asyncio.ensure_future(self.worker.run_quick(self.backend.close, session_id))
 
     @grpc_errors.unary
     async def Rollback(self, request, context):
