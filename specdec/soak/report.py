@@ -2,6 +2,7 @@
 counts: a JSON-ready dict (`summarize`) and a table for people (`table`)."""
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 from specdec.soak.load import OK, Outcome
@@ -12,7 +13,7 @@ def percentile(values: list[float], q: float) -> float | None:
     if not values:
         return None
     ordered = sorted(values)
-    rank = max(0, min(len(ordered) - 1, round(q / 100 * len(ordered) + 0.5) - 1))
+    rank = max(0, min(len(ordered) - 1, math.ceil(q / 100 * len(ordered)) - 1))
     return ordered[rank]
 
 
@@ -34,6 +35,22 @@ def rss_growth(samples: list[tuple[float, dict[str, float | None]]], until_s: fl
                        "max_mb": round(max(v for _, v in series), 1),
                        "growth_second_half_pct": round(100 * (end[1] / middle[1] - 1), 2),
                        "growth_total_pct": round(100 * (end[1] / start[1] - 1), 2)}
+    return found
+
+
+def split_growth(breakdowns: list[tuple[float, dict]], until_s: float) -> dict[str, dict]:
+    """Per process and part (kv_store, other): MiB at the
+    middle and the end of the load, from the sparse smaps samples."""
+    during = [(t, b) for t, b in breakdowns if t <= until_s] or breakdowns
+    found = {}
+    for name in sorted({n for _, b in during for n in b}):
+        series = [(t, b[name]) for t, b in during if b.get(name)]
+        if len(series) < 2:
+            continue
+        end = series[-1]
+        middle = min(series, key=lambda s: abs(s[0] - (series[0][0] + end[0]) / 2))
+        found[name] = {part: {"start_mb": series[0][1][part], "mid_mb": middle[1][part], "end_mb": end[1][part]}
+                       for part in end[1] if end[1][part] is not None}
     return found
 
 
@@ -85,8 +102,11 @@ def table(result: dict) -> str:
         + f" (settled in {result['settle_s']} s); expired: "
         + ", ".join(f"{name} {n}" for name, n in result["sessions_expired"].items()))
     for name, rss in result["rss"].items():
-        lines.append(f"  RSS {name:<11}{rss['start_mb']} -> {rss['mid_mb']} -> {rss['end_mb']} MiB "
+        lines.append(f"  RSS {name:<13}{rss['start_mb']} -> {rss['mid_mb']} -> {rss['end_mb']} MiB "
                      f"(second half {rss['growth_second_half_pct']:+.2f} %, whole run {rss['growth_total_pct']:+.2f} %)")
+    for name, parts in result.get("rss_by_mapping", {}).items():
+        lines.append(f"  RSS {name:<13}" + "; ".join(
+            f"{part} {p['start_mb']} -> {p['mid_mb']} -> {p['end_mb']}" for part, p in parts.items()))
     if "greedy_identity" in result:
         g = result["greedy_identity"]
         lines.append(f"  greedy         {g['identical']} of {g['checked']} identical to target-only")

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from specdec.soak.load import OK, StreamMix, drive, target_only
-from specdec.soak.report import rss_growth, summarize
+from specdec.soak.report import rss_growth, split_growth, summarize
 from specdec.soak.services import RoleOptions, SoakServices
 
 
@@ -69,7 +69,8 @@ def run_soak(cfg: SoakConfig, log_dir: Path) -> dict:
 async def _run(cfg: SoakConfig, services: SoakServices) -> dict:
     t0 = time.monotonic()
     samples: list[tuple[float, dict]] = []
-    sampler = asyncio.ensure_future(_sample_rss(services, samples, t0, cfg.rss_interval_s))
+    breakdowns: list[tuple[float, dict]] = []
+    sampler = asyncio.ensure_future(_sample_rss(services, samples, breakdowns, t0, cfg.rss_interval_s))
     injected = [asyncio.ensure_future(_inject(services, fault, t0)) for fault in cfg.faults]
     outcomes = await drive(services.orchestrator_address, cfg.mix, cfg.streams, cfg.seconds, cfg.seed, t0)
     drained_s = time.monotonic() - t0
@@ -84,7 +85,9 @@ async def _run(cfg: SoakConfig, services: SoakServices) -> dict:
               "sessions_after_drain": {n: None if c is None else c[0] for n, c in counts.items()},
               "sessions_expired": {n: None if c is None else c[1] for n, c in counts.items()},
               "settle_s": settle_s,
+              "exit_codes": {n: s.proc.poll() for n, s in services.services.items() if s.proc.poll() is not None},
               "rss": rss_growth(samples, cfg.seconds),
+              "rss_by_mapping": split_growth(breakdowns, cfg.seconds),
               "rss_series": [[round(t, 1), rss] for t, rss in samples],
               "mix": asdict(cfg.mix), "env": cfg.env}
     if cfg.check_greedy:
@@ -96,9 +99,17 @@ async def _run(cfg: SoakConfig, services: SoakServices) -> dict:
     return result
 
 
-async def _sample_rss(services: SoakServices, samples: list, t0: float, interval_s: float) -> None:
+async def _sample_rss(services: SoakServices, samples: list, breakdowns: list, t0: float, interval_s: float,
+                      every: int = 10) -> None:
+    """VmRSS of every child each interval; every `every`-th time also its
+    split by mapping (what grew: the KV store's first-touched pages, or the rest)."""
+    n = 0
     while True:
-        samples.append((time.monotonic() - t0, services.rss_mb()))
+        now = time.monotonic() - t0
+        samples.append((now, services.rss_mb()))
+        if n % every == 0:
+            breakdowns.append((now, services.rss_breakdown_mb()))
+        n += 1
         await asyncio.sleep(interval_s)
 
 

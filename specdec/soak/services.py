@@ -17,6 +17,7 @@ gets every replica as one comma-separated `--target` list.
 from __future__ import annotations
 
 import os
+import re
 import signal
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +54,52 @@ def vm_rss_mb(pid: int) -> float | None:
     return None
 
 
+_KV_STORE = re.compile(r"KV store: \d+ session slots of \d+ tokens, ([\d.]+) MiB")
+
+
+# glibc's malloc arenas are anonymous mappings of up to 64 MiB: a KV tensor
+# no larger cannot be told from them by size.
+ARENA_MB = 64.0
+
+
+def rss_breakdown_mb(pid: int, kv_tensor_mb: float | None) -> dict[str, float | None] | None:
+    """Resident memory of a process split by mapping (/proc/PID/smaps):
+    `kv_store`: the anonymous mappings large enough to hold one of the KV
+    store's two tensors (`kv_tensor_mb` each; torch.empty, so their pages
+    become resident as positions are first written); `other`: the rest (heap
+    and malloc arenas, libraries, weights). The kernel merges neighbouring
+    anonymous mappings, so `kv_store` may include a little memory next to the
+    tensors: an upper bound. Without a KV tensor larger than a malloc arena,
+    `kv_store` is None and `other` is everything. None once the process is gone."""
+    split = kv_tensor_mb is not None and kv_tensor_mb > ARENA_MB
+    kv = other = 0
+    try:
+        with open(f"/proc/{pid}/smaps") as f:
+            big_anon = False
+            for line in f:
+                first = line.split(None, 1)[0]
+                if not first.endswith(":"):  # a mapping's header: range, perms, offset, dev, inode[, path]
+                    fields = line.split()
+                    start, end = (int(x, 16) for x in fields[0].split("-"))
+                    big_anon = split and len(fields) < 6 and (end - start) >= kv_tensor_mb * 0.99 * 2 ** 20
+                elif first == "Rss:":
+                    rss = int(line.split()[1])
+                    if big_anon:
+                        kv += rss
+                    else:
+                        other += rss
+    except (OSError, ValueError):
+        return None
+    return {"kv_store": round(kv / 1024, 1) if split else None, "other": round(other / 1024, 1)}
+
+
+def kv_tensor_mb(log_text: str) -> float | None:
+    """The size of one of the KV store's two tensors (keys, values), from the
+    engine's start-up log line; None for a service without one."""
+    match = _KV_STORE.search(log_text)
+    return float(match.group(1)) / 2 if match else None
+
+
 class SoakServices:
     """Start, watch, hurt (`signal`) and stop the roles of one soak run."""
 
@@ -65,6 +112,7 @@ class SoakServices:
         self.env = {**os.environ, **opts.env}
         self.env.pop("OTEL_SERVICE_NAME", None)  # each role names itself
         self.services: dict[str, Service] = {}
+        self._kv_mb: dict[str, float | None] = {}  # one KV store tensor's size per model service
 
     @property
     def target_names(self) -> list[str]:
@@ -89,6 +137,7 @@ class SoakServices:
             self.services[name].port = read_port(self.services[name], 120.0)
         for name in self.model_names:
             wait_serving(self.services[name].port, self._procs(), o.startup_timeout_s)
+            self._kv_mb[name] = kv_tensor_mb(self.services[name].log_path.read_text(errors="replace"))
         targets = ",".join(self.services[n].address for n in self.target_names)
         orch = spawn_role("orchestrator", ["--draft", self.services["draft"].address, "--target", targets,
                                            "--tokenizer", "", *o.orchestrator_flags], self.log_dir, self.env)
@@ -111,6 +160,10 @@ class SoakServices:
 
     def rss_mb(self) -> dict[str, float | None]:
         return {name: vm_rss_mb(s.pid) if self.alive(name) else None for name, s in self.services.items()}
+
+    def rss_breakdown_mb(self) -> dict[str, dict | None]:
+        return {name: rss_breakdown_mb(s.pid, self._kv_mb.get(name)) if self.alive(name) else None
+                for name, s in self.services.items()}
 
     def session_counts(self, timeout_s: float = 5.0) -> dict[str, tuple[int, int] | None]:
         """{model service: (sessions open, sessions expired so far)}; None for
