@@ -55,7 +55,7 @@ def main() -> None:
     engines = [ModelEngine.load(EngineConfig(model=str(d), dtype="float32", threads=1, max_context=1024,
                                              max_sessions=8)) for d in (target_dir, draft_dir)]
     failing = FailingDraft(args.fail_at)
-    identical, first_diff, proposed, accepted, fallback = 0, [], [], 0, 0, 0
+    identical, first_diff, proposed, accepted, fallback = 0, [], 0, 0, 0
     with running_system(*engines, draft_retry_s=600.0) as s:
         for i, prompt in enumerate(tiny_prompts(args.requests, seed=7)):
             kwargs = dict(max_tokens=args.tokens, temperature=args.temperature, top_p=args.top_p, seed=1000 + i,

@@ -180,7 +180,7 @@ class SpeculativeRequest:
     async def _open_target(self) -> None:
         with self._client_span(SPAN_SESSION_OPEN, "target"):
             try:
-                self._target_session, cost = await self.target.open(self._open_request(), self._timeout())
+                self._target_session, cost = await self._open_on(self.target, self._open_request(), self._timeout())
             except grpc.aio.AioRpcError as exc:
                 raise from_rpc_error(exc, "target") from None
         self._account(cost, "target", "OpenSession")
@@ -193,7 +193,7 @@ class SpeculativeRequest:
             return
         with self._client_span(SPAN_SESSION_OPEN, "draft") as span:
             try:
-                self._draft_session, cost = await self.draft.open(self._open_request(), self._timeout())
+                self._draft_session, cost = await self._open_on(self.draft, self._open_request(), self._timeout())
             except grpc.aio.AioRpcError as exc:
                 _failed(span, exc)
                 self._draft_failed(exc)
@@ -201,6 +201,23 @@ class SpeculativeRequest:
         self._account(cost, "draft", "OpenSession")
         self._draft_prefix = len(self.history)
         self._draft_down_since = None
+
+    async def _open_on(self, client, request, timeout: float) -> tuple[str, CallCost]:
+        """client.open, run to its end even if the request is cancelled
+        meanwhile: a cancel landing as the reply arrives would otherwise
+        lose the id of a session the service did open (it saw no cancel), so
+        the session would be held until it expires. A session opened for a
+        request already gone is closed."""
+        opening = asyncio.ensure_future(client.open(request, timeout))
+        try:
+            return await asyncio.shield(opening)
+        except asyncio.CancelledError:
+            def close_orphan(done: asyncio.Future) -> None:
+                if not done.cancelled() and done.exception() is None:
+                    self._close_later(client, done.result()[0])
+
+            opening.add_done_callback(close_orphan)
+            raise
 
     async def _recover_target(self, cause: Unavailable) -> None:
         """Re-open the target session on a live replica with the whole

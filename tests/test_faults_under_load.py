@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 
 from specdec.soak.load import OK, StreamMix
+from specdec.soak.report import table
 from specdec.soak.run import Fault, SoakConfig, run_soak
 from tests.conftest import TINY_VOCAB, tiny_model
 from tests.test_orchestrator import perturbed
@@ -42,7 +43,9 @@ def soak_with(pair, tmp_path, fault: Fault) -> dict:
     cfg = SoakConfig(draft=draft, target=target, streams=16, seconds=LOAD_S, replicas=2, mix=MIX,
                      faults=(fault,), check_greedy=True, max_context=512,
                      orchestrator_flags=("--draft-retry-s", "1"))
-    return run_soak(cfg, tmp_path / "logs")
+    result = run_soak(cfg, tmp_path / "logs")
+    print(table(result))  # shown with -s, and on a failure
+    return result
 
 
 def assert_every_stream_completed(result: dict) -> None:

@@ -56,3 +56,17 @@ def test_a_session_whose_open_was_abandoned_is_closed():
         assert wait_for(lambda: service.worker._pending == 0)
         assert wait_for(lambda: counts(stub)[0] == 0), counts(stub)
         assert counts(stub) == (0, 0)
+
+
+def test_a_close_whose_caller_gave_up_still_closes():
+    with running_target(tiny_engine()) as (service, stub, loop):
+        sid = stub.OpenSession(common_pb2.OpenSessionRequest(prompt_token_ids=[3, 4, 5]), timeout=10).session_id
+        # The engine thread is busy, so the close waits in its queue past the caller's deadline.
+        gate = threading.Event()
+        loop.loop.call_soon_threadsafe(lambda: asyncio.ensure_future(service.worker.run(gate.wait, 30)))
+        assert wait_for(lambda: service.worker._pending == 1)
+        with pytest.raises(grpc.RpcError) as err:
+            stub.CloseSession(common_pb2.CloseSessionRequest(session_id=sid), timeout=0.3)
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        gate.set()
+        assert wait_for(lambda: counts(stub)[0] == 0), counts(stub)

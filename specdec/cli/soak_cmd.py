@@ -27,6 +27,8 @@ def register(sub) -> None:
     p.add_argument("--replicas", type=int, default=1, help="target replicas (default 1)")
     p.add_argument("--seed", type=int, default=0, help="seed of the request mix")
     p.add_argument("--threads", type=int, default=1, help="CPU threads per model service")
+    p.add_argument("--request-timeout-s", type=float, default=120.0,
+                   help="deadline of every request not in the short-deadline fraction (default 120)")
     p.add_argument("--draft-model", default="", help="draft model (default: the tiny random pair's)")
     p.add_argument("--target-model", default="", help="target model (default: the tiny random pair's)")
     p.add_argument("--kill", action="append", default=[], metavar="ROLE@SECONDS",
@@ -56,6 +58,7 @@ def _faults(args) -> tuple:
 
 
 def run(args: argparse.Namespace) -> int:
+    from specdec.soak.load import StreamMix
     from specdec.soak.report import table
     from specdec.soak.run import SoakConfig, run_soak
 
@@ -72,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
     seconds = args.minutes * 60 if args.minutes is not None else args.seconds
     cfg = SoakConfig(draft=draft, target=target, streams=args.streams, seconds=seconds, replicas=args.replicas,
                      seed=args.seed, threads=args.threads, faults=_faults(args), check_greedy=args.check_greedy,
-                     env=env)
+                     env=env, mix=StreamMix(request_timeout_s=args.request_timeout_s))
     logs = Path(args.logs or tempfile.mkdtemp(prefix="specd-soak-"))
     print(f"specd soak: logs in {logs}", file=sys.stderr, flush=True)
     try:

@@ -177,5 +177,9 @@ class SessionServicer:
     @grpc_errors.unary
     async def CloseSession(self, request, context):
         with self.telemetry.server_span(SPAN_CLOSE, context.invocation_metadata()):
-            closed = await self.worker.run_quick(self.backend.close, request.session_id)
+            # Shielded: a close the caller stops waiting for (its deadline
+            # passed while the engine thread was busy) still happens; dropped
+            # from the queue, the session would be held until it expires.
+            closed = await asyncio.shield(asyncio.ensure_future(
+                self.worker.run_quick(self.backend.close, request.session_id)))
         return common_pb2.CloseSessionResponse(closed=closed)
