@@ -100,7 +100,7 @@ def table(result: dict) -> str:
     lines.append("  after drain    " + ", ".join(
         f"{name}: {'down' if n is None else f'{n} open'}" for name, n in result["sessions_after_drain"].items())
         + f" (settled in {result['settle_s']} s); expired: "
-        + ", ".join(f"{name} {n}" for name, n in result["sessions_expired"].items()))
+        + ", ".join(f"{name} {'down' if n is None else n}" for name, n in result["sessions_expired"].items()))
     for name, rss in result["rss"].items():
         lines.append(f"  RSS {name:<13}{rss['start_mb']} -> {rss['mid_mb']} -> {rss['end_mb']} MiB "
                      f"(second half {rss['growth_second_half_pct']:+.2f} %, whole run {rss['growth_total_pct']:+.2f} %)")
