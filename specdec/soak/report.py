@@ -95,6 +95,8 @@ def table(result: dict) -> str:
              f"  latency        p50 {result['latency_s']['p50']} s, p99 {result['latency_s']['p99']} s "
              f"(first token p50 {result['first_token_s']['p50']} s, p99 {result['first_token_s']['p99']} s)",
              f"  tokens         {result['tokens']} ({result['tokens_per_s']}/s)"]
+    lines.append(f"  recovery       {result['target_recoveries']} target sessions re-opened, "
+                 f"{result['fallback_rounds']} rounds without the draft")
     for fault in result.get("faults", []):
         lines.append(f"  fault          {fault['signal']} to {fault['name']} at {fault['at_s']:.1f} s")
     lines.append("  after drain    " + ", ".join(
