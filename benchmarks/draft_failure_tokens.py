@@ -58,8 +58,8 @@ def main() -> None:
     identical, first_diff, proposed, accepted, fallback = 0, [], 0, 0, 0
     with running_system(*engines, draft_retry_s=600.0) as s:
         for i, prompt in enumerate(tiny_prompts(args.requests, seed=7)):
-            kwargs = dict(max_tokens=args.tokens, temperature=args.temperature, top_p=args.top_p, seed=1000 + i,
-                          num_draft_tokens=args.num_draft_tokens)
+            kwargs = {"max_tokens": args.tokens, "temperature": args.temperature, "top_p": args.top_p,
+                      "seed": 1000 + i, "num_draft_tokens": args.num_draft_tokens}
             failing.on = False
             clean = s.client.complete(prompt, **kwargs)
             failing.on = True

@@ -86,14 +86,14 @@ def summarize(outcomes: list[Outcome], duration_s: float) -> dict:
 
 def table(result: dict) -> str:
     """The figures people read first, one per line."""
-    lines = [f"soak: {result['streams']} streams, {result['seconds']:.0f} s of load, "
-             f"{result['replicas']} target replica(s), seed {result['seed']}",
+    lines = [(f"soak: {result['streams']} streams, {result['seconds']:.0f} s of load, "
+              f"{result['replicas']} target replica(s), seed {result['seed']}"),
              f"  requests       {result['requests']} ({result['completed']} completed)",
              "  by status      " + ", ".join(f"{k} {v}" for k, v in result["by_status"].items()),
              f"  planned        {result['cancels_requested']} cancels, {result['deadlines_requested']} short deadlines",
              f"  unplanned      {result['unplanned_errors']} errors",
-             f"  latency        p50 {result['latency_s']['p50']} s, p99 {result['latency_s']['p99']} s "
-             f"(first token p50 {result['first_token_s']['p50']} s, p99 {result['first_token_s']['p99']} s)",
+             (f"  latency        p50 {result['latency_s']['p50']} s, p99 {result['latency_s']['p99']} s "
+              f"(first token p50 {result['first_token_s']['p50']} s, p99 {result['first_token_s']['p99']} s)"),
              f"  tokens         {result['tokens']} ({result['tokens_per_s']}/s)"]
     lines.append(f"  recovery       {result['target_recoveries']} target sessions re-opened, "
                  f"{result['fallback_rounds']} rounds without the draft")
