@@ -12,7 +12,8 @@ DEFAULT_PORT = 50051
 @dataclass
 class OrchestratorConfig:
     draft: str = opt("127.0.0.1:50052", "draft service address host:port ('' runs without a draft)")
-    target: str = opt("127.0.0.1:50053", "target service address host:port")
+    target: str = opt("127.0.0.1:50053", "target service address host:port, a name that resolves to several replicas, "
+                                         "or a comma-separated list of them")
     tokenizer: str = opt("", "tokenizer: catalog name or directory (default: the target's model)")
     policy: str = opt("fixed", "default policy choosing num_draft_tokens", choices=("fixed", "adaptive", "goodput"))
     num_draft_tokens: int = opt(4, "default num_draft_tokens of every round (fixed) or of the first (adaptive, goodput)")

@@ -40,7 +40,16 @@ def split_address(address: str) -> tuple[str, int]:
 
 def resolve(address: str) -> list[str]:
     """Every address a host:port name stands for, IPv4 first; an IP literal
-    or localhost stands for itself."""
+    or localhost stands for itself. A comma-separated list of names stands
+    for the union of what each stands for (replicas on one machine, each on
+    its own port)."""
+    if "," in address:
+        found: list[str] = []
+        for part in filter(None, (p.strip() for p in address.split(","))):
+            found += [a for a in resolve(part) if a not in found]
+        if not found:
+            raise ValueError(f"no address in {address!r}")
+        return found
     host, port = split_address(address)
     if host == "localhost":
         return [f"127.0.0.1:{port}"]

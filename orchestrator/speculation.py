@@ -56,7 +56,7 @@ from specdec.v1 import target_pb2
 
 log = logging.getLogger(__name__)
 
-CLOSE_TIMEOUT_S = 5.0
+CLOSE_TIMEOUTS_S = (5.0, 30.0)  # a close's deadline, and its retry's
 # A target that fails again after each re-open is not coming back for this request.
 MAX_TARGET_RECOVERIES = 8
 
@@ -118,7 +118,7 @@ class SpeculativeRequest:
     async def _open_target(self) -> None:
         with self._client_span(SPAN_SESSION_OPEN, "target"):
             try:
-                self._target_session, cost = await self.target.open(self._open_request(), self._timeout())
+                self._target_session, cost = await self._open_on(self.target, self._open_request(), self._timeout())
             except grpc.aio.AioRpcError as exc:
                 raise from_rpc_error(exc, "target") from None
         self._account(cost, "target", "OpenSession")
@@ -131,14 +131,40 @@ class SpeculativeRequest:
             return
         with self._client_span(SPAN_SESSION_OPEN, "draft") as span:
             try:
-                self._draft_session, cost = await self.draft.open(self._open_request(), self._timeout())
+                self._draft_session, cost = await self._open_on(self.draft, self._open_request(), self._timeout())
             except grpc.aio.AioRpcError as exc:
                 _failed(span, exc)
                 self._draft_failed(exc)
                 return
+            except DeadlineExceeded:  # the request is out of time: its next call ends it
+                self._draft_down_since = time.monotonic()
+                return
         self._account(cost, "draft", "OpenSession")
         self._draft_prefix = len(self.history)
         self._draft_down_since = None
+
+    async def _open_on(self, client, request, timeout: float) -> tuple[str, CallCost]:
+        """client.open, whose session is never lost: the call itself runs
+        under rpc_timeout_s and to its end, while the request waits for it at
+        most `timeout` (DeadlineExceeded) or until it is cancelled. A call
+        bound by the request's own deadline could end DEADLINE_EXCEEDED here
+        while the service, which answered in time, kept the session; and a
+        cancel landing as the reply arrives would drop its id. A session
+        opened for a request already gone is closed."""
+        opening = asyncio.ensure_future(client.open(request, self.settings.rpc_timeout_s))
+
+        def close_orphan(done: asyncio.Future) -> None:
+            if not done.cancelled() and done.exception() is None:
+                self._close_later(client, done.result()[0])
+
+        try:
+            return await asyncio.wait_for(asyncio.shield(opening), timeout)
+        except asyncio.TimeoutError:
+            opening.add_done_callback(close_orphan)
+            raise DeadlineExceeded(f"the request's deadline passed while opening the {client.name} session") from None
+        except asyncio.CancelledError:
+            opening.add_done_callback(close_orphan)
+            raise
 
     async def _recover_target(self, cause: Unavailable) -> None:
         """Re-open the target session on a live replica with the whole
@@ -191,11 +217,19 @@ class SpeculativeRequest:
 
         async def close():
             with self._client_span(SPAN_SESSION_CLOSE, client.name) as span:
-                try:
-                    await client.close(session_id, CLOSE_TIMEOUT_S)
-                except grpc.aio.AioRpcError as exc:
-                    _failed(span, exc)
-                    log.info("closing %s session failed: %s", client.name, exc.code().name)
+                # Once more, with a longer deadline, when the service was too
+                # busy to answer in time (closing twice is harmless): a session
+                # left open holds its KV slot until it expires.
+                for attempt, timeout in enumerate(CLOSE_TIMEOUTS_S):
+                    try:
+                        await client.close(session_id, timeout)
+                        return
+                    except grpc.aio.AioRpcError as exc:
+                        retry = exc.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)
+                        if not retry or attempt == len(CLOSE_TIMEOUTS_S) - 1:
+                            _failed(span, exc)
+                            log.info("closing %s session failed: %s", client.name, exc.code().name)
+                            return
 
         asyncio.ensure_future(close())  # a task inherits the current trace context
 

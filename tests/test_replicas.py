@@ -16,6 +16,10 @@ def test_resolve_literals_and_names():
     assert resolve("127.0.0.1:5") == ["127.0.0.1:5"]
     assert resolve("localhost:7") == ["127.0.0.1:7"]
     assert split_address("[::1]:9") == ("::1", 9)
+    # A list: the union, in order, without repeats (replicas on one machine).
+    assert resolve("127.0.0.1:5, localhost:6,127.0.0.1:5") == ["127.0.0.1:5", "127.0.0.1:6"]
+    with pytest.raises(ValueError):
+        resolve(" , ")
     with pytest.raises(ValueError):
         split_address("no-port")
 

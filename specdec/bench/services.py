@@ -95,19 +95,23 @@ class Service:
                 "command": self.command}
 
 
-def _spawn(role: str, args: list[str], log_dir: Path, env: dict) -> Service:
+def spawn_role(role: str, args: list[str], log_dir: Path, env: dict, name: str = "") -> Service:
+    """Start `specd serve ROLE --port 0 ARGS`, its output in LOG_DIR/NAME.log
+    (NAME defaults to the role; replicas of one role need their own)."""
+    name = name or role
     command = [sys.executable, "-m", "specdec.cli.main", "serve", role, "--host", "127.0.0.1", "--port", "0",
                "--metrics-port", "0", *args]
-    log_path = log_dir / f"{role}.log"
+    log_path = log_dir / f"{name}.log"
     log = open(log_path, "w")
     try:
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     finally:
         log.close()  # the child holds its own descriptor
-    return Service(role, proc, log_path, command)
+    return Service(name, proc, log_path, command)
 
 
-def _read_port(service: Service, timeout_s: float) -> int:
+def read_port(service: Service, timeout_s: float) -> int:
+    """The port a service started by `spawn_role` bound, from its log line."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
@@ -173,13 +177,13 @@ class ServiceSet:
         have bound their ports. Call wait_models() before using them."""
         o = self.opts
         common = ["--dtype", o.dtype, "--threads", str(o.threads), "--max-context", str(o.max_context)]
-        self.services["target"] = _spawn("target", ["--model", o.target, "--device", o.target_device, *common],
+        self.services["target"] = spawn_role("target", ["--model", o.target, "--device", o.target_device, *common],
                                          self.log_dir, self.env)
         head = ["--draft-vocab", str(o.draft_vocab)] if o.draft_vocab else []
-        self.services["draft"] = _spawn("draft", ["--model", o.draft, "--device", o.draft_device, *common, *head],
+        self.services["draft"] = spawn_role("draft", ["--model", o.draft, "--device", o.draft_device, *common, *head],
                                         self.log_dir, self.env)
         for role in ("target", "draft"):
-            self.services[role].port = _read_port(self.services[role], 120.0)
+            self.services[role].port = read_port(self.services[role], 120.0)
 
     def wait_models(self) -> None:
         procs = [s.proc for s in self.services.values()]
@@ -222,9 +226,9 @@ class ServiceSet:
         if self.opts.tokenizer:
             args += ["--tokenizer", self.opts.tokenizer]
         args += list(extra)
-        orch = _spawn("orchestrator", args, self.log_dir, self.env)
+        orch = spawn_role("orchestrator", args, self.log_dir, self.env)
         self.services["orchestrator"] = orch
-        orch.port = _read_port(orch, 120.0)
+        orch.port = read_port(orch, 120.0)
         try:
             wait_serving(orch.port, [s.proc for s in self.services.values()], self.opts.startup_timeout_s)
         except RuntimeError as exc:

@@ -110,6 +110,7 @@ class SessionServicer:
         self.telemetry = telemetry
         self._reaper: asyncio.Task | None = None
         self.quota = SessionQuota(limits.max_sessions_per_caller)
+        self.expired_sessions = 0  # closed by idle expiry since start: sessions a caller leaked
 
     def attach(self, backend) -> None:
         self._backend = backend
@@ -136,12 +137,15 @@ class SessionServicer:
             expired = await self.worker.run(self.backend.expire_idle, self.limits.session_ttl_s)
             self.quota.closed(expired)
             if expired:
+                self.expired_sessions += len(expired)
                 log.info("expired %d idle sessions", len(expired))
 
     @grpc_errors.unary
     async def GetModelInfo(self, request, context):
-        info = info_to_wire(self.backend.info, self.limits, self.backend_kind)
-        return common_pb2.GetModelInfoResponse(info=info)
+        backend = self.backend
+        info = info_to_wire(backend.info, self.limits, self.backend_kind)
+        counts = common_pb2.SessionCounts(open=backend.usage()[0], expired=self.expired_sessions)
+        return common_pb2.GetModelInfoResponse(info=info, sessions=counts)
 
     @grpc_errors.unary
     async def OpenSession(self, request, context):
@@ -149,16 +153,31 @@ class SessionServicer:
                                         {A_PROMPT_TOKENS: len(request.prompt_token_ids)}) as span:
             meta = SessionMeta(params=sampling_from_wire(request.sampling), seed=request.seed)
             caller = self.quota.admit(context)
+            opening = asyncio.ensure_future(self.worker.run(
+                self.backend.open, list(request.prompt_token_ids), meta, request.max_new_tokens))
             try:
-                session_id, length, kv_bytes = await self.worker.run(
-                    self.backend.open, list(request.prompt_token_ids), meta, request.max_new_tokens
-                )
+                session_id, length, kv_bytes = await asyncio.shield(opening)
+            except asyncio.CancelledError:
+                # The caller gave up (cancelled, or its deadline passed) while
+                # the prefill ran on the engine thread, which finishes it
+                # anyway: close the session nobody will learn of, instead of
+                # holding its KV slot until it expires.
+                self.quota.abandon(caller)
+                opening.add_done_callback(self._close_orphan)
+                raise
             except BaseException:
                 self.quota.abandon(caller)
                 raise
             self.quota.opened(caller, session_id)
             span.set_attribute(A_KV_BYTES, kv_bytes)
         return common_pb2.OpenSessionResponse(session_id=session_id, length=length, kv_bytes=kv_bytes)
+
+    def _close_orphan(self, opening: asyncio.Future) -> None:
+        if opening.cancelled() or opening.exception() is not None:
+            return
+        session_id = opening.result()[0]
+        log.info("closing session %s: its OpenSession call was abandoned while it opened", session_id)
+        asyncio.ensure_future(self.worker.run_quick(self.backend.close, session_id))
 
     @grpc_errors.unary
     async def Rollback(self, request, context):
@@ -169,6 +188,10 @@ class SessionServicer:
     @grpc_errors.unary
     async def CloseSession(self, request, context):
         with self.telemetry.server_span(SPAN_CLOSE, context.invocation_metadata()):
-            closed = await self.worker.run_quick(self.backend.close, request.session_id)
+            # Shielded: a close the caller stops waiting for (its deadline
+            # passed while the engine thread was busy) still happens; dropped
+            # from the queue, the session would be held until it expires.
+            closed = await asyncio.shield(asyncio.ensure_future(
+                self.worker.run_quick(self.backend.close, request.session_id)))
         self.quota.closed((request.session_id,))
         return common_pb2.CloseSessionResponse(closed=closed)
