@@ -57,9 +57,10 @@ def field_strategy(field, overrides: dict, depth: int) -> st.SearchStrategy:
     return one
 
 
-def message(cls, overrides: dict | None = None, depth: int = 0) -> st.SearchStrategy:
+def message(cls, overrides: dict | None = None, depth: int = 0, set_oneofs: bool = False) -> st.SearchStrategy:
     """Messages of type `cls`, every field drawn from `field_strategy`; an
-    override may draw None to leave its (optional or oneof) field unset."""
+    override may draw None to leave its (optional or oneof) field unset.
+    set_oneofs: always set one member of each (real) oneof."""
     overrides = overrides or {}
     descriptor = cls.DESCRIPTOR
 
@@ -68,7 +69,9 @@ def message(cls, overrides: dict | None = None, depth: int = 0) -> st.SearchStra
         values = {}
         for oneof in descriptor.oneofs:
             members = list(oneof.fields)
-            chosen = draw(st.sampled_from([None, *members]))
+            if _synthetic(oneof):
+                continue
+            chosen = draw(st.sampled_from(members if set_oneofs else [None, *members]))
             if chosen is not None:
                 values[chosen.name] = draw(field_strategy(chosen, overrides, depth))
         for field in descriptor.fields:

@@ -35,41 +35,64 @@ HUGE_TEXT = st.sampled_from([300, 5000]).map(lambda n: "fox " * n)
 
 # ------------------------------------------------------------ gRPC Generate
 
-def _speculation(limit: int):
+def _speculation(limit: int, wild: bool):
     sane = st.builds(pb.SpeculationOptions, policy=st.sampled_from(["", *POLICIES]),
                      num_draft_tokens=st.integers(0, limit), min_draft_tokens=st.sampled_from([0, 1]),
                      max_draft_tokens=st.sampled_from([0, limit]), disable=st.booleans(),
                      pipeline=st.sampled_from([None, True, False]))
-    wild = contract.message(pb.SpeculationOptions, {
+    if not wild:
+        return st.one_of(st.none(), sane)
+    return contract.message(pb.SpeculationOptions, {
         "policy": st.one_of(st.sampled_from(["FIXED", "greedy", " fixed"]), TEXT),
         "num_draft_tokens": st.one_of(st.integers(-2, limit + 2), INT32),
         "min_draft_tokens": st.one_of(st.integers(-2, limit + 2), INT32),
         "max_draft_tokens": st.one_of(st.integers(-2, limit + 2), INT32)})
-    return mostly(st.one_of(st.none(), sane), wild)
 
 
 def generate_requests(limit: int):
-    ids = mostly(st.lists(st.integers(0, USABLE_VOCAB - 1), min_size=1, max_size=20),
-                 st.one_of(st.just([]), st.lists(st.one_of(st.integers(USABLE_VOCAB, ROWS), st.integers(-2, -1), INT32),
-                                                 min_size=1, max_size=3),
-                           st.sampled_from([MAX_CONTEXT, 5000]).map(lambda n: [9] * n)))
-    chat = st.builds(pb.ChatMessage, role=mostly(st.sampled_from(["system", "user", "assistant"]), TEXT),
-                     content=mostly(SANE_TEXT, st.one_of(TEXT, HUGE_TEXT)))
-    return contract.message(pb.GenerateRequest, {
-        "prompt": mostly(SANE_TEXT, st.one_of(TEXT, HUGE_TEXT)),
+    """Half sane requests (every field drawn from its sane values), half with
+    each field wild one time in three."""
+    ids = st.lists(st.integers(0, USABLE_VOCAB - 1), min_size=1, max_size=20)
+    wild_ids = st.one_of(st.just([]), st.lists(st.one_of(st.integers(USABLE_VOCAB, ROWS), st.integers(-2, -1), INT32),
+                                               min_size=1, max_size=3),
+                         st.sampled_from([MAX_CONTEXT, 5000]).map(lambda n: [9] * n))
+
+    def chat(wild: bool):
+        role, content = st.sampled_from(["system", "user", "assistant"]), SANE_TEXT
+        if wild:
+            role, content = mostly(role, TEXT, 3), mostly(content, st.one_of(TEXT, HUGE_TEXT), 3)
+        one = st.builds(pb.ChatMessage, role=role, content=content)
+        sizes = mostly(st.lists(one, min_size=1, max_size=3), st.lists(one, max_size=6), 3) if wild else \
+            st.lists(one, min_size=1, max_size=3)
+        return sizes.map(lambda m: pb.ChatMessages(messages=m))
+
+    sane = {
+        "prompt": SANE_TEXT,
         "prompt_token_ids": ids.map(lambda t: pb.TokenIds(token_ids=t)),
-        "messages": mostly(st.lists(chat, min_size=1, max_size=3), st.lists(chat, max_size=6)).map(
-            lambda m: pb.ChatMessages(messages=m)),
-        "max_tokens": mostly(st.integers(0, 12), st.one_of(st.integers(-2, 0), st.sampled_from([64, 65, 250]), INT32)),
-        "temperature": mostly(st.sampled_from([None, 0.0, 0.0, 0.7, 1.0]), FLOAT32),
-        "top_k": mostly(st.sampled_from([0, 5, 50]), st.one_of(st.integers(-2, -1), INT32)),
-        "top_p": mostly(st.sampled_from([None, 0.9, 1.0]), FLOAT32),
+        "messages": chat(False),
+        "max_tokens": st.integers(0, 12),
+        "temperature": st.sampled_from([None, 0.0, 0.0, 0.7, 1.0]),
+        "top_k": st.sampled_from([0, 5, 50]),
+        "top_p": st.sampled_from([None, 0.9, 1.0]),
         "seed": st.one_of(st.none(), UINT64),
-        "stop": mostly(st.one_of(st.just([]), st.lists(st.sampled_from(["fox", "o", ".", "xyz"]), max_size=3)),
-                       st.one_of(st.lists(TEXT, max_size=10), st.just(["a" * 257]))),
-        "speculation": _speculation(limit),
+        "stop": st.one_of(st.just([]), st.lists(st.sampled_from(["fox", "o", ".", "xyz"]), max_size=3)),
+        "speculation": _speculation(limit, wild=False),
         "request_id": TEXT,
-    })
+    }
+    wild = {
+        "prompt": st.one_of(TEXT, HUGE_TEXT),
+        "prompt_token_ids": wild_ids.map(lambda t: pb.TokenIds(token_ids=t)),
+        "messages": chat(True),
+        "max_tokens": st.one_of(st.integers(-2, 0), st.sampled_from([64, 65, 250]), INT32),
+        "temperature": FLOAT32,
+        "top_k": st.one_of(st.integers(-2, -1), INT32),
+        "top_p": FLOAT32,
+        "stop": st.one_of(st.lists(TEXT, max_size=10), st.just(["a" * 257])),
+        "speculation": _speculation(limit, wild=True),
+    }
+    mixed = {name: mostly(value, wild[name], 3) if name in wild else value for name, value in sane.items()}
+    return mostly(contract.message(pb.GenerateRequest, sane, set_oneofs=True),
+                  contract.message(pb.GenerateRequest, mixed), 2)
 
 
 def prompt_tokens(req, tokenizer) -> list[int] | None:
