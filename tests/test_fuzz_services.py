@@ -38,7 +38,7 @@ def fuzzed(one_thread):
 def test_fuzzed_messages_break_nothing(fuzzed, service):
     tally = Tally(strict=True)
     wanted = max(20, int(MESSAGES * SCALE[service]))
-    summary = fuzz_service(fuzzed, service, wanted, tally, seed=0, strict=True)
+    summary = fuzz_service(fuzzed, service, wanted, tally, seed=0)
     assert not tally.violations, tally.report()
     assert summary["messages"] >= wanted and summary["witness_runs"] >= 1
     statuses = tally.by_status(service)

@@ -11,8 +11,8 @@ Oracles:
   (`Witness`).
 
 A `Tally` counts messages by (service, rpc, status) and keeps the violations;
-strict (tests), the first violation raises AssertionError so hypothesis can
-shrink the example; otherwise (the full run) they are collected and reported.
+strict (tests), the first violation raises AssertionError, which fails the
+hypothesis example; otherwise (the full run) they are collected and reported.
 """
 from __future__ import annotations
 

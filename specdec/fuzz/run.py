@@ -132,8 +132,7 @@ def _varint(n: int) -> bytes:
             return bytes(out)
 
 
-def fuzz_service(system: FuzzSystem, service: str, messages: int, tally: Tally, seed: int = 0,
-                 strict: bool = False) -> dict:
+def fuzz_service(system: FuzzSystem, service: str, messages: int, tally: Tally, seed: int = 0) -> dict:
     """Send at least `messages` fuzzed messages to one service; returns what
     the witness saw. Violations land in `tally`."""
     start = time.monotonic()
