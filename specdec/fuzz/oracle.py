@@ -120,7 +120,7 @@ class Tally:
             lines.append(f"{service}: {self.sent(service)} messages ({statuses})")
             items = {k[1]: v for k, v in self.item_counts.items() if k[0] == service}
             if items:
-                lines.append(f"  Verify items: " + ", ".join(f"{k} {v}" for k, v in sorted(items.items())))
+                lines.append("  Verify items: " + ", ".join(f"{k} {v}" for k, v in sorted(items.items())))
         lines.append(f"violations: {len(self.violations)}")
         lines.extend(f"  {v}" for v in self.violations[:20])
         return "\n".join(lines)

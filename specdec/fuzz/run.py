@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
-from specdec.fuzz import front_doors, services
+from specdec.fuzz import front_doors, programs, services
 from specdec.fuzz.contract import mostly
 from specdec.fuzz.oracle import CALL_TIMEOUT_S, Expect, Tally, Witness, call
 from specdec.fuzz.system import FuzzSystem
@@ -140,7 +140,7 @@ def fuzz_service(system: FuzzSystem, service: str, messages: int, tally: Tally, 
         port = system.target_port if service == "target" else system.draft_port
         make = target_witness if service == "target" else draft_witness
         fuzzer = services.ServiceFuzzer(service, port, tally, system.max_draft_tokens)
-        strategy, body = services.program(service, system.max_draft_tokens), fuzzer.run
+        strategy, body = programs.program(service, system.max_draft_tokens), fuzzer.run
         name = "TargetService/OpenSession" if service == "target" else "DraftService/OpenSession"
         _oversize(tally, fuzzer.channel, f"/specdec.v1.{name}", service, False)
     elif service == "orchestrator":
@@ -152,7 +152,7 @@ def fuzz_service(system: FuzzSystem, service: str, messages: int, tally: Tally, 
         port, make = system.orchestrator_port, orchestrator_witness
         fuzzer = front_doors.HttpFuzzer(system.http_port, tally)
         strategy = st.lists(front_doors.http_body(), min_size=1, max_size=3)
-        body = lambda bodies: [fuzzer.send(*b) for b in bodies]  # noqa: E731
+        body = lambda bodies: [fuzzer.send(*b) for b in bodies]
     else:
         raise ValueError(f"unknown service {service!r}; choose one of {', '.join(SERVICES)}")
     run, channel = make(port)

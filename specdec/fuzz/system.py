@@ -127,7 +127,7 @@ def start(roles: tuple[str, ...] = ("target", "draft", "orchestrator"), http: bo
     tok = tokenizer()
     limits = SessionLimits()
     system = FuzzSystem(tokenizer=tok, max_draft_tokens=limits.max_draft_tokens, _loop=_Loop())
-    local = lambda: ServerConfig(host="127.0.0.1", port=0)  # noqa: E731
+    local = lambda: ServerConfig(host="127.0.0.1", port=0)
     try:
         if "target" in roles:
             t_engine = engine(0, tok)
