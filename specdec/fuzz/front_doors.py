@@ -26,7 +26,7 @@ from specdec.v1 import orchestrator_pb2 as pb
 from specdec.v1 import orchestrator_pb2_grpc
 
 # The fuzz system's orchestrator settings (system._start_orchestrator).
-MAX_TOKENS_LIMIT, DEFAULT_MAX_TOKENS, DEFAULT_K, DEFAULT_K_MIN = 64, 8, 4, 1
+MAX_TOKENS_LIMIT, DEFAULT_MAX_TOKENS, DEFAULT_K, DEFAULT_K_MIN = 64, 4, 4, 1
 POLICIES = ("fixed", "adaptive", "goodput")
 WORDS = ["the", "quick", "brown", "fox", "hello", "world", "café", "日本語", "🎉", "def", "f(x)", "\n"]
 SANE_TEXT = st.lists(st.sampled_from(WORDS), min_size=1, max_size=8).map(" ".join)
@@ -70,7 +70,7 @@ def generate_requests(limit: int):
         "prompt": SANE_TEXT,
         "prompt_token_ids": ids.map(lambda t: pb.TokenIds(token_ids=t)),
         "messages": chat(False),
-        "max_tokens": st.integers(0, 12),
+        "max_tokens": st.integers(0, 8),
         "temperature": st.sampled_from([None, 0.0, 0.0, 0.7, 1.0]),
         "top_k": st.sampled_from([0, 5, 50]),
         "top_p": st.sampled_from([None, 0.9, 1.0]),

@@ -136,8 +136,9 @@ class Witness:
     while the fuzzing goes on as it gave alone: run once before (`reference`),
     then over and over on a thread (`start`/`stop`), then once after."""
 
-    def __init__(self, service: str, run: Callable[[], object], tally: Tally):
+    def __init__(self, service: str, run: Callable[[], object], tally: Tally, pause_s: float = 0.0):
         self.service = service
+        self.pause_s = pause_s  # between runs, so the witness does not take all the server's time
         self._run = run
         self.tally = tally
         self.runs = 0
@@ -159,6 +160,7 @@ class Witness:
     def _loop(self) -> None:
         while not self._stop.is_set():
             self._check_once()
+            self._stop.wait(self.pause_s)
 
     def start(self) -> "Witness":
         self._thread = threading.Thread(target=self._loop, daemon=True, name=f"witness-{self.service}")

@@ -92,8 +92,12 @@ class FuzzSystem:
     http_port: int = 0
     tokenizer: object = None
     max_draft_tokens: int = 0
+    engines: dict = field(default_factory=dict)  # role -> ModelEngine, to count open sessions
     _stops: list = field(default_factory=list)
     _loop: _Loop | None = None
+
+    def open_sessions(self) -> dict[str, int]:
+        return {role: engine.num_sessions for role, engine in self.engines.items()}
 
     def close(self) -> None:
         for stop in reversed(self._stops):
@@ -134,12 +138,14 @@ def start(roles: tuple[str, ...] = ("target", "draft", "orchestrator"), http: bo
             target = system._loop.run(start_target_service(
                 local(), limits, lambda: Verifier(t_engine, limits.max_draft_tokens, limits.max_verify_batch)))
             system._stops.append(lambda: target.stop(0))
+            system.engines["target"] = t_engine
             system.target_port = target.port
         if "draft" in roles:
             d_engine = engine(1, tok)
             draft = system._loop.run(start_draft_service(
                 local(), limits, lambda: ModelDrafter(d_engine, limits.max_draft_tokens)))
             system._stops.append(lambda: draft.stop(0))
+            system.engines["draft"] = d_engine
             system.draft_port = draft.port
         if "orchestrator" in roles:
             _start_orchestrator(system, tok, http)
@@ -157,7 +163,7 @@ def _start_orchestrator(system: FuzzSystem, tok, http: bool) -> None:
 
     cfg = OrchestratorConfig(target=f"127.0.0.1:{system.target_port}", draft=f"127.0.0.1:{system.draft_port}",
                              connect_timeout_s=10, rpc_timeout_s=30, target_recovery_s=5,
-                             max_tokens_limit=64, default_max_tokens=8)
+                             max_tokens_limit=64, default_max_tokens=4)
     orch = system._loop.run(start_orchestrator(ServerConfig(host="127.0.0.1", port=0), cfg, tokenizer=tok,
                                                http=HttpConfig(http_port=0, http_request_timeout_s=60)
                                                if http else None))
