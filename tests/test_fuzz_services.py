@@ -1,7 +1,8 @@
 """Fuzz at depth, CI size (issue 16, item 7): messages drawn from the protobuf
 contract (`specdec.fuzz`) sent to live draft, target and orchestrator servers
 and to the HTTP front door (tiny models, 127.0.0.1:0, started once for the
-module), with a witness session running beside the fuzzing.
+module; the draft service also over the prompt-lookup drafter, "ngram"), with
+a witness session running beside the fuzzing.
 
 Oracles: no INTERNAL/UNKNOWN (no 5xx over HTTP), no call past its deadline,
 every call valid by the contract succeeds and every invalid one is refused,
@@ -25,16 +26,16 @@ from specdec.fuzz.run import fuzz_service
 from specdec.v1 import orchestrator_pb2 as pb
 
 MESSAGES = int(os.environ.get("SPECD_FUZZ_MESSAGES", "250"))
-SCALE = {"target": 1.0, "draft": 1.0, "orchestrator": 0.5, "http": 0.3}  # the slower front doors get fewer in CI
+SCALE = {"target": 1.0, "draft": 1.0, "ngram": 1.0, "orchestrator": 0.5, "http": 0.3}  # the slower front doors get fewer in CI
 
 
 @pytest.fixture(scope="module")
 def fuzzed(one_thread):
-    with fuzz_system.start(("target", "draft", "orchestrator"), http=True) as running:
+    with fuzz_system.start(("target", "draft", "ngram", "orchestrator"), http=True) as running:
         yield running
 
 
-@pytest.mark.parametrize("service", ["target", "draft", "orchestrator", "http"])
+@pytest.mark.parametrize("service", ["target", "draft", "ngram", "orchestrator", "http"])
 def test_fuzzed_messages_break_nothing(fuzzed, service):
     tally = Tally(strict=True)
     wanted = max(20, int(MESSAGES * SCALE[service]))

@@ -952,6 +952,9 @@ def test_ngram_refuses_bad_sessions(ngram):
     sid = open_session(stub, [1, 2, 1]).session_id
     expect_status(Code.INVALID_ARGUMENT, "num_draft_tokens", propose, stub, sid, 0)
     expect_status(Code.OUT_OF_RANGE, "holds only 3", propose, stub, sid, 2, keep=4)
+    # Found by the fuzzer: keep 0 with nothing appended emptied the session (the model drafter refuses it).
+    expect_status(Code.INVALID_ARGUMENT, "keep or append at least one token", propose, stub, sid, 2, keep=0)
+    assert rollback(stub, sid, 3) == 3  # the refused call left the context whole
     close(stub, sid)
 
 

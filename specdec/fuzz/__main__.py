@@ -28,7 +28,7 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(1)
     started = time.monotonic()
-    roles = ("target", "draft", "orchestrator") if {"orchestrator", "http"} & set(chosen) else chosen
+    roles = (*chosen, "orchestrator") if {"orchestrator", "http"} & set(chosen) else chosen
     tally = Tally()
     runs = []
     with system.start(roles, http="http" in chosen) as running:

@@ -83,7 +83,7 @@ CONCURRENT_KINDS = ["work", "work", "rollback", "decode", "propose_all"]
 @st.composite
 def one_call(draw, service: str, limit: int, kinds: tuple[str, ...] = ()):
     op = draw(st.sampled_from(list(kinds) or _kinds(service)))
-    if op == "decode" and service == "draft":
+    if op == "decode" and service != "target":
         op = "propose_all"
     if op == "propose_all" and service == "target":
         op = "decode"
@@ -91,7 +91,7 @@ def one_call(draw, service: str, limit: int, kinds: tuple[str, ...] = ()):
         return op, common_pb2.OpenSessionRequest(
             prompt_token_ids=draw(PROMPT), sampling=draw(SAMPLING), seed=draw(contract.UINT64),
             max_new_tokens=draw(mostly(st.integers(0, 50), INT32)), request_id=draw(contract.TEXT))
-    if op in ("work", "propose_all") and service == "draft":
+    if op in ("work", "propose_all") and service != "target":
         req = _with_keep(draft_pb2.ProposeRequest(session_id=draw(SESSION), append_token_ids=draw(APPEND),
                                                   num_draft_tokens=draw(k_values(limit))), draw(KEEP))
         return ("propose_all" if op == "propose_all" else "propose"), req
@@ -156,7 +156,7 @@ _SAMPLE = {
 
 def _methods(service: str) -> set[str]:
     common = {"OpenSession", "Rollback", "CloseSession", "GetModelInfo"}
-    return common | ({"Propose", "ProposeAll"} if service == "draft" else {"Verify", "Decode"})
+    return common | ({"Verify", "Decode"} if service == "target" else {"Propose", "ProposeAll"})
 
 
 @st.composite

@@ -19,9 +19,9 @@ from specdec.fuzz.oracle import CALL_TIMEOUT_S, Expect, Tally, Witness, call
 from specdec.fuzz.system import FuzzSystem
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, orchestrator_pb2_grpc, target_pb2, target_pb2_grpc
 
-SERVICES = ("target", "draft", "orchestrator", "http")
+SERVICES = ("target", "draft", "orchestrator", "http", "ngram")
 OVERSIZE = 17 << 20  # bytes: above the servers' 16 MiB message limit
-W_PROMPT = [40, 41, 42, 43, 44, 45, 46]
+W_PROMPT = [40, 41, 42, 43, 40, 41, 42]  # repeats itself, so prompt lookup drafts too
 
 
 def drive(strategy, body, examples: int, seed: int) -> None:
@@ -136,8 +136,8 @@ def fuzz_service(system: FuzzSystem, service: str, messages: int, tally: Tally, 
     """Send at least `messages` fuzzed messages to one service; returns what
     the witness saw. Violations land in `tally`."""
     start = time.monotonic()
-    if service in ("target", "draft"):
-        port = system.target_port if service == "target" else system.draft_port
+    if service in ("target", "draft", "ngram"):
+        port = {"target": system.target_port, "draft": system.draft_port, "ngram": system.ngram_port}[service]
         make = target_witness if service == "target" else draft_witness
         fuzzer = services.ServiceFuzzer(service, port, tally, system.max_draft_tokens)
         strategy, body = programs.program(service, system.max_draft_tokens), fuzzer.run

@@ -43,11 +43,12 @@ def _sampling_valid(s: common_pb2.SamplingParams) -> bool:
     return math.isfinite(t) and t >= 0 and s.top_k >= 0 and (p == 0 or (not math.isnan(p) and 0 < p <= 1))
 
 
-def _ids_ok(ids) -> bool:
-    return all(0 <= t < USABLE_VOCAB for t in ids)
+def _ids_ok(ids, usable: int = USABLE_VOCAB) -> bool:
+    return all(0 <= t < usable for t in ids)
 
 
-def _cut_and_append(session: SimSession | None, keep: int | None, append, extra: int, need: int):
+def _cut_and_append(session: SimSession | None, keep: int | None, append, extra: int, need: int,
+                    usable: int = USABLE_VOCAB):
     """(Expect, new length before the extra tokens) of a call that cuts to keep,
     appends, then adds `extra` tokens and needs `need` tokens before its first logit."""
     if session is None:
@@ -57,7 +58,7 @@ def _cut_and_append(session: SimSession | None, keep: int | None, append, extra:
     kept = session.length if keep is None else keep
     if keep is not None and not 0 <= keep <= session.length:
         return Expect.FAIL, None
-    if not _ids_ok(append):
+    if not _ids_ok(append, usable):
         return Expect.FAIL, None
     new = kept + len(append)
     if new > MAX_CONTEXT or new < need or new + extra > MAX_CONTEXT:
@@ -69,14 +70,17 @@ def _cut_and_append(session: SimSession | None, keep: int | None, append, extra:
 
 
 class ServiceFuzzer:
-    """Runs programs against one service (draft or target) on `port`."""
+    """Runs programs against one service on `port`: "target", "draft" (a
+    model drafter) or "ngram" (the prompt-lookup drafter: no tokenizer, so
+    every row is a usable id, and it may draft fewer than k tokens)."""
 
     def __init__(self, service: str, port: int, tally: Tally, limit: int):
         self.service = service
         self.tally = tally
         self.limit = limit
+        self.usable = ROWS if service == "ngram" else USABLE_VOCAB
         self.channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-        stub_cls = draft_pb2_grpc.DraftServiceStub if service == "draft" else target_pb2_grpc.TargetServiceStub
+        stub_cls = target_pb2_grpc.TargetServiceStub if service == "target" else draft_pb2_grpc.DraftServiceStub
         self.stub = stub_cls(self.channel)
         self.pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix=f"fuzz-{service}")
 
@@ -124,7 +128,7 @@ class ServiceFuzzer:
             if self.tally.check(self.service, "GetModelInfo", out, Expect.OK, payload):
                 info = out.response.info
                 if (info.vocab_size, info.usable_vocab_size, info.max_context, info.max_draft_tokens) != \
-                        (ROWS, USABLE_VOCAB, MAX_CONTEXT, self.limit):
+                        (ROWS, self.usable, MAX_CONTEXT, self.limit):
                     self.tally.violate(self.service, "GetModelInfo", f"unexpected info {info}")
         else:
             msg = self._resolved(op, payload, slots, ids)
@@ -145,7 +149,7 @@ class ServiceFuzzer:
 
     def _open(self, sim: Sim, req) -> str | None:
         prompt = list(req.prompt_token_ids)
-        valid = (prompt and _ids_ok(prompt) and req.max_new_tokens >= 0 and
+        valid = (prompt and _ids_ok(prompt, self.usable) and req.max_new_tokens >= 0 and
                  len(prompt) + req.max_new_tokens <= MAX_CONTEXT and _sampling_valid(req.sampling))
         out = call(self.stub.OpenSession, req)
         if not self.tally.check(self.service, "OpenSession", out, Expect.OK if valid else Expect.FAIL, req):
@@ -196,7 +200,7 @@ class ServiceFuzzer:
         session = sim.open.get(req.session_id)
         keep = req.keep_length if req.HasField("keep_length") else None
         k = req.num_draft_tokens
-        expect, new = _cut_and_append(session, keep, list(req.append_token_ids), max(k, 0), 1)
+        expect, new = _cut_and_append(session, keep, list(req.append_token_ids), max(k, 0), 1, self.usable)
         if not 1 <= k <= self.limit:
             expect = Expect.FAIL
         if concurrent:  # another call may change the length first
@@ -210,20 +214,21 @@ class ServiceFuzzer:
             rpc, drafts = "Propose", out.response
         if not self.tally.check(self.service, rpc, out, expect, req) or session is None:
             return
-        if not all(0 <= d.token_id < USABLE_VOCAB for d in drafts):
+        if not all(0 <= d.token_id < self.usable for d in drafts):
             self.tally.violate(self.service, rpc, "a drafted token outside the usable vocabulary", req)
         if concurrent or expect is not Expect.OK:
             session.length = None
             return
-        if [d.length for d in drafts] != list(range(new + 1, new + k + 1)) or \
-                [d.index for d in drafts] != list(range(k)):
+        made = len(drafts) if self.service == "ngram" else k  # prompt lookup may find fewer
+        if made > k or [d.length for d in drafts] != list(range(new + 1, new + made + 1)) or \
+                [d.index for d in drafts] != list(range(made)):
             self.tally.violate(self.service, rpc, f"lengths {[d.length for d in drafts]} from {new}, k={k}", req)
         for d in drafts:
             if d.HasField("q") == session.greedy:
                 self.tally.violate(self.service, rpc, "q sent under greedy or missing under sampling", req)
             elif d.HasField("q") and (d.token_id not in d.q.token_ids or abs(sum(d.q.probs) - 1) > 1e-3):
                 self.tally.violate(self.service, rpc, f"q does not hold its token: {d}", req)
-        session.length = new + k
+        session.length = new + made
 
     def _verify(self, sim: Sim, req, q_valid: list[bool], concurrent: bool) -> None:
         call_ok = 1 <= len(req.items) <= MAX_VERIFY_BATCH
@@ -338,10 +343,11 @@ class ServiceFuzzer:
             req = draft_pb2.ProposeRequest(session_id=sid, num_draft_tokens=1)
             out = call(self.stub.Propose, req, streaming=True)
         if self.tally.check(self.service, type(req).__name__.replace("Request", ""), out, Expect.ANY, req):
-            session.length = out.response.length if self.service == "target" else out.response[-1].length
+            replies = [out.response] if self.service == "target" else out.response
+            session.length = replies[-1].length if replies else None  # prompt lookup may draft nothing
 
     def _raw(self, method: str, data: bytes) -> None:
-        service = "DraftService" if self.service == "draft" else "TargetService"
+        service = "TargetService" if self.service == "target" else "DraftService"
         streaming = method == "Propose"
         path = f"/specdec.v1.{service}/{method}"
         raw = (self.channel.unary_stream if streaming else self.channel.unary_unary)(

@@ -88,16 +88,17 @@ class FuzzSystem:
 
     target_port: int = 0
     draft_port: int = 0
+    ngram_port: int = 0  # a draft service over the prompt-lookup drafter
     orchestrator_port: int = 0
     http_port: int = 0
     tokenizer: object = None
     max_draft_tokens: int = 0
-    engines: dict = field(default_factory=dict)  # role -> ModelEngine, to count open sessions
+    usage: dict = field(default_factory=dict)  # role -> () -> (open sessions, KV bytes)
     _stops: list = field(default_factory=list)
     _loop: _Loop | None = None
 
     def open_sessions(self) -> dict[str, int]:
-        return {role: engine.num_sessions for role, engine in self.engines.items()}
+        return {role: usage()[0] for role, usage in self.usage.items()}
 
     def close(self) -> None:
         for stop in reversed(self._stops):
@@ -118,8 +119,9 @@ class FuzzSystem:
 
 
 def start(roles: tuple[str, ...] = ("target", "draft", "orchestrator"), http: bool = False) -> FuzzSystem:
-    """Start the roles asked for (an orchestrator needs both services)."""
-    from draft_service.drafters import ModelDrafter
+    """Start the roles asked for (an orchestrator needs both services; "ngram"
+    is a second draft service, over the prompt-lookup drafter)."""
+    from draft_service.drafters import ModelDrafter, NgramDrafter
     from draft_service.server import start_draft_service
     from specdec.rpc.model_service import SessionLimits
     from specdec.rpc.serving import ServerConfig
@@ -138,15 +140,22 @@ def start(roles: tuple[str, ...] = ("target", "draft", "orchestrator"), http: bo
             target = system._loop.run(start_target_service(
                 local(), limits, lambda: Verifier(t_engine, limits.max_draft_tokens, limits.max_verify_batch)))
             system._stops.append(lambda: target.stop(0))
-            system.engines["target"] = t_engine
+            system.usage["target"] = lambda: (t_engine.num_sessions, 0)
             system.target_port = target.port
         if "draft" in roles:
             d_engine = engine(1, tok)
             draft = system._loop.run(start_draft_service(
                 local(), limits, lambda: ModelDrafter(d_engine, limits.max_draft_tokens)))
             system._stops.append(lambda: draft.stop(0))
-            system.engines["draft"] = d_engine
+            system.usage["draft"] = lambda: (d_engine.num_sessions, 0)
             system.draft_port = draft.port
+        if "ngram" in roles:
+            ngram = NgramDrafter(ROWS, max_context=MAX_CONTEXT, max_sessions=MAX_SESSIONS,
+                                 max_draft_tokens=limits.max_draft_tokens)
+            drafter = system._loop.run(start_draft_service(local(), limits, lambda: ngram, backend_kind="ngram"))
+            system._stops.append(lambda: drafter.stop(0))
+            system.ngram_port = drafter.port
+            system.usage["ngram"] = ngram.usage
         if "orchestrator" in roles:
             _start_orchestrator(system, tok, http)
     except BaseException:
