@@ -26,7 +26,7 @@ import torch
 
 from specdec.engine.engine import EngineInfo, ExtendItem, ModelEngine
 from specdec.engine.sessions import ContextRules, Session, SessionTable, new_session_id
-from specdec.errors import OutOfRange
+from specdec.errors import InvalidArgument, OutOfRange
 from specdec.limits import DEFAULT_MAX_DRAFT_TOKENS, check_num_draft_tokens
 from specdec.rpc.model_service import EngineBackend, SessionMeta
 from specdec.sampling.draft_picks import DraftPick, DraftRow, pick_drafts
@@ -246,6 +246,8 @@ class NgramDrafter:
             keep_length = session.length
         self.rules.check_keep(session, keep_length)
         self.rules.check_tokens(append, "appended tokens")
+        if keep_length + len(append) < 1:  # as the model drafter: an empty context has nothing to draft from
+            raise InvalidArgument("nothing to draft from (a context of 0 tokens): keep or append at least one token")
         self.rules.check_length(session, keep_length + len(append) + k)
         del session.tokens[keep_length:]
         session.tokens.extend(append)

@@ -190,6 +190,16 @@ def test_stop_strings_truncate_and_finish_with_stop(http_system):
     ("chat/completions", dict(messages=[{"role": "user", "content": [{"type": "image_url"}]}]),
      "messages.0.content.0", "only text parts"),
     ("chat/completions", dict(messages=[]), "messages", "at least 1"),
+    # Found by the fuzzer (specdec.fuzz): values protobuf cannot carry were a 500.
+    ("completions", dict(max_tokens=2**63), "max_tokens", "less than or equal to 2147483647"),
+    ("chat/completions", dict(max_completion_tokens=2**31), "max_completion_tokens", "less than or equal"),
+    ("completions", dict(top_k=-(2**40)), "top_k", "greater than or equal to -2147483648"),
+    ("completions", dict(prompt=[3, 2**40]), None, "prompt"),
+    ("completions", dict(speculation={"num_draft_tokens": 2**32}), "speculation.num_draft_tokens", "less than"),
+    ("completions", dict(prompt="a\ud800b"), "prompt", "not valid Unicode"),
+    ("completions", dict(stop=["\udc80"]), "stop", "not valid Unicode"),
+    ("chat/completions", dict(messages=[{"role": "user", "content": "\ud83d"}]), "messages[0].content",
+     "not valid Unicode"),
 ])
 def test_unsupported_or_bad_fields_get_a_clear_400(http_system, endpoint, body, param, words):
     base = {"model": http_system.model, "max_tokens": 4}

@@ -626,6 +626,54 @@ def test_bad_call_gets_its_status(target, draft, victims, untouched, case):
     assert _lengths(target, draft, victims) == before, "a refused call changed its session"
 
 
+@pytest.mark.parametrize("role", ["target", "draft"])
+@pytest.mark.parametrize("length", [0, -1, -(2**31)])
+def test_a_refused_rollback_leaves_the_session_usable(target, draft, role, length):
+    """Issue 16 item 6: a Rollback below 1 token is INVALID_ARGUMENT, past the
+    end OUT_OF_RANGE, and afterwards the session answers exactly as a twin
+    session that was never sent the bad calls."""
+    stub = target[1] if role == "target" else draft[1]
+    prompt = tokens(9, seed=31)
+    victim, twin = (open_session(stub, prompt, seed=5, **SAMPLED).session_id for _ in range(2))
+    expect_status(Code.INVALID_ARGUMENT, f"at least 1 token, got length {length}", rollback, stub, victim, length)
+    expect_status(Code.OUT_OF_RANGE, "holds only 9", rollback, stub, victim, 10)
+    if role == "target":
+        drafts = [4, 5, 6]
+        got, want = (verify(stub, item(sid, drafts, [spread_q(x) for x in drafts]))[0] for sid in (victim, twin))
+        want.session_id = victim
+        assert_same_verify(got, want)
+    else:
+        got, want = (propose(stub, sid, 4) for sid in (victim, twin))
+        assert [(d.token_id, d.length, list(d.q.token_ids)) for d in got] == \
+            [(d.token_id, d.length, list(d.q.token_ids)) for d in want]
+    assert rollback(stub, victim, 9) == 9  # and a good rollback still works
+    for sid in (victim, twin):
+        close(stub, sid)
+
+
+_CORRUPT, _TRUNCATED, _BAD_UTF8 = b"\xff\xff\xff", b"\x0a\x05\xff\xfe", b"\x0a\x02\xc3\x28"
+RAW_CASES = [("target", "/specdec.v1.TargetService/OpenSession", False, _CORRUPT),
+             ("target", "/specdec.v1.TargetService/Verify", False, _TRUNCATED),
+             ("draft", "/specdec.v1.DraftService/Propose", True, _CORRUPT),
+             ("draft", "/specdec.v1.DraftService/Propose", True, _BAD_UTF8),  # session_id is not UTF-8
+             ("draft", "/specdec.v1.DraftService/Rollback", False, _BAD_UTF8)]
+
+
+@pytest.mark.parametrize("role, path, streaming, data", RAW_CASES,
+                         ids=["open-corrupt", "verify-truncated", "propose-corrupt", "propose-bad-utf8",
+                              "rollback-bad-utf8"])
+def test_bytes_that_are_no_message_are_invalid_argument(target, draft, untouched, role, path, streaming, data):
+    """Found by the fuzzer: grpc.aio answered these UNKNOWN ("Unexpected
+    DecodeError") before any servicer code ran (specdec/rpc/malformed.py)."""
+    port = (target if role == "target" else draft)[0].port
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        method = (channel.unary_stream if streaming else channel.unary_unary)(
+            path, request_serializer=lambda b: b, response_deserializer=lambda b: b)
+        err = expect_status(Code.INVALID_ARGUMENT, "not a valid protobuf message",
+                            lambda: list(method(data, timeout=T)) if streaming else method(data, timeout=T))
+        assert path in err.details()
+
+
 def _q_for(bad: str, drafts: list[int]):
     good = [spread_q(x) for x in drafts]
     x = drafts[0]
@@ -904,6 +952,9 @@ def test_ngram_refuses_bad_sessions(ngram):
     sid = open_session(stub, [1, 2, 1]).session_id
     expect_status(Code.INVALID_ARGUMENT, "num_draft_tokens", propose, stub, sid, 0)
     expect_status(Code.OUT_OF_RANGE, "holds only 3", propose, stub, sid, 2, keep=4)
+    # Found by the fuzzer: keep 0 with nothing appended emptied the session (the model drafter refuses it).
+    expect_status(Code.INVALID_ARGUMENT, "keep or append at least one token", propose, stub, sid, 2, keep=0)
+    assert rollback(stub, sid, 3) == 3  # the refused call left the context whole
     close(stub, sid)
 
 

@@ -9,9 +9,14 @@ message naming the field. Extensions: `top_k` (vLLM's; 0 or -1 disables) and
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
+
+# Integers travel on as protobuf int32 fields (GenerateRequest); a larger one
+# must be a 400 naming its field here, not an overflow further on.
+INT32_MAX = 2**31 - 1
+Int32 = Annotated[int, Field(ge=-(2**31), le=INT32_MAX)]
 
 
 class _Strict(BaseModel):
@@ -22,9 +27,9 @@ class SpeculationOptions(_Strict):
     """Per-request speculation (extension), as gRPC's SpeculationOptions."""
 
     policy: str = ""  # fixed | adaptive | goodput; empty: the server's
-    num_draft_tokens: int = Field(0, ge=0)  # fixed k or the starting k; 0: the server's
-    min_draft_tokens: int = Field(0, ge=0)  # adaptive bounds; 0: the server's
-    max_draft_tokens: int = Field(0, ge=0)
+    num_draft_tokens: int = Field(0, ge=0, le=INT32_MAX)  # fixed k or the starting k; 0: the server's
+    min_draft_tokens: int = Field(0, ge=0, le=INT32_MAX)  # adaptive bounds; 0: the server's
+    max_draft_tokens: int = Field(0, ge=0, le=INT32_MAX)
     disable: bool = False  # the target alone (the baseline)
     pipeline: bool | None = None  # pipelined drafting; null: the server's
 
@@ -37,10 +42,10 @@ class GenerationRequest(_Strict):
     """Fields both endpoints share."""
 
     model: str | None = None  # null: the served model
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     temperature: float | None = None  # null: 1.0; 0: greedy
     top_p: float | None = None
-    top_k: int | None = None  # extension; 0 or -1: off
+    top_k: Int32 | None = None  # extension; 0 or -1: off
     seed: int | None = Field(None, ge=0, le=2**64 - 1)
     stop: str | list[str] | None = None
     stream: bool | None = False
@@ -55,7 +60,7 @@ class GenerationRequest(_Strict):
 
 
 class CompletionRequest(GenerationRequest):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[Int32] | list[str] | list[list[Int32]]
     echo: Any = None
     logprobs: Any = None
     best_of: Any = None
@@ -74,7 +79,7 @@ class ChatMessage(_Strict):
 
 class ChatCompletionRequest(GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     metadata: dict[str, str] | None = None  # for stored completions: accepted, not used
     service_tier: str | None = None  # accepted, not used
     parallel_tool_calls: bool | None = None  # meaningless without tools: accepted

@@ -57,6 +57,16 @@ class BadField(InvalidArgument):
         self.param = param
 
 
+def _text(value: str, param: str) -> str:
+    """A string that protobuf can carry: JSON may spell a lone UTF-16
+    surrogate ("\\ud800"), which is no Unicode character and has no UTF-8."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise BadField(param, f"{param} is not valid Unicode: a lone surrogate at position {exc.start}") from None
+    return value
+
+
 def check_unsupported(body: GenerationRequest, table: dict) -> None:
     for name, neutral in table.items():
         value = getattr(body, name)
@@ -82,7 +92,7 @@ def completion_request(body: CompletionRequest, request_id: str = "") -> pb.Gene
             raise BadField("prompt", f"one prompt per request, got a batch of {len(prompt)}")
         prompt = prompt[0]
     if isinstance(prompt, str):
-        request.prompt = prompt
+        request.prompt = _text(prompt, "prompt")
     else:
         if not prompt:
             raise BadField("prompt", "the prompt is empty")
@@ -105,7 +115,7 @@ def _common(body: GenerationRequest, max_tokens: int, request_id: str) -> pb.Gen
     top_k = body.top_k or 0
     if top_k == -1:  # vLLM's spelling of "off"
         top_k = 0
-    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    stop = [_text(s, "stop") for s in ([body.stop] if isinstance(body.stop, str) else list(body.stop or []))]
     request = pb.GenerateRequest(max_tokens=max_tokens, top_k=top_k, stop=stop, request_id=request_id)
     if body.temperature is not None:
         request.temperature = body.temperature
@@ -116,7 +126,8 @@ def _common(body: GenerationRequest, max_tokens: int, request_id: str) -> pb.Gen
     if body.speculation is not None:
         s = body.speculation
         request.speculation.CopyFrom(pb.SpeculationOptions(
-            policy=s.policy, num_draft_tokens=s.num_draft_tokens, min_draft_tokens=s.min_draft_tokens,
+            policy=_text(s.policy, "speculation.policy"), num_draft_tokens=s.num_draft_tokens,
+            min_draft_tokens=s.min_draft_tokens,
             max_draft_tokens=s.max_draft_tokens, disable=s.disable))
         if s.pipeline is not None:
             request.speculation.pipeline = s.pipeline
@@ -143,7 +154,7 @@ def _message(index: int, message) -> pb.ChatMessage:
                                                         f"({{\"type\": \"text\", \"text\": ...}}) are supported")
             parts.append(part["text"])
         content = "".join(parts)
-    return pb.ChatMessage(role=role, content=content)
+    return pb.ChatMessage(role=role, content=_text(content, f"{where}.content"))
 
 
 # ----------------------------------------------------------- statistics

@@ -15,6 +15,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from specdec.config import opt
+from specdec.rpc.malformed import MalformedRequests
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +171,8 @@ async def start_server(
     """Bind and start a server that reports NOT_SERVING until `set_serving()`;
     over TLS when `credentials` are given (plaintext otherwise), plus the
     plaintext health-only port when `cfg.health_port` asks for one."""
-    server = grpc.aio.server(options=cfg.channel_options(), interceptors=list(interceptors))
+    # Innermost: undecodable request bytes get INVALID_ARGUMENT, not UNKNOWN.
+    server = grpc.aio.server(options=cfg.channel_options(), interceptors=[*interceptors, MalformedRequests()])
     register(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -1,0 +1,179 @@
+"""What every fuzzed call is held to, and the tally of what came back.
+
+Oracles:
+- no status INTERNAL or UNKNOWN (our bug), and no DEADLINE_EXCEEDED: every
+  call carries a deadline, and running into it means the service hung;
+- a refused call says why (a non-empty message);
+- a call valid by the contract succeeds (`Expect.OK`), and one the contract
+  forbids is refused (`Expect.FAIL`); `Expect.ANY` where the fuzzer cannot
+  know (concurrent calls on one session, raw bytes);
+- a witness session beside the fuzzing produces exactly what it produced alone
+  (`Witness`).
+
+A `Tally` counts messages by (service, rpc, status) and keeps the violations;
+strict (tests), the first violation raises AssertionError, which fails the
+hypothesis example; otherwise (the full run) they are collected and reported.
+"""
+from __future__ import annotations
+
+import enum
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable
+
+import grpc
+
+BAD = frozenset({grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.DEADLINE_EXCEEDED})
+CALL_TIMEOUT_S = 20.0  # each call's deadline: far above what any fuzzed call needs on the tiny models
+
+
+class Expect(enum.Enum):
+    OK = "ok"
+    FAIL = "fail"
+    ANY = "any"
+
+
+@dataclass
+class Outcome:
+    code: grpc.StatusCode
+    details: str = ""
+    response: object = None  # the reply (a list of replies for a stream)
+
+    @property
+    def ok(self) -> bool:
+        return self.code is grpc.StatusCode.OK
+
+
+def call(method, request, streaming: bool = False, timeout: float = CALL_TIMEOUT_S) -> Outcome:
+    """One call with a deadline; a stream is read to its end."""
+    try:
+        response = method(request, timeout=timeout)
+        if streaming:
+            response = list(response)
+        return Outcome(grpc.StatusCode.OK, "", response)
+    except grpc.RpcError as err:
+        return Outcome(err.code(), err.details() or "")
+
+
+@dataclass
+class Violation:
+    service: str
+    rpc: str
+    what: str
+    request: str
+
+    def __str__(self) -> str:
+        return f"[{self.service}.{self.rpc}] {self.what}\n    request: {self.request}"
+
+
+@dataclass
+class Tally:
+    strict: bool = False
+    counts: Counter = field(default_factory=Counter)  # (service, rpc, status name) -> messages
+    item_counts: Counter = field(default_factory=Counter)  # Verify items: (service, status name) -> items
+    violations: list[Violation] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def messages(self) -> int:
+        return sum(self.counts.values())
+
+    def sent(self, service: str) -> int:
+        return sum(n for (s, _, _), n in self.counts.items() if s == service)
+
+    def record(self, service: str, rpc: str, status: str) -> None:
+        with self._lock:
+            self.counts[(service, rpc, status)] += 1
+
+    def violate(self, service: str, rpc: str, what: str, request=None) -> None:
+        text = _short(request)
+        with self._lock:
+            self.violations.append(Violation(service, rpc, what, text))
+        if self.strict:
+            raise AssertionError(str(self.violations[-1]))
+
+    def check(self, service: str, rpc: str, outcome: Outcome, expect: Expect, request=None) -> bool:
+        """Apply the status oracles to one call; True when it succeeded."""
+        self.record(service, rpc, outcome.code.name)
+        if outcome.code in BAD:
+            self.violate(service, rpc, f"{outcome.code.name}: {outcome.details}", request)
+        elif not outcome.ok and not outcome.details:
+            self.violate(service, rpc, f"{outcome.code.name} without a message", request)
+        elif expect is Expect.OK and not outcome.ok:
+            self.violate(service, rpc, f"a valid call was refused: {outcome.code.name}: {outcome.details}", request)
+        elif expect is Expect.FAIL and outcome.ok:
+            self.violate(service, rpc, "an invalid call succeeded", request)
+        return outcome.ok
+
+    def by_status(self, service: str | None = None) -> Counter:
+        out: Counter = Counter()
+        for (s, _, status), n in self.counts.items():
+            if service is None or s == service:
+                out[status] += n
+        return out
+
+    def report(self) -> str:
+        lines = []
+        for service in sorted({s for s, _, _ in self.counts}):
+            statuses = ", ".join(f"{k} {v}" for k, v in sorted(self.by_status(service).items()))
+            lines.append(f"{service}: {self.sent(service)} messages ({statuses})")
+            items = {k[1]: v for k, v in self.item_counts.items() if k[0] == service}
+            if items:
+                lines.append("  Verify items: " + ", ".join(f"{k} {v}" for k, v in sorted(items.items())))
+        lines.append(f"violations: {len(self.violations)}")
+        lines.extend(f"  {v}" for v in self.violations[:20])
+        return "\n".join(lines)
+
+
+def _short(request, limit: int = 600) -> str:
+    text = repr(request) if not hasattr(request, "ListFields") else str(request).replace("\n", " ")
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} chars)"
+
+
+class Witness:
+    """A fixed computation (`run() -> result`) that must give the same result
+    while the fuzzing goes on as it gave alone: run once before (`reference`),
+    then over and over on a thread (`start`/`stop`), then once after."""
+
+    def __init__(self, service: str, run: Callable[[], object], tally: Tally, pause_s: float = 0.0):
+        self.service = service
+        self.pause_s = pause_s  # between runs, so the witness does not take all the server's time
+        self._run = run
+        self.tally = tally
+        self.runs = 0
+        self.reference = run()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.mismatches: list[str] = []
+
+    def _check_once(self) -> None:
+        try:
+            result = self._run()
+        except Exception as exc:  # noqa: BLE001 - a witness must never fail
+            self.mismatches.append(f"witness failed: {exc!r}")
+            return
+        self.runs += 1
+        if result != self.reference:
+            self.mismatches.append(f"witness differs: {result!r} != alone {self.reference!r}")
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._check_once()
+            self._stop.wait(self.pause_s)
+
+    def start(self) -> "Witness":
+        self._thread = threading.Thread(target=self._loop, daemon=True, name=f"witness-{self.service}")
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop the thread, run once more alone, and report any difference as violations."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(60)
+        self._check_once()
+        strict, self.tally.strict = self.tally.strict, False
+        for text in self.mismatches:
+            self.tally.violate(self.service, "witness", text)
+        self.tally.strict = strict
