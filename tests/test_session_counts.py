@@ -53,7 +53,7 @@ def test_a_session_whose_open_was_abandoned_is_closed():
         assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         gate.set()
         # The open runs once the engine is free, and its session is closed at once.
-        assert wait_for(lambda: service.worker._pending == 0)
+        assert wait_for(lambda: service.worker.idle)
         assert wait_for(lambda: counts(stub)[0] == 0), counts(stub)
         assert counts(stub) == (0, 0)
 
@@ -64,7 +64,7 @@ def test_a_close_whose_caller_gave_up_still_closes():
         # The engine thread is busy, so the close waits in its queue past the caller's deadline.
         gate = threading.Event()
         loop.loop.call_soon_threadsafe(lambda: asyncio.ensure_future(service.worker.run(gate.wait, 30)))
-        assert wait_for(lambda: service.worker._pending == 1)
+        assert wait_for(lambda: not service.worker.idle)
         with pytest.raises(grpc.RpcError) as err:
             stub.CloseSession(common_pb2.CloseSessionRequest(session_id=sid), timeout=0.3)
         assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
