@@ -14,16 +14,28 @@ from orchestrator.replicas import split_address
 from specdec.security.tls import ClientTls, refuse_plaintext
 
 
+def hosts_of(service_address: str) -> list[str]:
+    """The hosts of a configured address: one, or one per entry of a
+    comma-separated list of replicas."""
+    return [split_address(part)[0] for part in filter(None, (p.strip() for p in service_address.split(",")))]
+
+
 def server_name_of(service_address: str) -> str:
     """The name a service's certificate must carry: the host of its
     configured address (a Kubernetes Service's DNS name), since the replicas
-    behind it are dialed by pod IP; '' for an IP literal (checked as is)."""
-    host, _ = split_address(service_address)
+    behind it are dialed by pod IP; '' for an IP literal (checked as is). A
+    comma-separated list names its replicas one by one: '' too, each
+    replica's certificate is checked against the address it is dialed at."""
+    hosts = hosts_of(service_address)
+    return hosts[0] if len(hosts) == 1 and not _is_ip(hosts[0]) else ""
+
+
+def _is_ip(host: str) -> bool:
     try:
         ipaddress.ip_address(host)
-        return ""
+        return True
     except ValueError:
-        return host
+        return False
 
 
 @dataclass(frozen=True)
@@ -49,7 +61,7 @@ def downstream_dialer(cfg: OrchestratorConfig, insecure: bool) -> Dialer:
     if client.enabled:
         return Dialer(client)
     for name, address in (("target", cfg.target), ("draft", cfg.draft)):
-        if address:
-            refuse_plaintext(split_address(address)[0], f"dialing the {name} service", insecure,
+        for host in hosts_of(address) if address else ():
+            refuse_plaintext(host, f"dialing the {name} service", insecure,
                              remedy="--downstream-ca/--downstream-cert/--downstream-key")
     return Dialer()

@@ -472,3 +472,20 @@ def test_the_http_port_serves_a_renewed_certificate_without_a_restart(tmp_path, 
     finally:
         loop.run(front.stop(0))
         loop.close()
+
+
+def test_a_comma_separated_list_of_replicas_is_judged_entry_by_entry():
+    """Every entry of a replica list must be loopback for plaintext without
+    --insecure, and a list has no one Service name to verify against."""
+    from orchestrator.security import hosts_of, server_name_of
+
+    assert hosts_of("127.0.0.1:5001,127.0.0.1:5002") == ["127.0.0.1", "127.0.0.1"]
+    assert server_name_of("127.0.0.1:5001,127.0.0.1:5002") == ""
+    assert server_name_of("specdec-target:50053") == "specdec-target"
+    assert server_name_of("10.0.0.7:50053") == ""
+    cfg = OrchestratorConfig(target="127.0.0.1:5001,127.0.0.1:5002", draft="127.0.0.1:5003")
+    downstream_dialer(cfg, insecure=False)  # all loopback: plaintext allowed
+    remote = OrchestratorConfig(target="127.0.0.1:5001,10.1.2.3:5002", draft="127.0.0.1:5003")
+    with pytest.raises(TlsSettingsError, match="10.1.2.3"):
+        downstream_dialer(remote, insecure=False)
+    downstream_dialer(remote, insecure=True)
