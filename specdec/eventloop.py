@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import os
-from typing import Awaitable, TypeVar
+import threading
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 T = TypeVar("T")
 
@@ -40,3 +42,26 @@ def run(main: Awaitable[T]) -> T:
     with asyncio.Runner(loop_factory=new_event_loop) as runner:
         return runner.run(main)
 
+
+
+class BackgroundLoop:
+    """An event loop on a daemon thread, for servers that sync callers drive
+    (tests, `specd overhead`, the fuzzer). `new_loop` picks the loop:
+    the roles' own (`new_event_loop`) unless told otherwise."""
+
+    def __init__(self, new_loop: Callable[[], asyncio.AbstractEventLoop] = new_event_loop,
+                 timeout_s: float = 120.0, name: str = "background-loop"):
+        self.loop = new_loop()
+        self.timeout_s = timeout_s
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True, name=name)
+        self.thread.start()
+
+    def run(self, coro, timeout: float | None = None):
+        """Run `coro` on the loop and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout or self.timeout_s)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+    stop = close

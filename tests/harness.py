@@ -3,7 +3,6 @@ to them with ordinary (sync) gRPC clients, as a user's program would."""
 from __future__ import annotations
 
 import asyncio
-import threading
 from contextlib import contextmanager
 
 import grpc
@@ -12,6 +11,7 @@ from draft_service.drafters import ModelDrafter, NgramDrafter
 from draft_service.server import start_draft_service
 from specdec.rpc.model_service import SessionLimits
 from specdec.rpc.serving import ServerConfig
+from specdec.eventloop import BackgroundLoop as _BackgroundLoop
 from specdec.telemetry import NOOP
 from specdec.v1 import draft_pb2_grpc, target_pb2_grpc
 from target_service.server import start_target_service
@@ -20,18 +20,9 @@ from target_service.verifier import Verifier
 DEADLINE_S = 30.0
 
 
-class BackgroundLoop:
-    def __init__(self):
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def run(self, coro, timeout: float = 120.0):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def close(self):
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
+def BackgroundLoop() -> _BackgroundLoop:
+    """The tests' servers run on asyncio's own loop, on a daemon thread."""
+    return _BackgroundLoop(asyncio.new_event_loop)
 
 
 def local_config(**kwargs) -> ServerConfig:

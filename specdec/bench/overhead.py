@@ -34,12 +34,10 @@ alone). Our figures are printed as ratios to the bare ones of their phase.
 """
 from __future__ import annotations
 
-import asyncio
 import inspect
 import random
 import statistics
 import tempfile
-import threading
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -73,20 +71,9 @@ def tiny_engine(vocab_size: int = 128, seed: int = 0, arch: str = "llama"):
 # --------------------------------------------------------------- the servers
 
 
-class BackgroundLoop:
-    """An event loop on its own thread, for the servers."""
-
-    def __init__(self):
-        self.loop = eventloop.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def run(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(DEADLINE_S)
-
-    def stop(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
+def BackgroundLoop() -> eventloop.BackgroundLoop:
+    """The servers' event loop on its own thread (the roles' loop, uvloop when installed)."""
+    return eventloop.BackgroundLoop(timeout_s=DEADLINE_S, name="overhead-servers")
 
 
 async def start_bare_server():
@@ -125,7 +112,7 @@ class Stack:
     telemetry: object
 
 
-def start_stack(bg: BackgroundLoop, tracing: bool, trace_dir: Path) -> Stack:
+def start_stack(bg: eventloop.BackgroundLoop, tracing: bool, trace_dir: Path) -> Stack:
     from draft_service.drafters import ModelDrafter
     from draft_service.server import start_draft_service
     from orchestrator.downstream import DraftClient, TargetClient, channel_to

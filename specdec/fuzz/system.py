@@ -14,8 +14,9 @@ Every server binds 127.0.0.1:0 on a background event loop and is stopped by
 from __future__ import annotations
 
 import asyncio
-import threading
 from dataclasses import dataclass, field
+
+from specdec.eventloop import BackgroundLoop
 
 USABLE_VOCAB = 300  # tokens of the tokenizer
 ROWS = 320  # embedding rows: ids USABLE_VOCAB..ROWS-1 are padding
@@ -66,22 +67,6 @@ def engine(seed: int, tok):
     return ModelEngine(model(seed), cfg, tokenizer=tok, name=f"fuzz-tiny-{seed}")
 
 
-class _Loop:
-    """An asyncio loop on a daemon thread, for servers driven by sync clients."""
-
-    def __init__(self):
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="fuzz-servers")
-        self.thread.start()
-
-    def run(self, coro, timeout: float = 120.0):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def close(self):
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
-
-
 @dataclass
 class FuzzSystem:
     """Running servers and their addresses; `close()` stops them all."""
@@ -95,7 +80,7 @@ class FuzzSystem:
     max_draft_tokens: int = 0
     usage: dict = field(default_factory=dict)  # role -> () -> (open sessions, KV bytes)
     _stops: list = field(default_factory=list)
-    _loop: _Loop | None = None
+    _loop: BackgroundLoop | None = None
 
     def open_sessions(self) -> dict[str, int]:
         return {role: usage()[0] for role, usage in self.usage.items()}
@@ -132,7 +117,8 @@ def start(roles: tuple[str, ...] = ("target", "draft", "orchestrator"), http: bo
         roles = tuple(dict.fromkeys((*roles, "target", "draft")))
     tok = tokenizer()
     limits = SessionLimits()
-    system = FuzzSystem(tokenizer=tok, max_draft_tokens=limits.max_draft_tokens, _loop=_Loop())
+    system = FuzzSystem(tokenizer=tok, max_draft_tokens=limits.max_draft_tokens,
+                        _loop=BackgroundLoop(asyncio.new_event_loop, name="fuzz-servers"))
     local = lambda: ServerConfig(host="127.0.0.1", port=0)
     try:
         if "target" in roles:
