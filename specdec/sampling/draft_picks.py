@@ -54,16 +54,18 @@ def pick_drafts(logits: torch.Tensor, rows: Sequence[DraftRow], max_q_tokens: in
     tokens = torch.zeros(batch, dtype=torch.long, device=logits.device)
     greedy = [i for i, r in enumerate(rows) if r.params.greedy]
     if greedy:
-        tokens[_index(greedy, batch, logits.device)] = argmax_tokens(_rows(logits, greedy))
+        index = _index(greedy, batch, logits.device)
+        tokens[index] = argmax_tokens(logits[index])
     groups: dict[SamplingParams, list[int]] = {}
     for i, r in enumerate(rows):
         if not r.params.greedy:
             groups.setdefault(r.params, []).append(i)
     sampled, packed = [], []
     for params, members in groups.items():
-        ids, q = truncate_rows(logits_to_probs(_rows(logits, members), params), max_q_tokens)  # [g, n]
+        index = _index(members, batch, logits.device)  # one copy of the group's rows to the device
+        ids, q = truncate_rows(logits_to_probs(logits[index], params), max_q_tokens)  # [g, n]
         picked, ok = pick_rows(q, [uniform(rows[i].seed, rows[i].position, Stream.DRAFT) for i in members])
-        tokens[_index(members, batch, logits.device)] = ids.gather(1, picked[:, None])[:, 0]
+        tokens[index] = ids.gather(1, picked[:, None])[:, 0]
         ok = ok * torch.isfinite(q[:, 0]).long() * (q[:, 0] > 0).long()
         sampled.append((members, ids.shape[1]))
         # float64 holds every token id (< 2**53) and every float32 exactly
@@ -88,7 +90,3 @@ def _index(members: list[int], batch: int, device) -> torch.Tensor | slice:
         return slice(None)
     return torch.tensor(members, dtype=torch.long).to(device, non_blocking=True)
 
-
-def _rows(logits: torch.Tensor, members: list[int]) -> torch.Tensor:
-    index = _index(members, logits.shape[0], logits.device)
-    return logits[index]
