@@ -1,10 +1,13 @@
 """`specd steps MODEL [MODEL ...]`: each model's decode and verify step costs
 against the memory-bandwidth floor (specdec/bench/step_costs.py), on the
 device and dtype the services would use, with a Markdown table, JSON lines and
-a plot in --out.
+a plot in --out. With --lifecycle, also load time, prefill, rollback at two
+context lengths, KV bytes per token, and a batched forward of --batches
+sessions vs the same sessions one by one (specdec/bench/lifecycle.py).
 
     specd steps synth:qwen2.5-0.5b synth:qwen2.5-7b --device cuda --dtype bfloat16 --num-draft-tokens 4
     specd steps qwen2.5-coder-0.5b-instruct --draft-vocab 0 8192 16384 32768
+    specd steps qwen2.5-coder-0.5b-instruct --dtype bfloat16 --threads 2 --batches 1 4 16 --lifecycle
 """
 from __future__ import annotations
 
@@ -32,11 +35,21 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repeat", type=int, default=10, help="timed runs per shape; the median is reported")
     p.add_argument("--draft-vocab", type=int, nargs="+", default=[0],
                    help="output head sizes to measure (0: full; needs `specd models rank-vocab`)")
+    life = p.add_argument_group("--lifecycle: the engine's costs around the steps")
+    life.add_argument("--lifecycle", action="store_true",
+                      help="also measure load time, prefill of a --context-token prompt, rollback at "
+                      "--rollback-contexts, KV bytes per token, and a forward of --batches sessions (mixed lengths "
+                      "50-300, num_draft_tokens + 1 new tokens each) batched vs one by one")
+    life.add_argument("--rollback-contexts", type=int, nargs="+", default=[64, 4096], metavar="N",
+                      help="context lengths to time rollback at (default 64 4096)")
     p.add_argument("--out", default="bench-results/steps", help="results folder (default bench-results/steps)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    import time
+
+    from specdec.bench import lifecycle
     from specdec.bench.step_costs import copy_bandwidth, markdown, measure, plot
     from specdec.engine.config import EngineConfig
     from specdec.engine.engine import ModelEngine
@@ -44,15 +57,19 @@ def run(args: argparse.Namespace) -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    costs = []
+    costs, lives = [], []
     bandwidth = None
+    max_context = args.context + max(args.num_draft_tokens) + 8
+    if args.lifecycle:  # the batched sessions hold up to 300 tokens
+        max_context = max(max_context, *args.rollback_contexts, 300 + max(args.num_draft_tokens) + 8)
     for model in args.models:
         for head in args.draft_vocab:
             try:
                 cfg = EngineConfig(model=model, device=args.device, dtype=args.dtype, threads=args.threads,
-                                   max_context=args.context + max(args.num_draft_tokens) + 8,
-                                   max_sessions=max(args.batches), draft_vocab=head)
+                                   max_context=max_context, max_sessions=max(args.batches), draft_vocab=head)
+                start = time.perf_counter()
                 engine = ModelEngine.load(cfg)
+                load_s = time.perf_counter() - start
             except (SpecdecError, ValueError, OSError) as error:
                 print(f"specd: error: {model}: {error}", file=sys.stderr)
                 return EXIT_ERROR
@@ -62,6 +79,10 @@ def run(args: argparse.Namespace) -> int:
                 engine.name = f"{engine.name} (head {head})"
             costs += measure(engine, ks=args.num_draft_tokens, batches=args.batches, context=args.context,
                              repeat=args.repeat, bandwidth=bandwidth)
+            if args.lifecycle:
+                lives.append(lifecycle.measure(engine, load_s=load_s, context=args.context, batches=args.batches,
+                                               tokens=args.num_draft_tokens[0] + 1,
+                                               rollback_contexts=args.rollback_contexts, repeat=args.repeat))
             del engine
     table = markdown(costs)
     print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s\n{table}")
@@ -70,4 +91,11 @@ def run(args: argparse.Namespace) -> int:
         for c in costs:
             f.write(json.dumps(dict(c.to_json(), bandwidth=bandwidth)) + "\n")
     plot(costs, out / "steps.png")
+    if lives:
+        table = lifecycle.markdown(lives)
+        print(f"\n{table}")
+        (out / "lifecycle.md").write_text(table + "\n")
+        with open(out / "lifecycle.jsonl", "w") as f:
+            for life in lives:
+                f.write(json.dumps(life.to_json()) + "\n")
     return EXIT_OK
