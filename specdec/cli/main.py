@@ -9,6 +9,7 @@
     specd proxy               # a TCP proxy adding network latency (tests, benchmarks)
     specd steps MODEL...      # step costs against the memory-bandwidth floor
     specd overhead            # per-round wire and loop overhead vs bare grpcio
+    specd identity            # greedy identity of speculative vs target-only, the tie diagnosis
     specd soak                # load and soak: concurrent mixed streams, sessions, RSS growth
 """
 from __future__ import annotations
@@ -25,8 +26,8 @@ import argparse  # noqa: E402
 import logging  # noqa: E402
 import sys  # noqa: E402
 
-from specdec.cli import (bench_cmd, generate_cmd, models_cmd, overhead_cmd, proxy_cmd, serve_cmd,  # noqa: E402
-                         soak_cmd, steps_cmd, trace_cmd, up_cmd)
+from specdec.cli import (bench_cmd, generate_cmd, identity_cmd, models_cmd, overhead_cmd, proxy_cmd,  # noqa: E402
+                         serve_cmd, soak_cmd, steps_cmd, trace_cmd, up_cmd)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     proxy_cmd.register(sub)
     steps_cmd.register(sub)
     overhead_cmd.register(sub)
+    identity_cmd.register(sub)
     soak_cmd.register(sub)
     return parser
 

@@ -1,0 +1,75 @@
+"""`specd identity`: greedy speculative output vs target-only, in one process,
+with the target's top-2 logits under each path at the first difference
+(specdec/bench/identity.py): are the differences numerical ties?
+
+    specd identity --prompts 10 --max-tokens 128 --dtype bfloat16 --num-draft-tokens 3
+    specd identity --prompts 10 --max-tokens 128 --dtype float32 --num-draft-tokens 3
+
+HumanEval prompts through the target's tokenizer; a target without one (the
+tiny pair of `specdec.bench.tiny_pair`) gets that pair's token-id prompts.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from specdec.models.catalog import DEFAULT_PAIR
+
+EXIT_OK, EXIT_ERROR = 0, 1
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("identity", help="greedy identity of speculative vs target-only output, with the tie diagnosis",
+                       description="In one process, over the engine: target-only greedy (one token per forward) vs "
+                       "speculative greedy (k drafts scored in one target forward). At the first differing token, "
+                       "print the target's top-2 logits under each path and how far the two paths' logits differ.")
+    p.add_argument("--prompts", type=int, default=10, help="number of prompts (default 10)")
+    p.add_argument("--max-tokens", type=int, default=128, help="tokens generated per prompt (default 128)")
+    p.add_argument("--dtype", default="bfloat16", choices=("auto", "bfloat16", "float16", "float32"))
+    p.add_argument("--num-draft-tokens", type=int, default=3, help="tokens drafted per round (default 3)")
+    p.add_argument("--threads", type=int, default=2, help="CPU threads (default 2)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    p.add_argument("--draft", default=DEFAULT_PAIR.draft, help=f"draft model (default {DEFAULT_PAIR.draft})")
+    p.add_argument("--target", default=DEFAULT_PAIR.target, help=f"target model (default {DEFAULT_PAIR.target})")
+    p.set_defaults(func=run)
+
+
+def _prompts(target, n: int) -> list[list[int]]:
+    if target.tokenizer is None:
+        from specdec.bench.tiny_pair import tiny_prompts
+
+        return tiny_prompts(n)
+    from specdec.bench.prompts import humaneval_prompts
+
+    return [target.tokenizer(text)["input_ids"] for text in humaneval_prompts(n)]
+
+
+def run(args: argparse.Namespace) -> int:
+    from specdec.bench.identity import describe, diagnose
+    from specdec.engine.config import EngineConfig
+    from specdec.engine.engine import ModelEngine
+    from specdec.errors import SpecdecError
+
+    if args.prompts < 1 or args.max_tokens < 1 or args.num_draft_tokens < 1:
+        print("specd: error: --prompts, --max-tokens and --num-draft-tokens must be at least 1", file=sys.stderr)
+        return EXIT_ERROR
+    engines = []
+    for model in (args.target, args.draft):
+        try:
+            engines.append(ModelEngine.load(EngineConfig(model=model, dtype=args.dtype, threads=args.threads,
+                                                         device=args.device, max_sessions=2)))
+        except (SpecdecError, ValueError, OSError) as error:
+            print(f"specd: error: {model}: {error}", file=sys.stderr)
+            return EXIT_ERROR
+    target, draft = engines
+    try:
+        prompts = _prompts(target, args.prompts)
+        identical = 0
+        for result in diagnose(target, draft, prompts, args.max_tokens, args.num_draft_tokens):
+            identical += result.identical
+            print(describe(result), flush=True)
+    except SpecdecError as error:
+        print(f"specd: error: {error}", file=sys.stderr)
+        return EXIT_ERROR
+    print(f"identical: {identical}/{len(prompts)} ({args.dtype}, k={args.num_draft_tokens})")
+    return EXIT_OK
