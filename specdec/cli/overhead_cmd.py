@@ -1,10 +1,15 @@
 """`specd overhead`: what a speculative round spends outside the models,
 against bare grpcio calls measured in the same run (specdec/bench/overhead.py);
 with --wire, the bytes of a round and the Verify throughput through the
-server instead (specdec/bench/wire.py).
+server instead (specdec/bench/wire.py); with --end-to-end, tokens/s through
+two whole systems with tracing on and off, and spans per generated token
+(specdec/bench/tracing_cost.py).
 
     specd overhead --reps 200 --num-draft-tokens 4
     specd overhead --wire [--target qwen2.5-coder-1.5b-instruct]
+    specd overhead --end-to-end [--requests 30 --tokens 64]
+    specd overhead --end-to-end --draft qwen2.5-coder-0.5b-instruct --target qwen2.5-coder-1.5b-instruct \
+        --requests 6 --tokens 48 --threads 2
 """
 from __future__ import annotations
 
@@ -19,15 +24,25 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--reps", type=int, default=200, help="repetitions of each call; medians are reported")
     p.add_argument("--num-draft-tokens", type=int, default=4, help="k, tokens drafted per round (default 4)")
     p.add_argument("--threads", type=int, default=None,
-                   help="torch threads (default 1; with --wire 2, as the real target's forward passes use)")
+                   help="torch threads (default 1; with --wire 2, as the real target's forward passes use; with "
+                   "--end-to-end torch's default)")
     wire = p.add_argument_group("--wire: bytes per round and Verify throughput")
     wire.add_argument("--wire", action="store_true",
                       help="print the bytes of one round (vocab 151936, greedy and T=0.7) per emitted token, and "
                       "the Verify throughput with 1/4/16 sessions per call, instead of the overhead")
     wire.add_argument("--acceptance", type=float, default=0.8, help="acceptance rate for bytes per token (0.8)")
     wire.add_argument("--target", default="", help="a cached model whose Verify throughput to add "
-                      "(e.g. qwen2.5-coder-1.5b-instruct)")
-    wire.add_argument("--dtype", default="bfloat16", help="dtype of --target (bfloat16)")
+                      "(e.g. qwen2.5-coder-1.5b-instruct); with --end-to-end, the target (with --draft)")
+    wire.add_argument("--dtype", default=None, help="dtype of --target (bfloat16; with --end-to-end auto)")
+    e2e = p.add_argument_group("--end-to-end: tokens/s with tracing on vs off, spans per token")
+    e2e.add_argument("--end-to-end", action="store_true",
+                     help="two whole in-process systems (target, draft, orchestrator) over the same engines, one "
+                     "traced as `specd up` traces, one with SPECD_TRACING=off; greedy requests alternate between them; "
+                     "prints the median tokens/s of each, spans per generated token and the cost of one span")
+    e2e.add_argument("--requests", type=int, default=30, help="requests per mode (default 30)")
+    e2e.add_argument("--tokens", type=int, default=64, help="max_tokens of each request (default 64)")
+    e2e.add_argument("--draft", default="", help="draft model (with --target; default: the tiny pair)")
+    e2e.add_argument("--device", default="cpu", help="device of --draft/--target (default cpu)")
     p.set_defaults(func=run)
 
 
@@ -37,14 +52,41 @@ def run(args: argparse.Namespace) -> int:
     from specdec import eventloop
     from specdec.bench.overhead import measure, report
 
+    if args.end_to_end:
+        return _end_to_end(args)
     if args.wire:
         from specdec.bench.wire import run as wire
 
         threads = args.threads or 2
         torch.set_num_threads(threads)
-        print(wire(args.num_draft_tokens, args.acceptance, args.reps, args.target, args.dtype, threads))
+        print(wire(args.num_draft_tokens, args.acceptance, args.reps, args.target, args.dtype or "bfloat16", threads))
         return 0
     torch.set_num_threads(args.threads or 1)
     figures = eventloop.run(measure(args.reps, args.num_draft_tokens))
     print(report(figures, args.reps))
+    return 0
+
+
+def _end_to_end(args: argparse.Namespace) -> int:
+    import sys
+
+    from specdec.bench.tracing_cost import load_pair, measure, report
+    from specdec.errors import SpecdecError
+
+    if bool(args.draft) != bool(args.target):
+        print("specd: error: --end-to-end takes both --draft and --target, or neither (the tiny pair)",
+              file=sys.stderr)
+        return 1
+    if args.requests < 1 or args.tokens < 1:
+        print("specd: error: --requests and --tokens must be at least 1", file=sys.stderr)
+        return 1
+    try:
+        target, draft, tokenizer, prompts = load_pair(args.target, args.draft, args.dtype or "auto",
+                                                      args.threads or 0, args.device)
+    except (SpecdecError, ValueError, OSError) as error:
+        print(f"specd: error: {error}", file=sys.stderr)
+        return 1
+    pair = f"{args.draft} -> {args.target}" if args.target else "tiny pair (specdec.bench.tiny_pair, float32)"
+    print(report(measure(target, draft, tokenizer, prompts, pair=pair, requests=args.requests, tokens=args.tokens,
+                         num_draft_tokens=args.num_draft_tokens)))
     return 0
