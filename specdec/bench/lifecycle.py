@@ -12,7 +12,8 @@ benchmarks/engine_figures.py):
   context;
 - KV bytes per token (the engine's KV geometry);
 - a batched forward of B sessions of mixed lengths (50-300 tokens), n new
-  tokens each, vs the same items one by one; median of `repeat` runs each.
+  tokens each, vs the same items one by one; median of max(2, repeat // 2)
+  runs each, the two interleaved.
 """
 from __future__ import annotations
 
@@ -115,12 +116,14 @@ def batch_cost(engine, sessions: int, tokens: int, repeat: int) -> BatchCost:
         items = [ExtendItem(s.id, n, [7] * tokens, tokens) for s, n in zip(opened, lengths)]
         sync = _sync_of(engine)
         engine.extend(items)  # warm the batched shape
-        batched = _median_s(lambda: engine.extend(items), repeat, sync)
-        alone = _median_s(lambda: [engine.extend([it]) for it in items], repeat, sync)
+        batched, alone = [], []
+        for _ in range(repeat):  # interleaved, so a machine whose load drifts moves both alike
+            batched.append(_median_s(lambda: engine.extend(items), 1, sync))
+            alone.append(_median_s(lambda: [engine.extend([it]) for it in items], 1, sync))
     finally:
         for s in opened:
             engine.close(s.id)
-    return BatchCost(sessions, tokens, batched * 1000, alone * 1000)
+    return BatchCost(sessions, tokens, statistics.median(batched) * 1000, statistics.median(alone) * 1000)
 
 
 def measure(engine, *, load_s: float, context: int = 200, batches=(1, 4, 16), tokens: int = 5,
