@@ -30,3 +30,22 @@ def test_specd_overhead_end_to_end_counts_spans_of_the_traced_system_only(tmp_pa
 def test_specd_overhead_end_to_end_wants_both_models_or_neither(capsys):
     assert main(["overhead", "--end-to-end", "--draft", "qwen2.5-coder-0.5b-instruct"]) == 1
     assert "both --draft and --target" in capsys.readouterr().err
+
+
+def test_the_random_pair_is_the_tests_tiny_random_pair():
+    """--random-pair reproduces the former script's pair: the tests' tiny target
+    (init_range 0.3) and its perturbed copy, neither with an EOS."""
+    import torch
+
+    from specdec.bench.tracing_cost import random_pair
+    from tests.conftest import tiny_model
+    from tests.test_orchestrator import perturbed
+
+    target, draft, tokenizer, prompts = random_pair()
+    want_target = tiny_model(seed=0, init_range=0.3)
+    want_draft = perturbed(want_target, 0.15, seed=1)
+    for engine, want in ((target, want_target), (draft, want_draft)):
+        got = dict(engine.model.named_parameters())
+        assert all(torch.equal(got[name], p) for name, p in want.named_parameters())
+        assert engine.info.eos_token_ids == ()
+    assert tokenizer is None and len(prompts) == 64 and prompts[1] == [3 + (7 + j * j) % 120 for j in range(9)]

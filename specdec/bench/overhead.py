@@ -50,21 +50,26 @@ DEADLINE_S = 60.0
 BARE_SERVICE = "specdec.bench.Bare"
 
 
-def tiny_engine(vocab_size: int = 128, seed: int = 0, arch: str = "llama"):
-    """A 2-layer random Llama (or Qwen2) in float32: steps of about a millisecond."""
+def tiny_model(vocab_size: int = 128, seed: int = 0, arch: str = "llama"):
+    """A 2-layer random Llama (or Qwen2) in float32 (the tests' tiny model at init_range 0.3)."""
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
-
-    from specdec.engine.config import EngineConfig
-    from specdec.engine.engine import ModelEngine
 
     torch.manual_seed(seed)
     common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                   initializer_range=0.3, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     config = Qwen2Config(**common) if arch == "qwen2" else LlamaConfig(**common)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa").eval()
-    name = f"tiny-v{vocab_size}" if arch == "llama" else f"tiny-{arch}-v{vocab_size}"
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa").eval()
+
+
+def tiny_engine(vocab_size: int = 128, seed: int = 0, arch: str = "llama", model=None, name: str = ""):
+    """An engine over `tiny_model` (or `model`): steps of about a millisecond."""
+    from specdec.engine.config import EngineConfig
+    from specdec.engine.engine import ModelEngine
+
+    model = model if model is not None else tiny_model(vocab_size, seed, arch)
+    name = name or (f"tiny-v{vocab_size}" if arch == "llama" else f"tiny-{arch}-v{vocab_size}")
     return ModelEngine(model, EngineConfig(dtype="float32", max_kv_bytes=1 << 28), name=name)
 
 

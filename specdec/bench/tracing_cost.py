@@ -12,8 +12,10 @@ Reported: the median tokens/s of each (client-side wall time), the overhead,
 and spans per generated token counted from the trace file.
 
 Default pair: the tiny pair of `specdec.bench.tiny_pair` (float32, no EOS, so
-every request runs to its max_tokens; token-id prompts). With a target and a
-draft named: models from the cache, HumanEval prompts through the tokenizer.
+every request runs to its max_tokens; token-id prompts); `random_pair()` is
+the former script's default (the tests' 2-layer random pair). With a target
+and a draft named: models from the cache, HumanEval prompts through the
+tokenizer.
 """
 from __future__ import annotations
 
@@ -174,6 +176,31 @@ def report(c: TracingCost) -> str:
               f"one span (start + end, 3 attributes, best of 5): {c.span_us_on:.1f} µs traced, "
               f"{c.span_us_off * 1000:.0f} ns with tracing off"]
     return "\n".join(lines)
+
+
+def random_pair():
+    """The former script's default pair (the tests' tiny random pair): a
+    2-layer random target (`overhead.tiny_model`, seed 0, vocab 128) and a
+    draft that is the target plus noise (0.15 of each tensor's std, seed 1),
+    their EOS disabled so every request runs to its max_tokens."""
+    import copy
+
+    import torch
+
+    from specdec.bench.overhead import tiny_engine, tiny_model
+
+    target = tiny_model(seed=0)
+    draft = copy.deepcopy(target)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.15 * p.std())
+    for model in (target, draft):
+        model.config.eos_token_id = None
+        model.generation_config.eos_token_id = None
+    prompts = [[3 + (7 * i + j * j) % 120 for j in range(8 + i % 9)] for i in range(64)]
+    return (tiny_engine(model=target, name="tiny-random-target"), tiny_engine(model=draft, name="tiny-random-draft"),
+            None, prompts)
 
 
 def load_pair(target: str = "", draft: str = "", dtype: str = "auto", threads: int = 0, device: str = "cpu"):

@@ -7,7 +7,7 @@ two whole systems with tracing on and off, and spans per generated token
 
     specd overhead --reps 200 --num-draft-tokens 4
     specd overhead --wire [--target qwen2.5-coder-1.5b-instruct]
-    specd overhead --end-to-end [--requests 30 --tokens 64]
+    specd overhead --end-to-end [--requests 30 --tokens 64] [--random-pair]
     specd overhead --end-to-end --draft qwen2.5-coder-0.5b-instruct --target qwen2.5-coder-1.5b-instruct \
         --requests 6 --tokens 48 --threads 2
 """
@@ -42,6 +42,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     e2e.add_argument("--requests", type=int, default=30, help="requests per mode (default 30)")
     e2e.add_argument("--tokens", type=int, default=64, help="max_tokens of each request (default 64)")
     e2e.add_argument("--draft", default="", help="draft model (with --target; default: the tiny pair)")
+    e2e.add_argument("--random-pair", action="store_true",
+                     help="instead of the tiny pair, the tests' 2-layer random target and a perturbed copy as draft "
+                     "(the pair of the former benchmarks/tracing_overhead.py)")
     e2e.add_argument("--device", default="cpu", help="device of --draft/--target (default cpu)")
     p.set_defaults(func=run)
 
@@ -70,23 +73,32 @@ def run(args: argparse.Namespace) -> int:
 def _end_to_end(args: argparse.Namespace) -> int:
     import sys
 
-    from specdec.bench.tracing_cost import load_pair, measure, report
+    from specdec.bench.tracing_cost import load_pair, measure, random_pair, report
     from specdec.errors import SpecdecError
 
-    if bool(args.draft) != bool(args.target):
-        print("specd: error: --end-to-end takes both --draft and --target, or neither (the tiny pair)",
+    if bool(args.draft) != bool(args.target) or (args.random_pair and args.target):
+        print("specd: error: --end-to-end takes both --draft and --target, or neither (the tiny pair, "
+              "or --random-pair)",
               file=sys.stderr)
         return 1
     if args.requests < 1 or args.tokens < 1:
         print("specd: error: --requests and --tokens must be at least 1", file=sys.stderr)
         return 1
     try:
-        target, draft, tokenizer, prompts = load_pair(args.target, args.draft, args.dtype or "auto",
-                                                      args.threads or 0, args.device)
+        if args.random_pair:
+            if args.threads:
+                import torch
+
+                torch.set_num_threads(args.threads)
+            target, draft, tokenizer, prompts = random_pair()
+        else:
+            target, draft, tokenizer, prompts = load_pair(args.target, args.draft, args.dtype or "auto",
+                                                          args.threads or 0, args.device)
     except (SpecdecError, ValueError, OSError) as error:
         print(f"specd: error: {error}", file=sys.stderr)
         return 1
-    pair = f"{args.draft} -> {args.target}" if args.target else "tiny pair (specdec.bench.tiny_pair, float32)"
+    pair = (f"{args.draft} -> {args.target}" if args.target else "tiny random pair (2 layers, perturbed draft)"
+            if args.random_pair else "tiny pair (specdec.bench.tiny_pair, float32)")
     print(report(measure(target, draft, tokenizer, prompts, pair=pair, requests=args.requests, tokens=args.tokens,
                          num_draft_tokens=args.num_draft_tokens)))
     return 0
