@@ -77,9 +77,8 @@ def _end_to_end(args: argparse.Namespace) -> int:
     from specdec.errors import SpecdecError
 
     if bool(args.draft) != bool(args.target) or (args.random_pair and args.target):
-        print("specd: error: --end-to-end takes both --draft and --target, or neither (the tiny pair, "
-              "or --random-pair)",
-              file=sys.stderr)
+        print("specd: error: --end-to-end takes both --draft and --target, or neither (the tiny pair, or "
+              "--random-pair)", file=sys.stderr)
         return 1
     if args.requests < 1 or args.tokens < 1:
         print("specd: error: --requests and --tokens must be at least 1", file=sys.stderr)
