@@ -47,10 +47,12 @@ def test_specd_identity_on_the_tiny_pair_in_fp32(tmp_path, capsys):
 
     draft, target = ensure_tiny_pair(tmp_path)
     rc = main(["--log-level", "ERROR", "identity", "--target", str(target), "--draft", str(draft), "--dtype", "float32",
-               "--prompts", "2", "--max-tokens", "16", "--num-draft-tokens", "3", "--threads", "1"])
+               "--first-prompt", "1", "--prompts", "2", "--max-tokens", "16", "--num-draft-tokens", "3",
+               "--threads", "1"])
     out = capsys.readouterr().out
     assert rc == 0
-    assert "prompt 0: identical (16 tokens)" in out and "identical: 2/2 (float32, k=3)" in out
+    assert "prompt 1: identical (16 tokens)" in out and "prompt 2: identical (16 tokens)" in out
+    assert "prompt 0" not in out and "identical: 2/2 (float32, k=3)" in out
 
 
 def test_specd_identity_refuses_an_unknown_model(capsys):

@@ -120,9 +120,9 @@ def first_difference(ref: list[int], ref_rows: list[torch.Tensor], spec: list[in
     return Difference(t, ref[t], spec[t], TopTwo.of(a), TopTwo.of(b), float((a - b).abs().max()))
 
 
-def diagnose(target, draft, prompts: list[list[int]], max_tokens: int, k: int):
-    """Yields a PromptResult per prompt, as each is done."""
-    for i, prompt in enumerate(prompts):
+def diagnose(target, draft, prompts: list[list[int]], max_tokens: int, k: int, first_index: int = 0):
+    """Yields a PromptResult per prompt, as each is done (numbered from first_index)."""
+    for i, prompt in enumerate(prompts, start=first_index):
         ref, ref_rows = target_only(target, prompt, max_tokens)
         spec, spec_rows = speculative(target, draft, prompt, max_tokens, k)
         yield PromptResult(i, len(ref), first_difference(ref, ref_rows, spec, spec_rows))

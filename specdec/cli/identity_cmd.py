@@ -4,6 +4,7 @@ with the target's top-2 logits under each path at the first difference
 
     specd identity --prompts 10 --max-tokens 128 --dtype bfloat16 --num-draft-tokens 3
     specd identity --prompts 10 --max-tokens 128 --dtype float32 --num-draft-tokens 3
+    specd identity --first-prompt 4 --prompts 1 --max-tokens 48    # one prompt of the ten
 
 HumanEval prompts through the target's tokenizer; a target without one (the
 tiny pair of `specdec.bench.tiny_pair`) gets that pair's token-id prompts.
@@ -24,6 +25,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                        "speculative greedy (k drafts scored in one target forward). At the first differing token, "
                        "print the target's top-2 logits under each path and how far the two paths' logits differ.")
     p.add_argument("--prompts", type=int, default=10, help="number of prompts (default 10)")
+    p.add_argument("--first-prompt", type=int, default=0, help="index of the first prompt (default 0)")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens generated per prompt (default 128)")
     p.add_argument("--dtype", default="bfloat16", choices=("auto", "bfloat16", "float16", "float32"))
     p.add_argument("--num-draft-tokens", type=int, default=3, help="tokens drafted per round (default 3)")
@@ -34,14 +36,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _prompts(target, n: int) -> list[list[int]]:
+def _prompts(target, first: int, n: int) -> list[list[int]]:
     if target.tokenizer is None:
         from specdec.bench.tiny_pair import tiny_prompts
 
-        return tiny_prompts(n)
+        return tiny_prompts(first + n)[first:]
     from specdec.bench.prompts import humaneval_prompts
 
-    return [target.tokenizer(text)["input_ids"] for text in humaneval_prompts(n)]
+    return [target.tokenizer(text)["input_ids"] for text in humaneval_prompts(first + n)[first:]]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -50,8 +52,9 @@ def run(args: argparse.Namespace) -> int:
     from specdec.engine.engine import ModelEngine
     from specdec.errors import SpecdecError
 
-    if args.prompts < 1 or args.max_tokens < 1 or args.num_draft_tokens < 1:
-        print("specd: error: --prompts, --max-tokens and --num-draft-tokens must be at least 1", file=sys.stderr)
+    if args.prompts < 1 or args.max_tokens < 1 or args.num_draft_tokens < 1 or args.first_prompt < 0:
+        print("specd: error: --prompts, --max-tokens and --num-draft-tokens must be at least 1, --first-prompt "
+              "at least 0", file=sys.stderr)
         return EXIT_ERROR
     engines = []
     for model in (args.target, args.draft):
@@ -63,9 +66,12 @@ def run(args: argparse.Namespace) -> int:
             return EXIT_ERROR
     target, draft = engines
     try:
-        prompts = _prompts(target, args.prompts)
+        prompts = _prompts(target, args.first_prompt, args.prompts)
         identical = 0
-        for result in diagnose(target, draft, prompts, args.max_tokens, args.num_draft_tokens):
+        if not prompts:
+            print(f"specd: error: no prompts from index {args.first_prompt}", file=sys.stderr)
+            return EXIT_ERROR
+        for result in diagnose(target, draft, prompts, args.max_tokens, args.num_draft_tokens, args.first_prompt):
             identical += result.identical
             print(describe(result), flush=True)
     except SpecdecError as error:
