@@ -28,3 +28,8 @@ def test_specd_steps_on_a_synthetic_model(tmp_path, capsys):
 
 def test_specd_steps_refuses_an_unknown_model(tmp_path):
     assert main(["steps", "no-such-model", "--out", str(tmp_path)]) == 1
+
+
+def test_specd_steps_lifecycle_refuses_a_rollback_context_too_short(tmp_path, capsys):
+    assert main(["steps", "synth:tiny", "--lifecycle", "--rollback-contexts", "8", "64", "--out", str(tmp_path)]) == 1
+    assert "--rollback-contexts must be at least 16" in capsys.readouterr().err

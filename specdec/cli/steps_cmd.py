@@ -55,6 +55,9 @@ def run(args: argparse.Namespace) -> int:
     from specdec.engine.engine import ModelEngine
     from specdec.errors import SpecdecError
 
+    if args.lifecycle and min(args.rollback_contexts) < 16:
+        print("specd: error: --rollback-contexts must be at least 16", file=sys.stderr)
+        return EXIT_ERROR
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     costs, lives = [], []
@@ -80,9 +83,13 @@ def run(args: argparse.Namespace) -> int:
             costs += measure(engine, ks=args.num_draft_tokens, batches=args.batches, context=args.context,
                              repeat=args.repeat, bandwidth=bandwidth)
             if args.lifecycle:
-                lives.append(lifecycle.measure(engine, load_s=load_s, context=args.context, batches=args.batches,
-                                               tokens=args.num_draft_tokens[0] + 1,
-                                               rollback_contexts=args.rollback_contexts, repeat=args.repeat))
+                try:
+                    lives.append(lifecycle.measure(engine, load_s=load_s, context=args.context, batches=args.batches,
+                                                   tokens=args.num_draft_tokens[0] + 1,
+                                                   rollback_contexts=args.rollback_contexts, repeat=args.repeat))
+                except SpecdecError as error:  # e.g. a rollback context beyond what the model holds
+                    print(f"specd: error: {model}: {error}", file=sys.stderr)
+                    return EXIT_ERROR
             del engine
     table = markdown(costs)
     print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s\n{table}")
