@@ -121,12 +121,15 @@ class Stack:
             await client.aclose()
 
 
-def start_stack(bg: eventloop.BackgroundLoop, tracing: bool, trace_dir: Path) -> Stack:
+def start_stack(bg: eventloop.BackgroundLoop, tracing: bool, trace_dir: Path, tls=None) -> Stack:
+    """`tls`: a LocalTls, whose certificates then secure both services with
+    mutual TLS and the clients' channels with the orchestrator's certificate."""
     from draft_service.drafters import ModelDrafter
     from draft_service.server import start_draft_service
     from orchestrator.downstream import DraftClient, TargetClient, channel_to
     from specdec.rpc.model_service import SessionLimits
     from specdec.rpc.serving import ServerConfig
+    from specdec.security.tls import ClientTls
     from specdec.telemetry import TelemetrySettings, setup_telemetry
     from target_service.server import start_target_service
     from target_service.verifier import Verifier
@@ -139,13 +142,31 @@ def start_stack(bg: eventloop.BackgroundLoop, tracing: bool, trace_dir: Path) ->
     verifier = Verifier(tiny_engine(seed=0), limits.max_draft_tokens, limits.max_verify_batch)
     drafter = ModelDrafter(tiny_engine(seed=1), limits.max_draft_tokens)
     cfg = ServerConfig(host="127.0.0.1", port=0)
-    target = bg.run(start_target_service(cfg, limits, lambda: verifier, telemetry=telemetry("target")))
-    draft = bg.run(start_draft_service(cfg, limits, lambda: drafter, telemetry=telemetry("draft")))
+    target = bg.run(start_target_service(cfg, limits, lambda: verifier, telemetry=telemetry("target"),
+                                         tls=_service_tls(tls, "target")))
+    draft = bg.run(start_draft_service(cfg, limits, lambda: drafter, telemetry=telemetry("draft"),
+                                       tls=_service_tls(tls, "draft")))
     target_at, draft_at = f"127.0.0.1:{target.port}", f"127.0.0.1:{draft.port}"
-    return Stack(target, draft, verifier, drafter, TargetClient(channel_to(target_at)),
-                 DraftClient(channel_to(draft_at)), telemetry("orchestrator"),
-                 TargetClient(channel_to(target_at), call_streams=False),
-                 DraftClient(channel_to(draft_at), call_streams=False))
+
+    def channel(address: str):
+        if tls is None:
+            return channel_to(address)
+        own = tls.files["orchestrator"]
+        return channel_to(address, credentials=ClientTls(own.ca, own.cert, own.key).channel_credentials())
+
+    return Stack(target, draft, verifier, drafter, TargetClient(channel(target_at)),
+                 DraftClient(channel(draft_at)), telemetry("orchestrator"),
+                 TargetClient(channel(target_at), call_streams=False),
+                 DraftClient(channel(draft_at), call_streams=False))
+
+
+def _service_tls(tls, role: str):
+    from specdec.security.tls import TlsConfig
+
+    if tls is None:
+        return None
+    own = tls.files[role]
+    return TlsConfig(tls_cert=own.cert, tls_key=own.key, tls_ca=own.ca)
 
 
 # ------------------------------------------------------------ the measurement
@@ -227,6 +248,8 @@ async def round_calls(stack: Stack, sampling: str, k: int, prefix: str) -> dict[
 
     rounds = {f"{prefix} {sampling} round": remote_round(stack.draft_client, stack.target_client),
               f"{prefix} {sampling} compute": local_round}
+    if prefix == "tls":
+        del rounds[f"{prefix} {sampling} compute"]
     if prefix == "plain":
         rounds[f"unary {sampling} round"] = remote_round(stack.unary_draft_client, stack.unary_target_client)
     return rounds
@@ -282,7 +305,8 @@ class Figures:
         return self.medians[f"{prefix} {sampling} round"] - self.medians[f"{prefix} {sampling} compute"]
 
 
-async def measure(reps: int, k: int) -> Figures:
+async def measure(reps: int, k: int, tls: bool = False) -> Figures:
+    """`tls`: also the rounds over mutual TLS (tracing off), as `tls <sampling> round`."""
     bg = BackgroundLoop()
     stacks: list[Stack] = []
     with tempfile.TemporaryDirectory() as trace_dir:
@@ -302,6 +326,13 @@ async def measure(reps: int, k: int) -> Figures:
                     calls |= await round_calls(stack, sampling, k, prefix)
                 stacks.append(start_stack(bg, tracing, Path(trace_dir)))
                 noops |= await noop_call(stacks[-1], prefix)
+            if tls:
+                from specdec.security.local_ca import LocalTls
+
+                certificates = LocalTls.create(Path(trace_dir) / "tls")
+                for sampling in ("greedy", "T=0.7"):
+                    stacks.append(start_stack(bg, False, Path(trace_dir), tls=certificates))
+                    calls |= await round_calls(stacks[-1], sampling, k, "tls")
             # Two phases, each with the bare calls interleaved: the no-ops
             # against the bare calls alone (interleaved with rounds, whose
             # compute churns the caches and the scheduler, a no-op measured
@@ -351,6 +382,11 @@ def report(fig: Figures, reps: int) -> str:
         rows.append((f"round overhead, {sampling}, k={fig.k}, tracing on", traced, f"{traced / unary:.2f}x",
                      "<= 1.0 ms"))
         rows.append((f"tracing cost per round, {sampling}", traced - plain, f"{(traced - plain) / unary:.2f}x", ""))
+        if f"tls {sampling} round{OUTSIDE}" in m:
+            secured = fig.round_overhead("tls", sampling)
+            rows.append((f"round overhead, {sampling}, k={fig.k}, mutual TLS, tracing off", secured,
+                         f"{secured / unary:.2f}x", ""))
+            rows.append((f"TLS cost per round, {sampling}", secured - plain, f"{(secured - plain) / unary:.2f}x", ""))
     lines = [f"Loopback, plaintext, tiny models, {eventloop.loop_name()} event loops; median of {reps}, "
              "calls interleaved.", "",
              "| figure | ms | / bare unary | goal |", "|---|---|---|---|"]
