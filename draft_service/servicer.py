@@ -25,7 +25,7 @@ class DraftServicer(SessionServicer, draft_pb2_grpc.DraftServiceServicer):
 
     @grpc_errors.stream
     async def Propose(self, request, context):
-        with self._span(request, context) as span:
+        with self._span(request, context.invocation_metadata()) as span:
             self.steps.note_caller(request.session_id)
             stream = await self._start(request)
             sent = 0
@@ -39,19 +39,28 @@ class DraftServicer(SessionServicer, draft_pb2_grpc.DraftServiceServicer):
 
     @grpc_errors.unary
     async def ProposeAll(self, request, context):
+        return await self._propose_all(request, context.invocation_metadata())
+
+    @grpc_errors.unary
+    async def ProposeAllStream(self, calls, context):
+        """ProposeAll calls as messages on one long-lived stream (specdec.rpc.call_stream)."""
+        await self.call_streams.serve(calls, context, self._propose_all, draft_pb2.ProposeAllReply,
+                                      "DraftServicer.ProposeAll")
+
+    async def _propose_all(self, request, metadata):
         """Propose answered in one message: one message on the wire instead
         of k, and the k steps back to back in one engine-thread job when no
         other stream shares them (`DraftStepBatcher.collect`)."""
         request = request.propose
-        with self._span(request, context) as span:
+        with self._span(request, metadata) as span:
             drafts = await self.steps.start_and_collect(functools.partial(_validate, self.backend, request),
                                                         request.session_id)
             span.set_attribute(A_TOKENS, len(drafts))
         return draft_pb2.ProposeAllResponse(drafts=[_to_wire(draft, seconds) for draft, seconds in drafts])
 
-    def _span(self, request, context):
+    def _span(self, request, metadata):
         attributes = {A_K: request.num_draft_tokens, A_APPENDED: len(request.append_token_ids)}
-        return self.telemetry.server_span(SPAN_PROPOSE, context.invocation_metadata(), attributes)
+        return self.telemetry.server_span(SPAN_PROPOSE, metadata, attributes)
 
     async def _start(self, request):
         """The call's DraftStream, validated on the engine thread."""

@@ -25,6 +25,8 @@ class OrchestratorConfig:
                                        "drafting ahead happens when its expected saving is larger")
     pipeline_always: bool = opt(False, "pipelining: draft ahead in every round instead of when it is expected "
                                        "to pay (for measurements and tests)")
+    call_streams: bool = opt(True, "send each round's ProposeAll and Verify as a message on one long-lived stream "
+                                   "per service instead of as a unary call (unary against a service without them)")
     batching: bool = opt(True, "batch verification across concurrent requests")
     max_batch: int = opt(16, "verify items per Verify RPC at most")
     max_batches_in_flight: int = opt(1, "Verify batches on their way to one target replica at once; more wait and "

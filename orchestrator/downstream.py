@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import grpc
 
 from specdec.errors import Unavailable
+from specdec.rpc.call_stream import CallStream
 from specdec.rpc.grpc_tracing import trace_metadata
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
@@ -39,6 +40,15 @@ class ModelClient:
         self.name = name
         self.info: common_pb2.ModelInfo | None = None
 
+    async def aclose(self) -> None:
+        """End the call streams, then close the channel."""
+        for calls in self._call_streams():
+            await calls.close()
+        await self.channel.close()
+
+    def _call_streams(self) -> list[CallStream]:
+        return []
+
     async def fetch_info(self, timeout: float) -> common_pb2.ModelInfo:
         reply = await self.stub.GetModelInfo(common_pb2.GetModelInfoRequest(), timeout=timeout)
         self.info = reply.info
@@ -57,8 +67,16 @@ class ModelClient:
 
 
 class DraftClient(ModelClient):
-    def __init__(self, channel: grpc.aio.Channel):
+    """`call_streams`: ProposeAll calls go as messages on one long-lived
+    stream (specdec/rpc/call_stream.py), not as unary calls."""
+
+    def __init__(self, channel: grpc.aio.Channel, call_streams: bool = True):
         super().__init__(channel, draft_pb2_grpc.DraftServiceStub(channel), "draft")
+        self.propose_all = CallStream(self.stub.ProposeAllStream, self.stub.ProposeAll, draft_pb2.ProposeAllCall,
+                                      "draft", enabled=call_streams)
+
+    def _call_streams(self) -> list[CallStream]:
+        return [self.propose_all]
 
     async def propose(self, session_id: str, keep_length: int, append: list[int], k: int, timeout: float,
                       first: asyncio.Future | None = None) -> tuple[list[draft_pb2.ProposeResponse], CallCost]:
@@ -69,8 +87,7 @@ class DraftClient(ModelClient):
                                            append_token_ids=append, num_draft_tokens=k)
         start = time.perf_counter()
         if first is None:  # nothing wants a token early: one message, not a stream of k
-            reply = await self.stub.ProposeAll(draft_pb2.ProposeAllRequest(propose=request), timeout=timeout,
-                                               metadata=trace_metadata())
+            reply = await self.propose_all(draft_pb2.ProposeAllRequest(propose=request), timeout)
             return list(reply.drafts), CallCost(time.perf_counter() - start, request.ByteSize() + reply.ByteSize())
         drafts = []
         try:
@@ -86,14 +103,22 @@ class DraftClient(ModelClient):
 
 
 class TargetClient(ModelClient):
-    def __init__(self, channel: grpc.aio.Channel):
+    """`call_streams`: Verify calls go as messages on one long-lived stream
+    (specdec/rpc/call_stream.py), not as unary calls."""
+
+    def __init__(self, channel: grpc.aio.Channel, call_streams: bool = True):
         super().__init__(channel, target_pb2_grpc.TargetServiceStub(channel), "target")
+        self.verify_calls = CallStream(self.stub.VerifyStream, self.stub.Verify, target_pb2.VerifyCall, "target",
+                                       enabled=call_streams)
+
+    def _call_streams(self) -> list[CallStream]:
+        return [self.verify_calls]
 
     async def verify(self, items: list[target_pb2.VerifyItem],
                      timeout: float) -> tuple[target_pb2.VerifyResponse, int]:
         """The reply and the request's size in bytes (for the wire statistics)."""
         request = target_pb2.VerifyRequest(items=items)
-        reply = await self.stub.Verify(request, timeout=timeout, metadata=trace_metadata())
+        reply = await self.verify_calls(request, timeout)
         return reply, request.ByteSize()
 
 

@@ -145,7 +145,7 @@ async def build_backends(cfg: OrchestratorConfig, tokenizer=None, telemetry: Tel
     # The clients put the trace context on each call themselves (no interceptors: they cost a call's worth).
 
     async def make_target(address: str) -> Replica:
-        client = TargetClient(dial.channel(cfg.target, address))
+        client = TargetClient(dial.channel(cfg.target, address), call_streams=cfg.call_streams)
         await _wait_for_info(client, cfg.connect_timeout_s)
         batcher = VerifyBatcher(client, max_batch=min(cfg.max_batch, client.info.max_verify_batch or cfg.max_batch),
                                 window_s=cfg.batch_window_ms / 1000, rpc_timeout_s=cfg.rpc_timeout_s,
@@ -154,12 +154,12 @@ async def build_backends(cfg: OrchestratorConfig, tokenizer=None, telemetry: Tel
         return Replica(address, client, batcher)
 
     async def make_draft(address: str) -> Replica:
-        client = DraftClient(dial.channel(cfg.draft, address))
+        client = DraftClient(dial.channel(cfg.draft, address), call_streams=cfg.call_streams)
         await _wait_for_info(client, cfg.connect_timeout_s)
         return Replica(address, client)
 
     async def close(replica: Replica) -> None:
-        await replica.client.channel.close()
+        await replica.client.aclose()
 
     targets = ReplicaPool(cfg.target, make_target, close, refresh_s=cfg.resolve_interval_s)
     await targets.refresh()

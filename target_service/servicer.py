@@ -14,10 +14,17 @@ from target_service.verifier import VerifyRequestItem
 class TargetServicer(SessionServicer, target_pb2_grpc.TargetServiceServicer):
     @grpc_errors.unary
     async def Verify(self, request, context):
+        return await self._verify(request, context.invocation_metadata())
+
+    @grpc_errors.unary
+    async def VerifyStream(self, calls, context):
+        """Verify calls as messages on one long-lived stream (specdec.rpc.call_stream)."""
+        await self.call_streams.serve(calls, context, self._verify, target_pb2.VerifyReply, "TargetServicer.Verify")
+
+    async def _verify(self, request, metadata):
         """One batched call serves several requests: its span is a child of
         the orchestrator's `verify.batch` span, which links the requests."""
-        with self.telemetry.server_span(SPAN_VERIFY, context.invocation_metadata(),
-                                        {A_BATCH_ITEMS: len(request.items)}) as span:
+        with self.telemetry.server_span(SPAN_VERIFY, metadata, {A_BATCH_ITEMS: len(request.items)}) as span:
             items = [
                 VerifyRequestItem(
                     session_id=it.session_id,

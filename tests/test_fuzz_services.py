@@ -47,6 +47,11 @@ def test_fuzzed_messages_break_nothing(fuzzed, service):
     refused = statuses["400" if service == "http" else "INVALID_ARGUMENT"]
     # The fuzz reached past the first checks: calls succeeded and calls were refused.
     assert ok > wanted // 10 and refused > wanted // 20, tally.report()
+    # The calls of a round went both as unary calls and on the call streams.
+    on_stream = {"target": "VerifyStream", "draft": "ProposeAllStream", "ngram": "ProposeAllStream"}.get(service)
+    if on_stream:
+        sent = {rpc for (_, rpc, _) in tally.counts}
+        assert {on_stream, on_stream.removesuffix("Stream")} <= sent, sent
 
 
 # ------------------------------------------------------- the oracles themselves

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from orchestrator.downstream import open_request
-from specdec.bench.overhead import BackgroundLoop, interleave, start_stack
+from specdec import eventloop
+from specdec.bench.overhead import BackgroundLoop, interleave, measure, report, start_stack
 from specdec.v1 import draft_pb2
 
 T = 30.0
@@ -41,8 +42,7 @@ def test_propose_all_equals_the_stream_and_measures_itself(tmp_path: Path, tempe
             medians = await interleave({"noop": lambda: None}, reps=3, warmup=1)
             assert set(medians) == {"noop"}
         finally:
-            await stack.draft_client.channel.close()
-            await stack.target_client.channel.close()
+            await stack.close_clients()
             bg.run(stack.draft.stop(0))
             bg.run(stack.target.stop(0))
             bg.stop()
@@ -71,3 +71,18 @@ def test_specd_overhead_wire_prints_bytes_per_token_and_verify_throughput(capsys
     assert int(sampled[6]) > int(greedy[6]) > 0  # the round's bytes: q costs bytes
     assert "**" in greedy[-1] and "Verify throughput through the server" in out
     assert [line.split(" | ")[1] for line in out.splitlines() if line.startswith("| tiny (fp32)")] == ["1", "4", "16"]
+
+
+def test_specd_overhead_measures_every_figure_it_prints():
+    """A tiny run of the whole measurement (2 reps): every row it prints,
+    the call-stream round beside the unary one and the mutual-TLS round,
+    has a positive wall time behind it."""
+    figures = eventloop.run(measure(reps=2, k=2, tls=True))
+    m = figures.medians
+    for sampling in ("greedy", "T=0.7"):
+        for prefix in ("plain", "traced", "unary", "tls"):
+            assert m[f"{prefix} {sampling} round"] > 0
+            assert f"{prefix} {sampling} round outside compute" in m
+    text = report(figures, reps=2)
+    for row in ("two unary calls", "the unary calls)", "mutual TLS", "TLS cost per round", "bare message each way"):
+        assert row in text, row

@@ -18,7 +18,10 @@ machine that slows down during the run moves all of them alike:
   services that serve nothing else, as the bare echo server does.
 - round overhead: Verify (k drafts) + Propose (k) through the services,
   minus the compute the services reported for that very round (their engine
-  jobs, timed where they ran), median over rounds; greedy and T=0.7. Beside
+  jobs, timed where they ran), median over rounds; greedy and T=0.7. The
+  calls go as the orchestrator sends them, as messages on the services'
+  long-lived call streams (specdec/rpc/call_stream.py); the same round as
+  two unary calls (`--no-call-streams`) is measured beside it. Beside
   it, the round minus the same `Verifier.verify` and drafter calls run
   in-process (which also counts what the compute loses to running inside a
   server).
@@ -115,14 +118,23 @@ class Stack:
     target_client: object
     draft_client: object
     telemetry: object
+    unary_target_client: object  # the same calls as unary calls, not on call streams
+    unary_draft_client: object
+
+    async def close_clients(self) -> None:
+        for client in (self.target_client, self.draft_client, self.unary_target_client, self.unary_draft_client):
+            await client.aclose()
 
 
-def start_stack(bg: eventloop.BackgroundLoop, tracing: bool, trace_dir: Path) -> Stack:
+def start_stack(bg: eventloop.BackgroundLoop, tracing: bool, trace_dir: Path, tls=None) -> Stack:
+    """`tls`: a LocalTls, whose certificates then secure both services with
+    mutual TLS and the clients' channels with the orchestrator's certificate."""
     from draft_service.drafters import ModelDrafter
     from draft_service.server import start_draft_service
     from orchestrator.downstream import DraftClient, TargetClient, channel_to
     from specdec.rpc.model_service import SessionLimits
     from specdec.rpc.serving import ServerConfig
+    from specdec.security.tls import ClientTls
     from specdec.telemetry import TelemetrySettings, setup_telemetry
     from target_service.server import start_target_service
     from target_service.verifier import Verifier
@@ -135,10 +147,31 @@ def start_stack(bg: eventloop.BackgroundLoop, tracing: bool, trace_dir: Path) ->
     verifier = Verifier(tiny_engine(seed=0), limits.max_draft_tokens, limits.max_verify_batch)
     drafter = ModelDrafter(tiny_engine(seed=1), limits.max_draft_tokens)
     cfg = ServerConfig(host="127.0.0.1", port=0)
-    target = bg.run(start_target_service(cfg, limits, lambda: verifier, telemetry=telemetry("target")))
-    draft = bg.run(start_draft_service(cfg, limits, lambda: drafter, telemetry=telemetry("draft")))
-    return Stack(target, draft, verifier, drafter, TargetClient(channel_to(f"127.0.0.1:{target.port}")),
-                 DraftClient(channel_to(f"127.0.0.1:{draft.port}")), telemetry("orchestrator"))
+    target = bg.run(start_target_service(cfg, limits, lambda: verifier, telemetry=telemetry("target"),
+                                         tls=_service_tls(tls, "target")))
+    draft = bg.run(start_draft_service(cfg, limits, lambda: drafter, telemetry=telemetry("draft"),
+                                       tls=_service_tls(tls, "draft")))
+    target_at, draft_at = f"127.0.0.1:{target.port}", f"127.0.0.1:{draft.port}"
+
+    def channel(address: str):
+        if tls is None:
+            return channel_to(address)
+        own = tls.files["orchestrator"]
+        return channel_to(address, credentials=ClientTls(own.ca, own.cert, own.key).channel_credentials())
+
+    return Stack(target, draft, verifier, drafter, TargetClient(channel(target_at)),
+                 DraftClient(channel(draft_at)), telemetry("orchestrator"),
+                 TargetClient(channel(target_at), call_streams=False),
+                 DraftClient(channel(draft_at), call_streams=False))
+
+
+def _service_tls(tls, role: str):
+    from specdec.security.tls import TlsConfig
+
+    if tls is None:
+        return None
+    own = tls.files[role]
+    return TlsConfig(tls_cert=own.cert, tls_key=own.key, tls_ca=own.ca)
 
 
 # ------------------------------------------------------------ the measurement
@@ -203,19 +236,28 @@ async def round_calls(stack: Stack, sampling: str, k: int, prefix: str) -> dict[
     core_item = VerifyRequestItem(t_sid, n, [], drafts, qs)
     span = stack.telemetry.span if stack.telemetry.tracing else (lambda *a, **kw: nullcontext())
 
-    async def remote_round():
-        with span(SPAN_ROUND):
-            with span(SPAN_DRAFT_PROPOSE):
-                drafts, _ = await stack.draft_client.propose(d_sid, n, [], k, DEADLINE_S)
-            with span(SPAN_TARGET_VERIFY):
-                reply, _ = await stack.target_client.verify([item], DEADLINE_S)
-        return ReportedCompute((sum(d.compute_micros for d in drafts) + reply.compute_micros) / 1e6)
+    def remote_round(draft_client, target_client):
+        async def one_round():
+            with span(SPAN_ROUND):
+                with span(SPAN_DRAFT_PROPOSE):
+                    drafts, _ = await draft_client.propose(d_sid, n, [], k, DEADLINE_S)
+                with span(SPAN_TARGET_VERIFY):
+                    reply, _ = await target_client.verify([item], DEADLINE_S)
+            return ReportedCompute((sum(d.compute_micros for d in drafts) + reply.compute_micros) / 1e6)
+
+        return one_round
 
     def local_round():
         list(stack.drafter.propose(d_sid, n, [], k))
         stack.verifier.verify([core_item])
 
-    return {f"{prefix} {sampling} round": remote_round, f"{prefix} {sampling} compute": local_round}
+    rounds = {f"{prefix} {sampling} round": remote_round(stack.draft_client, stack.target_client),
+              f"{prefix} {sampling} compute": local_round}
+    if prefix == "tls":
+        del rounds[f"{prefix} {sampling} compute"]
+    if prefix == "plain":
+        rounds[f"unary {sampling} round"] = remote_round(stack.unary_draft_client, stack.unary_target_client)
+    return rounds
 
 
 async def noop_call(stack: Stack, prefix: str) -> dict[str, Call]:
@@ -268,7 +310,8 @@ class Figures:
         return self.medians[f"{prefix} {sampling} round"] - self.medians[f"{prefix} {sampling} compute"]
 
 
-async def measure(reps: int, k: int) -> Figures:
+async def measure(reps: int, k: int, tls: bool = False) -> Figures:
+    """`tls`: also the rounds over mutual TLS (tracing off), as `tls <sampling> round`."""
     bg = BackgroundLoop()
     stacks: list[Stack] = []
     with tempfile.TemporaryDirectory() as trace_dir:
@@ -288,6 +331,13 @@ async def measure(reps: int, k: int) -> Figures:
                     calls |= await round_calls(stack, sampling, k, prefix)
                 stacks.append(start_stack(bg, tracing, Path(trace_dir)))
                 noops |= await noop_call(stacks[-1], prefix)
+            if tls:
+                from specdec.security.local_ca import LocalTls
+
+                certificates = LocalTls.create(Path(trace_dir) / "tls")
+                for sampling in ("greedy", "T=0.7"):
+                    stacks.append(start_stack(bg, False, Path(trace_dir), tls=certificates))
+                    calls |= await round_calls(stacks[-1], sampling, k, "tls")
             # Two phases, each with the bare calls interleaved: the no-ops
             # against the bare calls alone (interleaved with rounds, whose
             # compute churns the caches and the scheduler, a no-op measured
@@ -297,8 +347,7 @@ async def measure(reps: int, k: int) -> Figures:
             medians |= await interleave(bare | calls, reps)
             await close_bare()
             for stack in stacks:
-                await stack.target_client.channel.close()
-                await stack.draft_client.channel.close()
+                await stack.close_clients()
         finally:
             for stack in stacks:
                 bg.run(stack.target.stop(0))
@@ -319,6 +368,8 @@ def report(fig: Figures, reps: int) -> str:
     rows = [
         ("bare grpc.aio unary call", unary, "1.00x", ""),
         ("bare message each way on an open stream", message, f"{message / unary:.2f}x", ""),
+        ("a round's floor on call streams: two bare messages each way", 2 * message,
+         f"{2 * message / unary:.2f}x", ""),
         ("bare grpc.aio unary call, the no-ops' phase", calls_unary, "1.00x", ""),
         ("no-op unary (target Rollback), tracing off", m["plain noop (calls)"],
          f"{m['plain noop (calls)'] / calls_unary:.2f}x", "<= 1.3x"),
@@ -328,11 +379,19 @@ def report(fig: Figures, reps: int) -> str:
     for sampling in ("greedy", "T=0.7"):
         plain = fig.round_overhead("plain", sampling)
         traced = fig.round_overhead("traced", sampling)
-        rows.append((f"round overhead, {sampling}, k={fig.k}, tracing off", plain, f"{plain / unary:.2f}x",
-                     "<= 1.0 ms"))
+        as_unary = fig.round_overhead("unary", sampling)
+        rows.append((f"round overhead, {sampling}, k={fig.k}, two unary calls, tracing off", as_unary,
+                     f"{as_unary / unary:.2f}x", ""))
+        rows.append((f"round overhead, {sampling}, k={fig.k}, tracing off", plain,
+                     f"{plain / unary:.2f}x ({plain / as_unary:.2f}x the unary calls)", "<= 1.0 ms"))
         rows.append((f"round overhead, {sampling}, k={fig.k}, tracing on", traced, f"{traced / unary:.2f}x",
                      "<= 1.0 ms"))
         rows.append((f"tracing cost per round, {sampling}", traced - plain, f"{(traced - plain) / unary:.2f}x", ""))
+        if f"tls {sampling} round{OUTSIDE}" in m:
+            secured = fig.round_overhead("tls", sampling)
+            rows.append((f"round overhead, {sampling}, k={fig.k}, mutual TLS, tracing off", secured,
+                         f"{secured / unary:.2f}x", ""))
+            rows.append((f"TLS cost per round, {sampling}", secured - plain, f"{(secured - plain) / unary:.2f}x", ""))
     lines = [f"Loopback, plaintext, tiny models, {eventloop.loop_name()} event loops; median of {reps}, "
              "calls interleaved.", "",
              "| figure | ms | / bare unary | goal |", "|---|---|---|---|"]

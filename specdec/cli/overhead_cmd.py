@@ -5,7 +5,7 @@ server instead (specdec/bench/wire.py); with --end-to-end, tokens/s through
 two whole systems with tracing on and off, and spans per generated token
 (specdec/bench/tracing_cost.py).
 
-    specd overhead --reps 200 --num-draft-tokens 4
+    specd overhead --reps 200 --num-draft-tokens 4 [--tls]
     specd overhead --wire [--target qwen2.5-coder-1.5b-instruct]
     specd overhead --end-to-end [--requests 30 --tokens 64] [--random-pair]
     specd overhead --end-to-end --draft qwen2.5-coder-0.5b-instruct --target qwen2.5-coder-1.5b-instruct \
@@ -23,6 +23,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                        "grpc.aio unary call measured in the same run.")
     p.add_argument("--reps", type=int, default=200, help="repetitions of each call; medians are reported")
     p.add_argument("--num-draft-tokens", type=int, default=4, help="k, tokens drafted per round (default 4)")
+    p.add_argument("--tls", action="store_true",
+                   help="also the round over mutual TLS (a throwaway CA's certificates, as `specd up --tls`), "
+                   "and what TLS adds per round")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (default 1; with --wire 2, as the real target's forward passes use; with "
                    "--end-to-end torch's default)")
@@ -65,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
         print(wire(args.num_draft_tokens, args.acceptance, args.reps, args.target, args.dtype or "bfloat16", threads))
         return 0
     torch.set_num_threads(args.threads or 1)
-    figures = eventloop.run(measure(args.reps, args.num_draft_tokens))
+    figures = eventloop.run(measure(args.reps, args.num_draft_tokens, tls=args.tls))
     print(report(figures, args.reps))
     return 0
 

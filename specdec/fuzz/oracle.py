@@ -56,6 +56,25 @@ def call(method, request, streaming: bool = False, timeout: float = CALL_TIMEOUT
         return Outcome(err.code(), err.details() or "")
 
 
+def call_on_stream(method, call_type, request, timeout: float = CALL_TIMEOUT_S) -> Outcome:
+    """`request` as one call on a new call stream (`method`: ProposeAllStream
+    or VerifyStream): the call's own status when its reply carries an error,
+    the stream's when the stream fails; a stream that ends without a reply,
+    or with a reply to another call, is a violation the caller sees as
+    INTERNAL."""
+    try:
+        replies = list(method(iter([call_type(call_id=1, request=request)]), timeout=timeout))
+    except grpc.RpcError as err:
+        return Outcome(err.code(), err.details() or "")
+    if len(replies) != 1 or replies[0].call_id != 1:
+        return Outcome(grpc.StatusCode.INTERNAL, f"{len(replies)} replies to one call: {replies}")
+    reply = replies[0]
+    if reply.HasField("error"):
+        code = next((c for c in grpc.StatusCode if c.value[0] == reply.error.code), grpc.StatusCode.UNKNOWN)
+        return Outcome(code, reply.error.message)
+    return Outcome(grpc.StatusCode.OK, "", reply.response)
+
+
 @dataclass
 class Violation:
     service: str

@@ -152,11 +152,15 @@ _SAMPLE = {
                                                                         token_ids=[1], probs=[1.0])])]),
     "Decode": target_pb2.DecodeRequest(session_id="nope-0123456789", num_tokens=2, stop_token_ids=[9]),
 }
+_SAMPLE["ProposeAllStream"] = draft_pb2.ProposeAllCall(call_id=7, request=_SAMPLE["ProposeAll"],
+                                                       trace_context={"traceparent": "00-bad"})
+_SAMPLE["VerifyStream"] = target_pb2.VerifyCall(call_id=7, request=_SAMPLE["Verify"])
 
 
 def _methods(service: str) -> set[str]:
     common = {"OpenSession", "Rollback", "CloseSession", "GetModelInfo"}
-    return common | ({"Verify", "Decode"} if service == "target" else {"Propose", "ProposeAll"})
+    return common | ({"Verify", "VerifyStream", "Decode"} if service == "target"
+                     else {"Propose", "ProposeAll", "ProposeAllStream"})
 
 
 @st.composite

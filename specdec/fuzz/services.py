@@ -11,10 +11,11 @@ from __future__ import annotations
 import concurrent.futures
 import math
 import secrets
+import zlib
 from dataclasses import dataclass, field
 
 import grpc
-from specdec.fuzz.oracle import Expect, Tally, call
+from specdec.fuzz.oracle import Expect, Tally, call, call_on_stream
 from specdec.fuzz.programs import SLOTS
 from specdec.fuzz.system import MAX_CONTEXT, ROWS, USABLE_VOCAB
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
@@ -207,8 +208,12 @@ class ServiceFuzzer:
             expect = Expect.ANY
         if all_at_once:
             wrapped = draft_pb2.ProposeAllRequest(propose=req)
-            out = call(self.stub.ProposeAll, wrapped)
-            rpc, drafts = "ProposeAll", (list(out.response.drafts) if out.ok else None)
+            if _on_stream(wrapped):
+                out = call_on_stream(self.stub.ProposeAllStream, draft_pb2.ProposeAllCall, wrapped)
+                rpc = "ProposeAllStream"
+            else:
+                out, rpc = call(self.stub.ProposeAll, wrapped), "ProposeAll"
+            drafts = list(out.response.drafts) if out.ok else None
         else:
             out = call(self.stub.Propose, req, streaming=True)
             rpc, drafts = "Propose", out.response
@@ -247,13 +252,16 @@ class ServiceFuzzer:
                 expect = Expect.ANY
             expects.append(expect)
             news.append(new)
-        out = call(self.stub.Verify, req)
-        if not self.tally.check(self.service, "Verify", out, Expect.OK if call_ok else Expect.FAIL, req) or \
+        if _on_stream(req):
+            out, rpc = call_on_stream(self.stub.VerifyStream, target_pb2.VerifyCall, req), "VerifyStream"
+        else:
+            out, rpc = call(self.stub.Verify, req), "Verify"
+        if not self.tally.check(self.service, rpc, out, Expect.OK if call_ok else Expect.FAIL, req) or \
                 not call_ok:
             return
         results = out.response.results
         if len(results) != len(req.items):
-            self.tally.violate(self.service, "Verify", f"{len(results)} results for {len(req.items)} items", req)
+            self.tally.violate(self.service, rpc, f"{len(results)} results for {len(req.items)} items", req)
             return
         for it, r, expect, new in zip(req.items, results, expects, news):
             self._verify_item(sim, it, r, expect, None if concurrent else new)
@@ -348,15 +356,26 @@ class ServiceFuzzer:
 
     def _raw(self, method: str, data: bytes) -> None:
         service = "TargetService" if self.service == "target" else "DraftService"
-        streaming = method == "Propose"
+        streaming = method in ("Propose", "ProposeAllStream", "VerifyStream")
         path = f"/specdec.v1.{service}/{method}"
-        raw = (self.channel.unary_stream if streaming else self.channel.unary_unary)(
-            path, request_serializer=lambda b: b, response_deserializer=lambda b: b)
-        out = call(raw, data, streaming=streaming)
+        if method.endswith("Stream"):  # one message on a call stream
+            raw = self.channel.stream_stream(path, request_serializer=lambda b: b, response_deserializer=lambda b: b)
+            data_or_stream = iter([data])
+        else:
+            raw = (self.channel.unary_stream if streaming else self.channel.unary_unary)(
+                path, request_serializer=lambda b: b, response_deserializer=lambda b: b)
+            data_or_stream = data
+        out = call(raw, data_or_stream, streaming=streaming)
         self.tally.check(self.service, f"raw:{method}", out, Expect.ANY, data)
         if out.ok and method == "OpenSession":  # garbage that parsed into a valid open: do not leak it
             sid = common_pb2.OpenSessionResponse.FromString(out.response).session_id
             call(self.stub.CloseSession, common_pb2.CloseSessionRequest(session_id=sid))
+
+
+def _on_stream(request) -> bool:
+    """Half of the ProposeAll and Verify calls go on a call stream, chosen by
+    the request's bytes (so a failing example replays the same way)."""
+    return zlib.crc32(request.SerializeToString(deterministic=True)) % 2 == 1
 
 
 def _copy(msg):

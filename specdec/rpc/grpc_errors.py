@@ -34,7 +34,8 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}); see the server log"
 
 
-def _report(exc: BaseException, method: str) -> tuple[grpc.StatusCode, str]:
+def report(exc: BaseException, method: str) -> tuple[grpc.StatusCode, str]:
+    """The status of a call that raised `exc`, logging our bugs."""
     code, message = status_for(exc)
     if code is grpc.StatusCode.INTERNAL:
         log.error("%s failed", method, exc_info=exc)
@@ -51,7 +52,7 @@ def unary(method):
         except Exception as exc:  # noqa: BLE001 - the edge: everything becomes a status
             if isinstance(exc, grpc.aio.AbortError):
                 raise
-            code, message = _report(exc, method.__qualname__)
+            code, message = report(exc, method.__qualname__)
         await context.abort(code, message)
 
     return wrapper
@@ -69,7 +70,7 @@ def stream(method):
         except Exception as exc:  # noqa: BLE001
             if isinstance(exc, grpc.aio.AbortError):
                 raise
-            code, message = _report(exc, method.__qualname__)
+            code, message = report(exc, method.__qualname__)
         await context.abort(code, message)
 
     return wrapper

@@ -75,7 +75,9 @@ def _guard_stream(behavior):
 
 class MalformedRequests(grpc.aio.ServerInterceptor):
     """Answer undecodable requests of unary-request methods with INVALID_ARGUMENT.
-    (Client-streaming methods are left alone: this project has none.)"""
+    On a bidirectional stream (the call streams) a message that cannot be
+    parsed reaches the servicer as a `Malformed` marker, which ends the
+    stream with INVALID_ARGUMENT (`specdec.rpc.call_stream`)."""
 
     def __init__(self):
         self._patched: dict[grpc.RpcMethodHandler, grpc.RpcMethodHandler] = {}
@@ -93,9 +95,12 @@ class MalformedRequests(grpc.aio.ServerInterceptor):
 
     @staticmethod
     def _patch(handler, method: str):
-        if handler.request_streaming or handler.request_deserializer is None:
+        if handler.request_deserializer is None:
             return handler
         deserializer = _safe(handler.request_deserializer, method)
+        if handler.request_streaming:
+            # Only our own call streams know the marker (not, say, reflection's stream).
+            return handler._replace(request_deserializer=deserializer) if method.startswith("/specdec.") else handler
         if handler.response_streaming:
             return handler._replace(request_deserializer=deserializer, unary_stream=_guard_stream(handler.unary_stream))
         return handler._replace(request_deserializer=deserializer, unary_unary=_guard_unary(handler.unary_unary))

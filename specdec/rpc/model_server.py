@@ -60,6 +60,7 @@ async def start_model_service(
     servicer = make_servicer(worker, limits)
     running = await start_server(server_cfg, lambda server: add_to_server(servicer, server),
                                  [service_name], interceptors=interceptors, credentials=tls.server_credentials())
+    running.drain_hooks.append(servicer.call_streams.close)
     try:
         backend = await worker.run(build_backend)
     except BaseException:

@@ -12,6 +12,7 @@ from specdec.engine.engine import EngineInfo
 from specdec.errors import InvalidArgument, Unavailable
 from specdec.limits import DEFAULT_MAX_DRAFT_TOKENS
 from specdec.rpc import grpc_errors
+from specdec.rpc.call_stream import ServedStreams
 from specdec.rpc.serving import EngineWorker
 from specdec.rpc.session_quota import SessionQuota
 from specdec.sampling.params import SamplingParams
@@ -111,6 +112,7 @@ class SessionServicer:
         self._reaper: asyncio.Task | None = None
         self.quota = SessionQuota(limits.max_sessions_per_caller)
         self.expired_sessions = 0  # closed by idle expiry since start: sessions a caller leaked
+        self.call_streams = ServedStreams()  # the service's long-lived call streams, ended by a drain
 
     def attach(self, backend) -> None:
         self._backend = backend

@@ -137,6 +137,9 @@ class RunningServer:
         self.service_names = ("", *service_names)
         self._stopped = asyncio.Event()
         self.draining = False  # once set, nothing may report SERVING again
+        # Run when a drain stops accepting calls: what must end for the grace
+        # period to be able to end (the servicers' long-lived call streams).
+        self.drain_hooks: list[Callable[[], None]] = []
 
     async def set_status(self, status) -> None:
         for name in self.service_names:
@@ -152,7 +155,10 @@ class RunningServer:
             return
         self.draining = True
         await self.set_status(NOT_SERVING)
-        await self.server.stop(grace_s)
+        stopping = asyncio.ensure_future(self.server.stop(grace_s))
+        for hook in self.drain_hooks:
+            hook()
+        await stopping
         if self.health_server is not None:
             await self.health_server.stop(0)
         self._stopped.set()

@@ -1,0 +1,227 @@
+"""Unary calls carried as messages on one long-lived bidirectional stream.
+
+A grpc.aio unary call sets up a new HTTP/2 stream every time: headers both
+ways, a call object on each side, the completion through grpc's poller
+thread. On loopback that is most of what a call costs: `specd overhead`
+measures a bare unary call at about twice one message each way on a stream
+that is already open. A speculative round makes two calls (the draft's
+ProposeAll, the target's Verify), so the orchestrator sends each of them as a
+message on a stream it keeps open to each service (`ProposeAllStream`,
+`VerifyStream` in the protos), and the round pays for two messages each way,
+not two calls.
+
+Each message is still one call, with unary semantics:
+
+- a call carries its `call_id` and its trace context, and is answered by one
+  reply with the same `call_id`, in the order the calls finish (the server
+  runs calls of one stream concurrently, as it runs concurrent unary calls);
+- a call that fails gets its status in the reply's `error` (the code and
+  message the unary call would have had); the stream goes on;
+- the caller keeps the deadline: past it the call raises DEADLINE_EXCEEDED
+  and its reply, when it comes, is dropped;
+- when the stream breaks (the service died or is draining), every call in
+  flight on it fails with the stream's status, UNAVAILABLE when it ended
+  cleanly, and the next call opens a new stream;
+- against a service without the stream method (UNIMPLEMENTED), the client
+  falls back to unary calls for good.
+
+`serve` is the server's half, `CallStream` the client's.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from typing import AsyncIterator, Awaitable, Callable, Iterable
+
+import grpc
+
+from specdec.errors import InvalidArgument
+from specdec.rpc import grpc_errors
+from specdec.rpc.grpc_tracing import trace_metadata
+from specdec.rpc.malformed import Malformed
+from specdec.telemetry import Telemetry
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[object, Iterable[tuple[str, str]]], Awaitable[object]]
+
+
+class ServedStreams:
+    """The call streams a server is serving, so that a drain can end them:
+    a stream never ends by itself, and the server's grace period would wait
+    for it in vain."""
+
+    def __init__(self):
+        self._readers: set[asyncio.Task] = set()
+        self.closed = False
+
+    def close(self) -> None:
+        """Stop reading new calls on every stream; each ends once the calls
+        it has read are answered."""
+        self.closed = True
+        for reader in list(self._readers):
+            reader.cancel()
+
+    async def serve(self, calls: AsyncIterator, context, handle: Handler, reply_type, method: str) -> None:
+        """Answer the calls read from `calls` on `context` until the caller
+        ends the stream (or a drain does): each call's request is answered
+        by `handle(request, trace_context_items)`, whose exceptions become
+        the reply's `error` (logged when they are our bug). A message that is
+        not a call ends the stream with INVALID_ARGUMENT."""
+        if self.closed:
+            return
+        writing = asyncio.Lock()  # one write at a time on a stream
+        answering: set[asyncio.Task] = set()
+
+        async def answer(call) -> None:
+            reply = reply_type(call_id=call.call_id)
+            try:
+                reply.response.CopyFrom(await handle(call.request, call.trace_context.items()))
+            except Exception as exc:  # noqa: BLE001 - the edge: everything becomes a status
+                code, message = grpc_errors.report(exc, method)
+                reply.error.code = code.value[0]
+                reply.error.message = message
+            async with writing:
+                await context.write(reply)
+
+        async def read() -> None:
+            async for call in calls:
+                if isinstance(call, Malformed):
+                    raise InvalidArgument(call.message)
+                task = asyncio.ensure_future(answer(call))
+                answering.add(task)
+                task.add_done_callback(answering.discard)
+
+        reader = asyncio.ensure_future(read())
+        self._readers.add(reader)
+        try:
+            try:
+                await reader
+            except asyncio.CancelledError:
+                if not reader.cancelled():  # this handler was cancelled, not the reader by a drain
+                    raise
+            # Answer what was read, then end the stream.
+            while answering:
+                await asyncio.gather(*answering, return_exceptions=True)
+        finally:
+            self._readers.discard(reader)
+            reader.cancel()
+            for task in list(answering):
+                task.cancel()
+
+
+class _OpenStream:
+    """One open stream and the calls waiting for their replies on it."""
+
+    def __init__(self, call: grpc.aio.StreamStreamCall, outbox: asyncio.Queue):
+        self.call = call
+        self.outbox = outbox
+        self.waiting: dict[int, asyncio.Future] = {}
+        self.reader: asyncio.Task | None = None
+        self.writer: asyncio.Task | None = None
+        self.error: grpc.aio.AioRpcError | None = None
+
+
+class CallStream:
+    """The client's half: `await calls(request, timeout)` behaves as the
+    unary call `unary(request, timeout=...)` would (the same reply, or an
+    AioRpcError with the same status), carried on one long-lived stream of
+    `stream_method`. Disabled (`enabled=False`) or against a service that
+    does not know the stream method, it makes the unary call."""
+
+    def __init__(self, stream_method, unary_method, call_type, service: str, enabled: bool = True):
+        self._stream_method = stream_method
+        self._unary = unary_method
+        self._call_type = call_type
+        self._service = service
+        self.enabled = enabled
+        self._stream: _OpenStream | None = None
+        self._ids = itertools.count(1)
+
+    async def __call__(self, request, timeout: float):
+        if not self.enabled:
+            return await self._unary(request, timeout=timeout, metadata=trace_metadata())
+        stream = self._stream if self._stream is not None else self._open()
+        call_id = next(self._ids)
+        message = self._call_type(call_id=call_id, request=request)
+        carrier: dict[str, str] = {}
+        Telemetry.inject(carrier)
+        if carrier:
+            message.trace_context.update(carrier)
+        reply_future = asyncio.get_running_loop().create_future()
+        stream.waiting[call_id] = reply_future
+        stream.outbox.put_nowait(message)
+        try:
+            async with asyncio.timeout(timeout):
+                reply = await reply_future
+        except TimeoutError:
+            raise _rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() is grpc.StatusCode.UNIMPLEMENTED and self.enabled:
+                log.info("the %s service has no call streams: unary calls from now on", self._service)
+                self.enabled = False
+                return await self._unary(request, timeout=timeout, metadata=trace_metadata())
+            raise
+        finally:
+            stream.waiting.pop(call_id, None)
+        if reply.HasField("error"):
+            raise _rpc_error(_code(reply.error.code), reply.error.message)
+        return reply.response
+
+    def _open(self) -> _OpenStream:
+        stream = _OpenStream(self._stream_method(), asyncio.Queue())
+        # Writes go through one writer task: a write the caller's cancellation
+        # interrupted would cancel the whole stream (grpc.aio does that).
+        stream.writer = asyncio.ensure_future(_write(stream))
+        stream.reader = asyncio.ensure_future(self._read(stream))
+        self._stream = stream
+        return stream
+
+    async def _read(self, stream: _OpenStream) -> None:
+        error: grpc.aio.AioRpcError
+        try:
+            async for reply in stream.call:
+                waiting = stream.waiting.pop(reply.call_id, None)
+                if waiting is not None and not waiting.done():
+                    waiting.set_result(reply)
+            error = _rpc_error(grpc.StatusCode.UNAVAILABLE, f"the {self._service} service ended the call stream")
+        except grpc.aio.AioRpcError as exc:
+            error = exc
+        except asyncio.CancelledError:
+            error = _rpc_error(grpc.StatusCode.CANCELLED, "the call stream was closed")
+        if self._stream is stream:
+            self._stream = None
+        for waiting in stream.waiting.values():
+            if not waiting.done():
+                waiting.set_exception(error)
+        stream.waiting.clear()
+        stream.writer.cancel()
+        stream.call.cancel()
+        await asyncio.gather(stream.writer, return_exceptions=True)
+
+    async def close(self) -> None:
+        """End the open stream (its calls in flight fail with CANCELLED)."""
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            stream.reader.cancel()
+            await asyncio.gather(stream.reader, return_exceptions=True)
+
+
+async def _write(stream: _OpenStream) -> None:
+    try:
+        while True:
+            await stream.call.write(await stream.outbox.get())
+    except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+        pass  # the stream broke: the reader fails the calls waiting on it
+
+
+def _code(number: int) -> grpc.StatusCode:
+    for code in grpc.StatusCode:
+        if code.value[0] == number:
+            return code
+    return grpc.StatusCode.UNKNOWN
+
+
+def _rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
