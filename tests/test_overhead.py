@@ -8,7 +8,8 @@ import pytest
 
 from orchestrator.downstream import open_request
 from specdec import eventloop
-from specdec.bench.overhead import BackgroundLoop, interleave, measure, report, start_stack
+from specdec.bench.overhead import interleave, measure, report
+from specdec.bench.overhead_stack import BackgroundLoop, start_stack
 from specdec.v1 import draft_pb2
 
 T = 30.0

@@ -187,7 +187,7 @@ def random_pair():
 
     import torch
 
-    from specdec.bench.overhead import tiny_engine, tiny_model
+    from specdec.bench.overhead_stack import tiny_engine, tiny_model
 
     target = tiny_model(seed=0)
     draft = copy.deepcopy(target)

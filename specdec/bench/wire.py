@@ -20,7 +20,7 @@ import statistics
 import time
 from dataclasses import dataclass
 
-from specdec.bench.overhead import DEADLINE_S, BackgroundLoop, tiny_engine
+from specdec.bench.overhead_stack import DEADLINE_S, BackgroundLoop, tiny_engine
 
 QWEN_VOCAB = 151936
 BATCHES = (1, 4, 16)
