@@ -71,6 +71,9 @@ class ServedStreams:
         not a call ends the stream with INVALID_ARGUMENT."""
         if self.closed:
             return
+        # Tell the client the stream is taken before it writes: a write racing
+        # a refusal would turn the refusal's status into INTERNAL on its side.
+        await context.send_initial_metadata(())
         writing = asyncio.Lock()  # one write at a time on a stream
         answering: set[asyncio.Task] = set()
 
@@ -210,6 +213,12 @@ class CallStream:
 
 async def _write(stream: _OpenStream) -> None:
     try:
+        # Nothing is written before the service has taken the stream: a service
+        # without the method refuses it (UNIMPLEMENTED), and a write racing
+        # that refusal would make grpc.aio report INTERNAL instead.
+        await stream.call.initial_metadata()
+        if stream.call.done():
+            return
         while True:
             await stream.call.write(await stream.outbox.get())
     except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
