@@ -306,11 +306,12 @@ def test_a_plain_request_whose_client_leaves_frees_its_sessions(http_system):
 @pytest.fixture(scope="module")
 def fragile_system():
     """A target with one session, so a second request is over capacity; the
-    tests below stop its target last."""
+    tests below stop its target last. A request whose target is down looks
+    for a replica for target_recovery_s before its 503: 2 s, not 30."""
     tokenizer, target, draft = tiny_text_pair()
     target_engine = tiny_engine(model=target, max_sessions=1)
     with running_system(target_engine, tiny_engine(model=draft), tokenizer=tokenizer,
-                        http=HttpConfig(http_port=0)) as system:
+                        http=HttpConfig(http_port=0), target_recovery_s=2.0) as system:
         system.target_sessions = lambda: target_engine.num_sessions
         system.openai = openai_client(system)
         yield system
