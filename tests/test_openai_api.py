@@ -112,7 +112,7 @@ def post(system, path: str, body, headers: dict | None = None, timeout_s: float 
 def test_responses_are_not_held_back_by_delayed_acks(http_system):
     # asyncio sets TCP_NODELAY only on sockets created as IPPROTO_TCP; without
     # it a plain response waited ~40 ms for the client's delayed ACK.
-    assert http_system.orchestrator.http._socket.proto == socket.IPPROTO_TCP
+    assert http_system.orchestrator.http.socket.proto == socket.IPPROTO_TCP
 
 
 def test_models_and_health(http_system):
