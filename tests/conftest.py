@@ -10,6 +10,23 @@ from specdec.engine.engine import ModelEngine
 
 TINY_VOCAB = 128
 
+# In-process services run forward passes on several threads at once (each
+# engine's worker, the test's own references); with torch's default of one
+# intra-op thread per core, their OpenMP teams oversubscribe a small shared
+# machine: on the 2-core CI machine, loaded, one concurrency test took 123 s
+# instead of 9 s. Tiny tensors gain nothing from more threads, so every test
+# runs with one; `_one_intra_op_thread` puts it back after a test that loads
+# an engine with `threads` set (services started as child processes get
+# their own --threads).
+torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _one_intra_op_thread():
+    yield
+    if torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
+
 
 def tiny_config(arch: str, vocab_size: int = TINY_VOCAB, layers: int = 2, init_range: float = 0.02):
     common = dict(vocab_size=vocab_size, bos_token_id=1, eos_token_id=2, pad_token_id=0)

@@ -3,6 +3,8 @@ to them with ordinary (sync) gRPC clients, as a user's program would."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import threading
 from contextlib import contextmanager
 
 import grpc
@@ -108,3 +110,29 @@ def running_system(target_engine, draft_engine=None, ngram: bool = False, tokeni
             loop.close()
             if draft_cm:
                 draft_cm.__exit__(None, None, None)
+
+
+def complete_seeds(system, prompt, seeds, workers: int = 8, **kwargs) -> list:
+    """`system.client.complete(prompt, seed=seed, **kwargs)` for each seed, in
+    order, `workers` requests at a time, each worker with a client of its own
+    (a Client keeps per-call state). A seeded request's draws are keyed by
+    (seed, position), not by what it is batched with, so this gives the same
+    results as one request at a time, while the services batch the requests
+    (fewer forward passes, the statistical tests' main cost)."""
+    from orchestrator.client import Client
+
+    local, clients, lock = threading.local(), [], threading.Lock()
+
+    def complete(seed):
+        if not hasattr(local, "client"):
+            local.client = Client(f"127.0.0.1:{system.orchestrator.port}", timeout_s=120)
+            with lock:
+                clients.append(local.client)
+        return local.client.complete(prompt, seed=seed, **kwargs)
+
+    try:
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            return list(pool.map(complete, seeds))
+    finally:
+        for client in clients:
+            client.close()

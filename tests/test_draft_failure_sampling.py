@@ -20,7 +20,7 @@ from specdec.errors import Unavailable
 from specdec.sampling.params import SamplingParams
 from specdec.sampling.transform import logits_to_probs
 from tests.conftest import tiny_engine, tiny_model
-from tests.harness import running_system
+from tests.harness import complete_seeds, running_system
 from tests.test_orchestrator import EOS, PROMPT, VOCAB, assert_matches
 
 SAMPLES = 1200
@@ -74,12 +74,12 @@ def test_sampled_distribution_is_kept_through_a_draft_failure(draft_fails_after_
     failed_over = 0
     # draft_retry_s: the draft stays "down" for the rest of each short request.
     with running_system(tiny_engine(model=target), tiny_engine(model=draft), draft_retry_s=60.0) as s:
-        for seed in range(SAMPLES):
-            r = s.client.complete(PROMPT, max_tokens=TOKENS, temperature=temperature, top_k=top_k, seed=seed,
-                                  num_draft_tokens=1)
-            counts[tuple(r.token_ids)] += 1
-            failed_over += r.stats.fallback_rounds > 0
-            assert r.stats.proposed_tokens <= 1, "the draft proposed after its failure"
+        results = complete_seeds(s, PROMPT, range(SAMPLES), max_tokens=TOKENS, temperature=temperature,
+                                 top_k=top_k, num_draft_tokens=1)
+    for r in results:
+        counts[tuple(r.token_ids)] += 1
+        failed_over += r.stats.fallback_rounds > 0
+        assert r.stats.proposed_tokens <= 1, "the draft proposed after its failure"
     # Most requests need a round after the first, and it ran without the draft.
     assert failed_over > SAMPLES // 3, failed_over
     assert_matches(counts, exact, SAMPLES)

@@ -10,7 +10,7 @@ from scipy.stats import chisquare
 from specdec.engine.draft_vocab import SubsetHead, load_ranking, rank_tokens, save_ranking, subset_ids
 from specdec.engine.engine import ExtendItem
 from tests.conftest import TINY_VOCAB, tiny_engine, tiny_model
-from tests.harness import running_system
+from tests.harness import complete_seeds, running_system
 from tests.test_orchestrator import greedy_reference, perturbed
 
 
@@ -99,9 +99,8 @@ def test_sampled_output_with_a_trimmed_draft_has_the_targets_distribution():
     draft_engine.restrict_output(ids)
     n = 1200
     with running_system(tiny_engine(model=target), draft_engine) as system:
-        firsts = [(system.client.complete(prompt, max_tokens=2, temperature=1.0, seed=s,
-                                          num_draft_tokens=2).token_ids or [2])[0]  # empty: it ended at EOS (2)
-                  for s in range(n)]
+        results = complete_seeds(system, prompt, range(n), max_tokens=2, temperature=1.0, num_draft_tokens=2)
+    firsts = [(r.token_ids or [2])[0] for r in results]  # empty: it ended at EOS (2)
     counts = torch.bincount(torch.tensor(firsts), minlength=TINY_VOCAB).double()
     outside = sum(counts[i].item() for i in top[1:12:2].tolist())
     assert outside > 0, "tokens outside the subset must still be emitted (as recoveries)"

@@ -5,12 +5,13 @@ streamed and not, completions and chat, stop strings, usage, the speculative
 decoding metrics, clear 400s, and error statuses (429, 503, 504)."""
 from __future__ import annotations
 
+import http.client
 import json
 import socket
 import threading
-import time
 import urllib.error
 import urllib.request
+from contextlib import contextmanager
 
 import openai
 import pytest
@@ -41,16 +42,53 @@ def openai_client(system, timeout_s: float = 60.0) -> openai.OpenAI:
                          max_retries=0, timeout=timeout_s)
 
 
+class TargetGate:
+    """While shut, holds the target's forward passes (in the target's engine
+    thread, at most 60 s) once a request has both its sessions open: a test
+    can then act while that request is known to be mid-run."""
+
+    def __init__(self, sessions):
+        self._sessions = sessions
+        self._open = threading.Event()
+        self._open.set()
+        self.holding = threading.Event()  # a forward pass is being held
+
+    def forward(self) -> None:
+        if not self._open.is_set() and self._sessions() == (1, 1):
+            self.holding.set()
+            self._open.wait(60)
+
+    @contextmanager
+    def shut(self):
+        self.holding.clear()
+        self._open.clear()
+        try:
+            yield self
+        finally:
+            self._open.set()
+
+
 @pytest.fixture(scope="module")
 def http_system():
     tokenizer, target, draft = tiny_text_pair()
     target_engine, draft_engine = tiny_engine(model=target), tiny_engine(model=draft)
     forwards = [0]  # target forward passes: a request run to the end makes many more than a cut one
-    target.register_forward_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
+
+    def sessions():
+        return target_engine.num_sessions, draft_engine.num_sessions
+
+    gate = TargetGate(sessions)
+
+    def on_forward(*_):
+        forwards[0] += 1
+        gate.forward()
+
+    target.register_forward_hook(on_forward)
     with running_system(target_engine, draft_engine, tokenizer=tokenizer, http=HttpConfig(http_port=0)) as system:
         system.tokenizer = tokenizer
-        system.sessions = lambda: (target_engine.num_sessions, draft_engine.num_sessions)
+        system.sessions = sessions
         system.forwards = lambda: forwards[0]
+        system.target_gate = gate
         system.openai = openai_client(system)
         system.model = system.openai.models.list().data[0].id
         yield system
@@ -74,7 +112,7 @@ def post(system, path: str, body, headers: dict | None = None, timeout_s: float 
 def test_responses_are_not_held_back_by_delayed_acks(http_system):
     # asyncio sets TCP_NODELAY only on sockets created as IPPROTO_TCP; without
     # it a plain response waited ~40 ms for the client's delayed ACK.
-    assert http_system.orchestrator.http._socket.proto == socket.IPPROTO_TCP
+    assert http_system.orchestrator.http.socket.proto == socket.IPPROTO_TCP
 
 
 def test_models_and_health(http_system):
@@ -251,10 +289,16 @@ def test_a_client_that_disconnects_mid_stream_frees_both_sessions(http_system):
 def test_a_plain_request_whose_client_leaves_frees_its_sessions(http_system):
     s = http_system
     before = s.forwards()
-    leaving = openai_client(s, timeout_s=0.3)
-    with pytest.raises(openai.APITimeoutError):
-        leaving.completions.create(model=s.model, prompt=PROMPT, max_tokens=900, temperature=0)
-    leaving.close()
+    body = {"model": s.model, "prompt": PROMPT, "max_tokens": 900, "temperature": 0}
+    with s.target_gate.shut() as gate:
+        leaving = http.client.HTTPConnection("127.0.0.1", s.orchestrator.http.port, timeout=20)
+        leaving.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        # Mid-run: both sessions open, a target forward held. The client leaves.
+        assert gate.holding.wait(20), "the request never reached a verify"
+        leaving.close()
+        # The server saw it go and ended the request: it could not have run
+        # to its end, the target being held.
+        assert _wait_until(lambda: s.orchestrator.backends.targets.any().active == 0, timeout=20)
     assert _wait_until(lambda: s.sessions() == (0, 0), timeout=20)
     assert s.forwards() - before < 900 / 5 / 2
 
@@ -262,10 +306,13 @@ def test_a_plain_request_whose_client_leaves_frees_its_sessions(http_system):
 @pytest.fixture(scope="module")
 def fragile_system():
     """A target with one session, so a second request is over capacity; the
-    tests below stop its target last."""
+    tests below stop its target last. A request whose target is down looks
+    for a replica for target_recovery_s before its 503: 2 s, not 30."""
     tokenizer, target, draft = tiny_text_pair()
-    with running_system(tiny_engine(model=target, max_sessions=1), tiny_engine(model=draft), tokenizer=tokenizer,
-                        http=HttpConfig(http_port=0)) as system:
+    target_engine = tiny_engine(model=target, max_sessions=1)
+    with running_system(target_engine, tiny_engine(model=draft), tokenizer=tokenizer,
+                        http=HttpConfig(http_port=0), target_recovery_s=2.0) as system:
+        system.target_sessions = lambda: target_engine.num_sessions
         system.openai = openai_client(system)
         yield system
         system.openai.close()
@@ -281,7 +328,7 @@ def test_over_capacity_is_429_and_a_deadline_is_504(fragile_system):
     assert err.value.status_code == 429 and err.value.code == "resource_exhausted"
     stream.close()
     assert _wait_until(lambda: s.orchestrator.backends.targets.any().active == 0, timeout=20)
-    time.sleep(0.2)  # the sessions close in the background
+    assert _wait_until(lambda: s.target_sessions() == 0, timeout=20)  # the sessions close in the background
     cfg = s.orchestrator.http.state.cfg
     cfg.http_request_timeout_s = 0.05
     try:

@@ -23,7 +23,7 @@ from specdec.sampling.transform import logits_to_probs
 from specdec.security.tls import TlsConfig
 from specdec.v1 import orchestrator_pb2 as pb
 from tests.conftest import tiny_engine, tiny_model
-from tests.harness import BackgroundLoop, local_config, running_draft, running_system, running_target
+from tests.harness import BackgroundLoop, complete_seeds, local_config, running_draft, running_system, running_target
 
 GREEDY_PROMPTS = [[3 + (7 * i + j * j) % 120 for j in range(2 + i % 9)] for i in range(24)]
 
@@ -193,13 +193,13 @@ def test_sampled_output_is_distributed_as_the_target(case):
     proposed = accepted = 0
     with running_system(tiny_engine(model=target), tiny_engine(model=draft) if draft is not None else None,
                         ngram=kind == "ngram") as s:
-        for seed in range(SAMPLES):
-            r = s.client.complete(PROMPT, max_tokens=2, temperature=temperature, top_k=top_k, top_p=top_p,
-                                  seed=seed, num_draft_tokens=1)
-            key = tuple(r.token_ids)
-            counts[key] = counts.get(key, 0) + 1
-            proposed += r.stats.proposed_tokens
-            accepted += r.stats.accepted_tokens
+        results = complete_seeds(s, PROMPT, range(SAMPLES), max_tokens=2, temperature=temperature, top_k=top_k,
+                                 top_p=top_p, num_draft_tokens=1)
+    for r in results:
+        key = tuple(r.token_ids)
+        counts[key] = counts.get(key, 0) + 1
+        proposed += r.stats.proposed_tokens
+        accepted += r.stats.accepted_tokens
     assert proposed > 0
     if kind == "perfect":
         assert accepted == proposed, "a draft with the target's weights is always accepted"

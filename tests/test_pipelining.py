@@ -16,7 +16,7 @@ from specdec.rpc.model_service import SessionMeta
 from specdec.sampling.params import SamplingParams
 from specdec.sampling.transform import logits_to_probs
 from tests.conftest import tiny_engine, tiny_model
-from tests.harness import running_system
+from tests.harness import complete_seeds, running_system
 from tests.test_orchestrator import (
     EOS,
     GREEDY_PROMPTS,
@@ -165,11 +165,11 @@ def test_sampled_output_is_distributed_as_the_target_with_pipelining(kind):
     counts: dict[tuple, int] = {}
     pipelined = 0
     with running_system(tiny_engine(model=target), tiny_engine(model=draft), pipeline=True, pipeline_always=True) as s:
-        for seed in range(SAMPLES):
-            r = s.client.complete(PROMPT, max_tokens=N_TOKENS, temperature=params.temperature, seed=seed,
-                                  num_draft_tokens=1)
-            counts[tuple(r.token_ids)] = counts.get(tuple(r.token_ids), 0) + 1
-            pipelined += r.stats.pipelined_rounds
+        results = complete_seeds(s, PROMPT, range(SAMPLES), max_tokens=N_TOKENS, temperature=params.temperature,
+                                 num_draft_tokens=1)
+    for r in results:
+        counts[tuple(r.token_ids)] = counts.get(tuple(r.token_ids), 0) + 1
+        pipelined += r.stats.pipelined_rounds
     assert pipelined > 0, "pipelined drafts were never used"
     # Each slice of the sequence has few enough outcomes for a chi-square test;
     # the later tokens are the ones pipelined rounds produce.

@@ -38,7 +38,7 @@ class HttpFrontDoor:
                  reload_task: asyncio.Task | None = None):
         self.state = state
         self._server = server
-        self._socket = sock
+        self.socket = sock  # the listening socket (IPPROTO_TCP, so asyncio sets TCP_NODELAY: see _bind)
         self._task = task
         self._reload_task = reload_task  # re-reads a renewed TLS certificate
         self.host, self.port = sock.getsockname()[:2]
