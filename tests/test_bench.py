@@ -17,10 +17,13 @@ from specdec.bench.runner import (
     NetworkCondition,
     Plan,
     Prompt,
+    Route,
     build_configs,
     mark_identity,
     network_conditions,
+    routes,
     schedule,
+    with_variants,
 )
 from specdec.cli.main import main
 
@@ -78,6 +81,74 @@ def test_schedule_interleaves_and_rotates():
     assert [u.id for u in units] == list(range(len(units)))
     restricted = schedule(_plan(concurrency_configs=["fixed-k2"]))
     assert {u.config.name for u in restricted if u.concurrency == 2} == {"fixed-k2"}
+
+
+def test_variants_per_draft_head_and_batcher_setting():
+    base = build_configs(["service", "hf-assisted"], [2], ["fixed", "goodput"])
+    # one head, batcher on: today's names, every config on the one route
+    same = with_variants(base, [16384], [True])
+    assert [c.name for c in same] == [c.name for c in base]
+    assert routes(same) == [Route(16384, True)] and not any(c.waves_only for c in same)
+    # two heads: each specdec config once per head; target-only and HF once
+    two = with_variants(base, [0, 16384], [True])
+    assert [c.name for c in two] == ["target-only", "hf-assisted", "fixed-k2", "fixed-k2/v16384", "goodput",
+                                     "goodput/v16384"]
+    by = {c.name: c for c in two}
+    assert by["fixed-k2/v16384"].route == Route(16384, True) and by["fixed-k2/v16384"].base == "fixed-k2"
+    assert by["fixed-k2/v16384"].request_kwargs() == by["fixed-k2"].request_kwargs()
+    assert by["target-only"].route == Route(0, True)
+    assert routes(two) == [Route(0, True), Route(16384, True)]
+    # batcher on and off: every service config also with it off, only in waves
+    both = with_variants(base, [0, 16384], [False, True])
+    off = [c for c in both if c.waves_only]
+    assert [c.name for c in off] == ["target-only/batcher-off", "fixed-k2/batcher-off",
+                                     "fixed-k2/v16384/batcher-off", "goodput/batcher-off", "goodput/v16384/batcher-off"]
+    assert all(not c.batching for c in off) and all(c.batching for c in both if c.kind == "service" and not c.waves_only)
+    assert set(routes(both)) == {Route(v, b) for v in (0, 16384) for b in (True, False)}
+    # batcher off alone: no suffix, runs at every concurrency
+    assert [c.name for c in with_variants(base, [0], [False])] == [c.name for c in base]
+    for heads, batching in (([0, 0], [True]), ([0], [True, True]), ([], [True])):
+        with pytest.raises(ValueError):
+            with_variants(base, heads, batching)
+
+
+def test_schedule_runs_batcher_off_variants_only_in_waves():
+    configs = with_variants(build_configs(["service"], [2], ["fixed"]), [0, 64], [True, False])
+    units = schedule(_plan(configs=configs, repeats=1, conditions=[NetworkCondition("direct")]))
+    one = {u.config.name for u in units if u.concurrency == 1}
+    waves = {u.config.name for u in units if u.concurrency == 2}
+    assert one == {"target-only", "fixed-k2", "fixed-k2/v64"}
+    assert waves == one | {"target-only/batcher-off", "fixed-k2/batcher-off", "fixed-k2/v64/batcher-off"}
+    # --concurrency-configs by base name takes every head and batcher variant
+    units = schedule(_plan(configs=configs, repeats=1, conditions=[NetworkCondition("direct")],
+                           concurrency_configs=["fixed-k2"]))
+    assert {u.config.name for u in units if u.concurrency == 2} == {"fixed-k2", "fixed-k2/v64", "fixed-k2/batcher-off",
+                                                                  "fixed-k2/v64/batcher-off"}
+
+
+def test_draft_vocab_and_batcher_flags_are_checked():
+    import argparse
+
+    from specdec.cli.bench_options import UsageError, resolve
+
+    def args(**over):
+        kw = dict(quick=False, max_tokens=8, prompts=None, chat_prompts=None, token_prompts=2, token_prompt_len=8,
+                  num_draft_tokens=[2], policies=["fixed"], baselines=["service"], temperatures=[0.0],
+                  concurrency=[1, 2], repeats=1, concurrency_configs=None, threads=1, rtt_ms=None, draft_rtt_ms=None,
+                  target_rtt_ms=None, jitter_ms=0.0, device="cpu", draft_device=None, target_device=None,
+                  pair="tiny", draft=None, target=None, draft_vocab=[0], batcher=["on"])
+        kw.update(over)
+        return argparse.Namespace(**kw)
+
+    o = resolve(args(draft_vocab=[0, 64], batcher=["on", "off"], concurrency_configs=["fixed-k2/v64"]))
+    assert o["draft_vocabs"] == [0, 64] and o["batching"] == [True, False]
+    assert "fixed-k2/v64/batcher-off" in [c.name for c in o["configs"]]
+    for bad, match in (({"draft_vocab": [-1]}, ">= 0"), ({"draft_vocab": [64, 64]}, "twice"),
+                       ({"batcher": ["off", "off"]}, "twice"),
+                       ({"batcher": ["on", "off"], "concurrency": [1]}, "concurrency"),
+                       ({"concurrency_configs": ["fixed-k2/v64"]}, "no service config")):
+        with pytest.raises(UsageError, match=match):
+            resolve(args(**bad))
 
 
 # ------------------------------------------------------- records and runs
