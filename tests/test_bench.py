@@ -272,9 +272,14 @@ def test_user_errors_exit_2_with_one_line(tmp_path, capsys):
 def tiny_pair_dirs(tmp_path_factory):
     from tests.conftest import tiny_model
 
+    from specdec.engine.draft_vocab import save_ranking
+
     root = tmp_path_factory.mktemp("bench-pair")
     tiny_model("llama", seed=3, init_range=0.2).save_pretrained(root / "target")
-    tiny_model("llama", seed=3, init_range=0.2, layers=1).save_pretrained(root / "draft")
+    draft = tiny_model("llama", seed=3, init_range=0.2, layers=1)
+    draft.save_pretrained(root / "draft")
+    vocab = draft.config.vocab_size  # a ranking for --draft-vocab (no tokenizer: its fingerprint is the size)
+    save_ranking(root / "draft", list(range(vocab))[::-1], f"untokenized-vocab-{vocab}", "test", vocab)
     return str(root / "draft"), str(root / "target")
 
 
@@ -309,7 +314,9 @@ def test_bench_end_to_end_on_a_tiny_pair(tiny_pair_dirs, tmp_path, capsys):
     rc = main(["bench", "--draft", draft, "--target", target, "--dtype", "float32", "--threads", "1",
                "--token-prompts", "2", "--token-prompt-len", "8", "--max-tokens", "8", "--num-draft-tokens", "2", "3",
                "--policies", "fixed", "adaptive", "--temperatures", "0", "0.7", "--concurrency", "1", "2",
-               "--repeats", "1", *network, "--out", str(out), "--no-progress"])
+               "--repeats", "1", "--draft-vocab", "0", "64", "--batcher", "on", "off",
+               "--concurrency-configs", "target-only", "fixed-k2", *network, "--out", str(out),
+               "--no-progress"])
     printed = capsys.readouterr().out
     assert rc == 0
     assert "## Goals" in printed and str(out) in printed
@@ -317,10 +324,16 @@ def test_bench_end_to_end_on_a_tiny_pair(tiny_pair_dirs, tmp_path, capsys):
     runs = report.read_jsonl(out / "runs.jsonl")
     keys = {(r["config"], r["temperature"], r["concurrency"], r["network"]) for r in runs}
     nets = ["rtt 0 ms", "rtt 4 ms"] if network else ["direct"]
-    service = ["target-only", "fixed-k2", "fixed-k3", "adaptive"]
-    expected = {(c, t, n, net) for c in service for t in (0.0, 0.7) for n in (1, 2) for net in nets}
+    # each specdec config on both draft heads; the configs that run in waves also with the batcher off, only there
+    service = ["target-only", "fixed-k2", "fixed-k3", "adaptive", "fixed-k2/v64", "fixed-k3/v64", "adaptive/v64"]
+    waves = ["target-only", "fixed-k2", "fixed-k2/v64"]
+    expected = {(c, t, 1, net) for c in service for t in (0.0, 0.7) for net in nets}
+    expected |= {(c + off, t, 2, net) for c in waves for off in ("", "/batcher-off") for t in (0.0, 0.7) for net in nets}
     expected |= {(c, t, 1, nets[0]) for c in ("hf", "hf-assisted") for t in (0.0, 0.7)}
     assert keys == expected
+    heads = {r["config"]: (r["draft_vocab"], r["batching"]) for r in runs}
+    assert heads["fixed-k2"] == (0, True) and heads["fixed-k2/v64/batcher-off"] == (64, False)
+    assert heads["target-only"] == (None, True) and heads["hf"] == (None, None)
     assert all(r["errors"] == 0 for r in runs)
     assert all(r["machine"]["cores"] and r["models"]["target"] == target for r in runs)
     by = {(r["config"], r["temperature"], r["concurrency"], r["network"]): r for r in runs}
@@ -337,9 +350,9 @@ def test_bench_end_to_end_on_a_tiny_pair(tiny_pair_dirs, tmp_path, capsys):
     summary = (out / "summary.md").read_text()
     for heading in ("## Machine", "## Command", "## Goals", "## T=0 (greedy), one stream",
                     "## T=0.7 (sampled), one stream", "## Concurrency (aggregate tok/s)", "## Analytic bound",
-                    "## Projected speedup (greedy)", "## Projected speedup (T = 0.7)"):
+                    "## Projected speedup (greedy, draft head full)", "## Projected speedup (T = 0.7, draft head v64)"):
         assert heading in summary
-    assert summary.count("(projected) |") == 2 * 3 * 2  # 2 temperatures x 3 acceptances x 2 layouts
+    assert summary.count("(projected) |") == 2 * 2 * 3 * 2  # 2 heads x 2 temperatures x 3 acceptances x 2 layouts
     pngs = ["speedup_vs_k.png", "acceptance_per_position.png", "tokens_per_s_vs_concurrency.png",
             "projected_speedup.png", "tokens_per_s_per_config.png"]
     if network:
@@ -348,8 +361,16 @@ def test_bench_end_to_end_on_a_tiny_pair(tiny_pair_dirs, tmp_path, capsys):
     for name in pngs:
         assert (out / name).read_bytes().startswith(PNG_MAGIC), name
 
+    assert "| c=2 batcher off | batcher on / off |" in summary
+    assert "## Projected speedup (greedy, draft head v64)" in summary
+
     services = json.loads((out / "services.json").read_text())
-    assert {s["role"] for s in services} == {"target", "draft", "orchestrator"}
+    by_role = {s["role"]: s["command"] for s in services}
+    assert set(by_role) == {"target", "draft", "draft-v64", "orchestrator", "orchestrator-v64",
+                            "orchestrator-full-nobatch", "orchestrator-v64-nobatch"}
+    assert "--draft-vocab" not in by_role["draft"] and by_role["draft-v64"][-2:] == ["--draft-vocab", "64"]
+    assert [r for r, cmd in by_role.items() if "--no-batching" in cmd] == ["orchestrator-full-nobatch",
+                                                                           "orchestrator-v64-nobatch"]
     for s in services:
         assert not os.path.exists(f"/proc/{s['pid']}"), f"{s['role']} still running"
     assert _children_serving() == []
