@@ -132,11 +132,12 @@ def test_draft_vocab_and_batcher_flags_are_checked():
     from specdec.cli.bench_options import UsageError, resolve
 
     def args(**over):
-        kw = dict(quick=False, max_tokens=8, prompts=None, chat_prompts=None, token_prompts=2, token_prompt_len=8,
-                  num_draft_tokens=[2], policies=["fixed"], baselines=["service"], temperatures=[0.0],
-                  concurrency=[1, 2], repeats=1, concurrency_configs=None, threads=1, rtt_ms=None, draft_rtt_ms=None,
-                  target_rtt_ms=None, jitter_ms=0.0, device="cpu", draft_device=None, target_device=None,
-                  pair="tiny", draft=None, target=None, draft_vocab=[0], batcher=["on"])
+        kw = {"quick": False, "max_tokens": 8, "prompts": None, "chat_prompts": None, "token_prompts": 2,
+              "token_prompt_len": 8, "num_draft_tokens": [2], "policies": ["fixed"], "baselines": ["service"],
+              "temperatures": [0.0], "concurrency": [1, 2], "repeats": 1, "concurrency_configs": None, "threads": 1,
+              "rtt_ms": None, "draft_rtt_ms": None, "target_rtt_ms": None, "jitter_ms": 0.0, "device": "cpu",
+              "draft_device": None, "target_device": None, "pair": "tiny", "draft": None, "target": None,
+              "draft_vocab": [0], "batcher": ["on"]}
         kw.update(over)
         return argparse.Namespace(**kw)
 
@@ -146,7 +147,8 @@ def test_draft_vocab_and_batcher_flags_are_checked():
     for bad, match in (({"draft_vocab": [-1]}, ">= 0"), ({"draft_vocab": [64, 64]}, "twice"),
                        ({"batcher": ["off", "off"]}, "twice"),
                        ({"batcher": ["on", "off"], "concurrency": [1]}, "concurrency"),
-                       ({"concurrency_configs": ["fixed-k2/v64"]}, "no service config")):
+                       ({"concurrency_configs": ["fixed-k2/v64"]}, "no service config"),
+                       ({"draft_vocab": [0, 64], "policies": ["none"]}, "--policies")):
         with pytest.raises(UsageError, match=match):
             resolve(args(**bad))
 
@@ -270,9 +272,8 @@ def test_user_errors_exit_2_with_one_line(tmp_path, capsys):
 
 @pytest.fixture(scope="module")
 def tiny_pair_dirs(tmp_path_factory):
-    from tests.conftest import tiny_model
-
     from specdec.engine.draft_vocab import save_ranking
+    from tests.conftest import tiny_model
 
     root = tmp_path_factory.mktemp("bench-pair")
     tiny_model("llama", seed=3, init_range=0.2).save_pretrained(root / "target")

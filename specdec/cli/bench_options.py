@@ -127,6 +127,8 @@ def resolve(args: argparse.Namespace) -> dict:
     elif args.quick:  # target-only and one specdec config: the newest policy asked for, else the first
         spec = [c.base for c in o["configs"] if c.speculative]
         o["concurrency_configs"] = ["target-only"] + ([spec[-1]] if spec else [])
+    if len(o["draft_vocabs"]) > 1 and not any(c.speculative for c in o["configs"]):
+        raise UsageError("several --draft-vocab sizes compare specdec configs: add --policies")
     if len(o["batching"]) > 1 and max(o["concurrency"]) < 2:
         raise UsageError("--batcher on off compares the batcher under concurrency: add a --concurrency value above 1")
     o["conditions"] = network_conditions(args.rtt_ms, args.draft_rtt_ms, args.target_rtt_ms, args.jitter_ms)
