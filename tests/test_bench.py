@@ -17,10 +17,13 @@ from specdec.bench.runner import (
     NetworkCondition,
     Plan,
     Prompt,
+    Route,
     build_configs,
     mark_identity,
     network_conditions,
+    routes,
     schedule,
+    with_variants,
 )
 from specdec.cli.main import main
 
@@ -78,6 +81,76 @@ def test_schedule_interleaves_and_rotates():
     assert [u.id for u in units] == list(range(len(units)))
     restricted = schedule(_plan(concurrency_configs=["fixed-k2"]))
     assert {u.config.name for u in restricted if u.concurrency == 2} == {"fixed-k2"}
+
+
+def test_variants_per_draft_head_and_batcher_setting():
+    base = build_configs(["service", "hf-assisted"], [2], ["fixed", "goodput"])
+    # one head, batcher on: today's names, every config on the one route
+    same = with_variants(base, [16384], [True])
+    assert [c.name for c in same] == [c.name for c in base]
+    assert routes(same) == [Route(16384, True)] and not any(c.waves_only for c in same)
+    # two heads: each specdec config once per head; target-only and HF once
+    two = with_variants(base, [0, 16384], [True])
+    assert [c.name for c in two] == ["target-only", "hf-assisted", "fixed-k2", "fixed-k2/v16384", "goodput",
+                                     "goodput/v16384"]
+    by = {c.name: c for c in two}
+    assert by["fixed-k2/v16384"].route == Route(16384, True) and by["fixed-k2/v16384"].base == "fixed-k2"
+    assert by["fixed-k2/v16384"].request_kwargs() == by["fixed-k2"].request_kwargs()
+    assert by["target-only"].route == Route(0, True)
+    assert routes(two) == [Route(0, True), Route(16384, True)]
+    # batcher on and off: every service config also with it off, only in waves
+    both = with_variants(base, [0, 16384], [False, True])
+    off = [c for c in both if c.waves_only]
+    assert [c.name for c in off] == ["target-only/batcher-off", "fixed-k2/batcher-off",
+                                     "fixed-k2/v16384/batcher-off", "goodput/batcher-off", "goodput/v16384/batcher-off"]
+    assert all(not c.batching for c in off) and all(c.batching for c in both if c.kind == "service" and not c.waves_only)
+    assert set(routes(both)) == {Route(v, b) for v in (0, 16384) for b in (True, False)}
+    # batcher off alone: no suffix, runs at every concurrency
+    assert [c.name for c in with_variants(base, [0], [False])] == [c.name for c in base]
+    for heads, batching in (([0, 0], [True]), ([0], [True, True]), ([], [True])):
+        with pytest.raises(ValueError):
+            with_variants(base, heads, batching)
+
+
+def test_schedule_runs_batcher_off_variants_only_in_waves():
+    configs = with_variants(build_configs(["service"], [2], ["fixed"]), [0, 64], [True, False])
+    units = schedule(_plan(configs=configs, repeats=1, conditions=[NetworkCondition("direct")]))
+    one = {u.config.name for u in units if u.concurrency == 1}
+    waves = {u.config.name for u in units if u.concurrency == 2}
+    assert one == {"target-only", "fixed-k2", "fixed-k2/v64"}
+    assert waves == one | {"target-only/batcher-off", "fixed-k2/batcher-off", "fixed-k2/v64/batcher-off"}
+    # --concurrency-configs by base name takes every head and batcher variant
+    units = schedule(_plan(configs=configs, repeats=1, conditions=[NetworkCondition("direct")],
+                           concurrency_configs=["fixed-k2"]))
+    assert {u.config.name for u in units if u.concurrency == 2} == {"fixed-k2", "fixed-k2/v64", "fixed-k2/batcher-off",
+                                                                  "fixed-k2/v64/batcher-off"}
+
+
+def test_draft_vocab_and_batcher_flags_are_checked():
+    import argparse
+
+    from specdec.cli.bench_options import UsageError, resolve
+
+    def args(**over):
+        kw = {"quick": False, "max_tokens": 8, "prompts": None, "chat_prompts": None, "token_prompts": 2,
+              "token_prompt_len": 8, "num_draft_tokens": [2], "policies": ["fixed"], "baselines": ["service"],
+              "temperatures": [0.0], "concurrency": [1, 2], "repeats": 1, "concurrency_configs": None, "threads": 1,
+              "rtt_ms": None, "draft_rtt_ms": None, "target_rtt_ms": None, "jitter_ms": 0.0, "device": "cpu",
+              "draft_device": None, "target_device": None, "pair": "tiny", "draft": None, "target": None,
+              "draft_vocab": [0], "batcher": ["on"]}
+        kw.update(over)
+        return argparse.Namespace(**kw)
+
+    o = resolve(args(draft_vocab=[0, 64], batcher=["on", "off"], concurrency_configs=["fixed-k2/v64"]))
+    assert o["draft_vocabs"] == [0, 64] and o["batching"] == [True, False]
+    assert "fixed-k2/v64/batcher-off" in [c.name for c in o["configs"]]
+    for bad, match in (({"draft_vocab": [-1]}, ">= 0"), ({"draft_vocab": [64, 64]}, "twice"),
+                       ({"batcher": ["off", "off"]}, "twice"),
+                       ({"batcher": ["on", "off"], "concurrency": [1]}, "concurrency"),
+                       ({"concurrency_configs": ["fixed-k2/v64"]}, "no service config"),
+                       ({"draft_vocab": [0, 64], "policies": ["none"]}, "--policies")):
+        with pytest.raises(UsageError, match=match):
+            resolve(args(**bad))
 
 
 # ------------------------------------------------------- records and runs
@@ -199,11 +272,15 @@ def test_user_errors_exit_2_with_one_line(tmp_path, capsys):
 
 @pytest.fixture(scope="module")
 def tiny_pair_dirs(tmp_path_factory):
+    from specdec.engine.draft_vocab import save_ranking
     from tests.conftest import tiny_model
 
     root = tmp_path_factory.mktemp("bench-pair")
     tiny_model("llama", seed=3, init_range=0.2).save_pretrained(root / "target")
-    tiny_model("llama", seed=3, init_range=0.2, layers=1).save_pretrained(root / "draft")
+    draft = tiny_model("llama", seed=3, init_range=0.2, layers=1)
+    draft.save_pretrained(root / "draft")
+    vocab = draft.config.vocab_size  # a ranking for --draft-vocab (no tokenizer: its fingerprint is the size)
+    save_ranking(root / "draft", list(range(vocab))[::-1], f"untokenized-vocab-{vocab}", "test", vocab)
     return str(root / "draft"), str(root / "target")
 
 
@@ -238,7 +315,9 @@ def test_bench_end_to_end_on_a_tiny_pair(tiny_pair_dirs, tmp_path, capsys):
     rc = main(["bench", "--draft", draft, "--target", target, "--dtype", "float32", "--threads", "1",
                "--token-prompts", "2", "--token-prompt-len", "8", "--max-tokens", "8", "--num-draft-tokens", "2", "3",
                "--policies", "fixed", "adaptive", "--temperatures", "0", "0.7", "--concurrency", "1", "2",
-               "--repeats", "1", *network, "--out", str(out), "--no-progress"])
+               "--repeats", "1", "--draft-vocab", "0", "64", "--batcher", "on", "off",
+               "--concurrency-configs", "target-only", "fixed-k2", *network, "--out", str(out),
+               "--no-progress"])
     printed = capsys.readouterr().out
     assert rc == 0
     assert "## Goals" in printed and str(out) in printed
@@ -246,10 +325,16 @@ def test_bench_end_to_end_on_a_tiny_pair(tiny_pair_dirs, tmp_path, capsys):
     runs = report.read_jsonl(out / "runs.jsonl")
     keys = {(r["config"], r["temperature"], r["concurrency"], r["network"]) for r in runs}
     nets = ["rtt 0 ms", "rtt 4 ms"] if network else ["direct"]
-    service = ["target-only", "fixed-k2", "fixed-k3", "adaptive"]
-    expected = {(c, t, n, net) for c in service for t in (0.0, 0.7) for n in (1, 2) for net in nets}
+    # each specdec config on both draft heads; the configs that run in waves also with the batcher off, only there
+    service = ["target-only", "fixed-k2", "fixed-k3", "adaptive", "fixed-k2/v64", "fixed-k3/v64", "adaptive/v64"]
+    waves = ["target-only", "fixed-k2", "fixed-k2/v64"]
+    expected = {(c, t, 1, net) for c in service for t in (0.0, 0.7) for net in nets}
+    expected |= {(c + off, t, 2, net) for c in waves for off in ("", "/batcher-off") for t in (0.0, 0.7) for net in nets}
     expected |= {(c, t, 1, nets[0]) for c in ("hf", "hf-assisted") for t in (0.0, 0.7)}
     assert keys == expected
+    heads = {r["config"]: (r["draft_vocab"], r["batching"]) for r in runs}
+    assert heads["fixed-k2"] == (0, True) and heads["fixed-k2/v64/batcher-off"] == (64, False)
+    assert heads["target-only"] == (None, True) and heads["hf"] == (None, None)
     assert all(r["errors"] == 0 for r in runs)
     assert all(r["machine"]["cores"] and r["models"]["target"] == target for r in runs)
     by = {(r["config"], r["temperature"], r["concurrency"], r["network"]): r for r in runs}
@@ -266,9 +351,9 @@ def test_bench_end_to_end_on_a_tiny_pair(tiny_pair_dirs, tmp_path, capsys):
     summary = (out / "summary.md").read_text()
     for heading in ("## Machine", "## Command", "## Goals", "## T=0 (greedy), one stream",
                     "## T=0.7 (sampled), one stream", "## Concurrency (aggregate tok/s)", "## Analytic bound",
-                    "## Projected speedup (greedy)", "## Projected speedup (T = 0.7)"):
+                    "## Projected speedup (greedy, draft head full)", "## Projected speedup (T = 0.7, draft head v64)"):
         assert heading in summary
-    assert summary.count("(projected) |") == 2 * 3 * 2  # 2 temperatures x 3 acceptances x 2 layouts
+    assert summary.count("(projected) |") == 2 * 2 * 3 * 2  # 2 heads x 2 temperatures x 3 acceptances x 2 layouts
     pngs = ["speedup_vs_k.png", "acceptance_per_position.png", "tokens_per_s_vs_concurrency.png",
             "projected_speedup.png", "tokens_per_s_per_config.png"]
     if network:
@@ -277,8 +362,16 @@ def test_bench_end_to_end_on_a_tiny_pair(tiny_pair_dirs, tmp_path, capsys):
     for name in pngs:
         assert (out / name).read_bytes().startswith(PNG_MAGIC), name
 
+    assert "| c=2 batcher off | batcher on / off |" in summary
+    assert "## Projected speedup (greedy, draft head v64)" in summary
+
     services = json.loads((out / "services.json").read_text())
-    assert {s["role"] for s in services} == {"target", "draft", "orchestrator"}
+    by_role = {s["role"]: s["command"] for s in services}
+    assert set(by_role) == {"target", "draft", "draft-v64", "orchestrator", "orchestrator-v64",
+                            "orchestrator-full-nobatch", "orchestrator-v64-nobatch"}
+    assert "--draft-vocab" not in by_role["draft"] and by_role["draft-v64"][-2:] == ["--draft-vocab", "64"]
+    assert [r for r, cmd in by_role.items() if "--no-batching" in cmd] == ["orchestrator-full-nobatch",
+                                                                           "orchestrator-v64-nobatch"]
     for s in services:
         assert not os.path.exists(f"/proc/{s['pid']}"), f"{s['role']} still running"
     assert _children_serving() == []

@@ -60,7 +60,8 @@ def summarize_run(records: list[dict]) -> dict:
     per_repeat = [_repeat_figures(rs) for _, rs in sorted(by_repeat.items())]
     run = {
         "config": first["config"], "kind": first["kind"], "policy": first["policy"], "k": first["k"],
-        "pipeline": first["pipeline"], "temperature": first["temperature"], "concurrency": first["concurrency"],
+        "pipeline": first["pipeline"], "draft_vocab": first.get("draft_vocab"), "batching": first.get("batching"),
+        "temperature": first["temperature"], "concurrency": first["concurrency"],
         "network": first["network"], "draft_rtt_ms": first["draft_rtt_ms"], "target_rtt_ms": first["target_rtt_ms"],
         "jitter_ms": first["jitter_ms"], "max_tokens": first["max_tokens"],
         "repeats": len(by_repeat), "prompts": len({r["prompt_index"] for r in records}),

@@ -17,11 +17,20 @@ LAYOUT_LABELS = {"one-gpu": "both models on one device, sequential rounds",
                  "two-gpus-pipelined": "separate devices, pipelined drafting"}
 
 
-def _fixed_runs(runs: list[dict], temperature: float) -> list[dict]:
+def _fixed_runs(runs: list[dict], temperature: float, head: int | None = None) -> list[dict]:
+    """The fixed-k runs of one draft head (default: the first one's; runs
+    from before heads were recorded have None)."""
     first_net = runs[0]["network"] if runs else None
-    return [r for r in runs if r["policy"] == "fixed" and not r["pipeline"] and r["concurrency"] == 1
-            and r["network"] == first_net and r["temperature"] == temperature and r.get("bound")
-            and r["bound"].get("t_draft_s") is not None]
+    fixed = [r for r in runs if r["policy"] == "fixed" and not r["pipeline"] and r["concurrency"] == 1
+             and r["network"] == first_net and r["temperature"] == temperature and r.get("bound")
+             and r["bound"].get("t_draft_s") is not None]
+    head = draft_heads(fixed)[0] if head is None and fixed else head
+    return [r for r in fixed if r.get("draft_vocab") == head]
+
+
+def draft_heads(runs: list[dict]) -> list[int | None]:
+    """The draft heads the speculative runs used, in order (0: full)."""
+    return list(dict.fromkeys(r.get("draft_vocab") for r in runs if r["policy"] not in (None, "none")))
 
 
 def request_tokens(run: dict) -> int | None:
@@ -32,9 +41,11 @@ def request_tokens(run: dict) -> int | None:
     return max(1, round(run["completion_tokens"] / run["requests"]))
 
 
-def measured_costs(runs: list[dict], temperature: float) -> tuple[list[RoundCosts], float | None, int | None]:
-    """(round costs per measured k, target-only tokens/s, tokens per request) at one temperature."""
-    fixed = _fixed_runs(runs, temperature)
+def measured_costs(runs: list[dict], temperature: float,
+                   head: int | None = None) -> tuple[list[RoundCosts], float | None, int | None]:
+    """(round costs per measured k, target-only tokens/s, tokens per request)
+    at one temperature, with one draft head (default: the first)."""
+    fixed = _fixed_runs(runs, temperature, head)
     costs = [RoundCosts(int(r["k"]), r["bound"]["t_draft_s"], r["bound"]["t_verify_s"], r["bound"]["overhead_s"])
              for r in fixed]
     base = fixed[0]["target_only_tokens_per_s"] if fixed else None
@@ -46,11 +57,14 @@ def projection_markdown(runs: list[dict], alphas: list[float]) -> list[str]:
     """Summary lines: the projection table per temperature, and the check."""
     lines: list[str] = []
     temps = list(dict.fromkeys(r["temperature"] for r in runs))
-    for temp in temps:
-        costs, base, n = measured_costs(runs, temp)
+    heads = draft_heads(runs) or [None]
+    for temp, head in ((t, h) for t in temps for h in heads):
+        costs, base, n = measured_costs(runs, temp, head)
         if not costs or not base:
             continue
         label = "greedy" if temp == 0 else f"T = {temp:g}"
+        if len(heads) > 1:
+            label += ", draft head " + (f"v{head}" if head else "full")
         lines += [f"## Projected speedup ({label}): measured costs, assumed acceptance", "",
                   "**Projected, not measured**: E(α, k) = (1 − α^(k+1)) / (1 − α) tokens per round over the "
                   "round cost measured in this run, for requests of "
@@ -64,7 +78,7 @@ def projection_markdown(runs: list[dict], alphas: list[float]) -> list[str]:
         lines += ["| assumed α | layout | best k | projected tok/s | projected speedup |", "|---|---|---|---|---|"]
         lines += [f"| {p.alpha:g} | {p.layout} | {p.k} | {p.tokens_per_s:.2f} | **{p.speedup:.2f}x** (projected) |"
                   for p in rows] + [""]
-        checks = check_rows(runs, temp)
+        checks = check_rows(runs, temp, head)
         if checks:
             lines += ["Check: the same formula (one device) at the acceptance this run measured, against the "
                       "speedup it measured:", "",
@@ -74,9 +88,9 @@ def projection_markdown(runs: list[dict], alphas: list[float]) -> list[str]:
     return lines
 
 
-def check_rows(runs: list[dict], temperature: float) -> list[dict]:
+def check_rows(runs: list[dict], temperature: float, head: int | None = None) -> list[dict]:
     out = []
-    for r in _fixed_runs(runs, temperature):
+    for r in _fixed_runs(runs, temperature, head):
         alpha = r["bound"].get("alpha_hat")
         if alpha is None or not r.get("target_only_tokens_per_s") or not r.get("tokens_per_s"):
             continue
@@ -88,7 +102,8 @@ def check_rows(runs: list[dict], temperature: float) -> list[dict]:
 
 def projection_plot(runs: list[dict], out_dir: Path, alphas_grid=None) -> list[str]:
     """projected_speedup.png: projected speedup against acceptance, per
-    layout, at the best measured k, greedy (or the first temperature)."""
+    layout, at the best measured k, greedy (or the first temperature), with
+    the first draft head."""
     import matplotlib
 
     matplotlib.use("Agg")

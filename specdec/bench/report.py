@@ -57,7 +57,7 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 def _peak(run: dict) -> str:
     peaks = run.get("peak_mb") or {}
     if run["kind"] == SERVICE:
-        parts = [_f(peaks.get(role), 0) for role in ("target", "draft", "orchestrator")]
+        parts = [_f(peaks.get(role), 0) for role in ("target", *_route_services(run, peaks))]
         text = " / ".join(parts)
     else:
         text = f"bench {_f(peaks.get('bench'), 0)}"
@@ -65,6 +65,19 @@ def _peak(run: dict) -> str:
     if gpu:
         text += " (GPU " + ", ".join(f"{k} {v:.0f}" for k, v in gpu.items()) + ")"
     return text
+
+
+def _route_services(run: dict, peaks: dict) -> tuple[str, str]:
+    """The names of the draft and orchestrator services a run used: with
+    several heads or batcher settings the bench starts several (services.py
+    names them; the first of each is named plainly)."""
+    from specdec.bench.configs import Route
+    from specdec.bench.services import draft_name
+
+    head, batching = run.get("draft_vocab"), run.get("batching")
+    draft = draft_name(head, first=False) if head is not None else "draft"
+    orch = "orchestrator-" + Route(head or 0, batching is not False).name
+    return (draft if draft in peaks else "draft"), (orch if orch in peaks else "orchestrator")
 
 
 def _split(run: dict) -> str:
@@ -115,6 +128,39 @@ def main_rows(runs: list[dict]) -> list[list[str]]:
     return rows
 
 
+BATCHER_OFF = "/batcher-off"
+
+
+def concurrency_table(runs: list[dict], conc: list[int], network: str) -> tuple[list[str], list[list[str]]]:
+    """Aggregate tok/s per concurrency level for each service config that ran
+    at more than one; with `--batcher on off`, two more columns: the same
+    config at the highest level with the verify batcher off, and on / off."""
+    def tps(name: str, temp: float, c: int):
+        return next((r["tokens_per_s"] for r in runs if r["config"] == name and r["temperature"] == temp
+                     and r["concurrency"] == c and r["network"] == network), None)
+
+    off = any(r["config"].endswith(BATCHER_OFF) for r in runs)
+    top = conc[-1]
+    header = ["config", "temperature"] + [f"c={c}" for c in conc] + [f"c={top} / c=1"]
+    header += [f"c={top} batcher off", "batcher on / off"] if off else []
+    rows = []
+    for temp in dict.fromkeys(r["temperature"] for r in runs):
+        for name in dict.fromkeys(r["config"] for r in runs if r["kind"] == SERVICE):
+            by_c = {c: tps(name, temp, c) for c in conc}
+            if name.endswith(BATCHER_OFF) or sum(v is not None for v in by_c.values()) < 2:
+                continue
+            row = [name, _temp_label(temp)] + [_f(by_c[c]) for c in conc] + [_ratio(by_c[top], by_c[1])]
+            if off:
+                without = tps(name + BATCHER_OFF, temp, top)
+                row += [_f(without), _ratio(by_c[top], without)]
+            rows.append(row)
+    return header, rows
+
+
+def _ratio(a, b) -> str:
+    return _x(a / b) if a and b else "-"
+
+
 def summary_markdown(runs: list[dict], *, meta: dict) -> str:
     """The whole summary.md. meta: machine, command, settings, models, skipped,
     out_dir, wall_s, interrupted, notes."""
@@ -150,19 +196,7 @@ def summary_markdown(runs: list[dict], *, meta: dict) -> str:
     conc = sorted({r["concurrency"] for r in runs})
     if len(conc) > 1:
         lines += ["## Concurrency (aggregate tok/s)", ""]
-        header = ["config", "temperature"] + [f"c={c}" for c in conc] + [f"c={conc[-1]} / c=1"]
-        rows = []
-        for temp in dict.fromkeys(r["temperature"] for r in runs):
-            for name in dict.fromkeys(r["config"] for r in runs if r["kind"] == SERVICE):
-                by_c = {r["concurrency"]: r for r in runs if r["config"] == name and r["temperature"] == temp
-                        and r["network"] == first_net}
-                if len(by_c) < 2:
-                    continue
-                top, one = by_c.get(conc[-1]), by_c.get(1)
-                rows.append([name, _temp_label(temp)] + [_f(by_c[c]["tokens_per_s"]) if c in by_c else "-" for c in conc]
-                            + [_x(top["tokens_per_s"] / one["tokens_per_s"]) if top and one and top["tokens_per_s"]
-                               and one["tokens_per_s"] else "-"])
-        lines += _table(header, rows) + [""]
+        lines += _table(*concurrency_table(runs, conc, first_net)) + [""]
 
     nets = list(dict.fromkeys(r["network"] for r in runs))
     if len(nets) > 1:

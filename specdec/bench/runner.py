@@ -1,7 +1,7 @@
 """What the benchmark runs, in which order, and the per-request records.
 
-A *config* is one way of decoding (target-only through the services, plain
-HF generate, HF assisted generation, specdec with a policy). A *unit* is one
+A *config* is one way of decoding (configs.py), each service config with its
+route (the orchestrator of its draft head and batcher setting). A *unit* is one
 measured piece of work: one request at concurrency 1, or a wave of requests
 sent by c client threads at once. The schedule interleaves configs so a
 drifting machine does not favour one of them:
@@ -11,6 +11,7 @@ drifting machine does not favour one of them:
         for each temperature:
           concurrency 1:  for each prompt: every config, in an order rotated
                           by (repeat + prompt index)
+          (configs that run only in waves, batcher off, are left out)
           concurrency c:  every service config (rotated by repeat), one wave
                           each: the prompts, cycled up to a multiple of c,
                           pulled from one queue by c client threads
@@ -27,69 +28,24 @@ import threading
 import time
 from typing import Callable, Sequence
 
-SERVICE, HF, HF_STATIC, HF_ASSISTED = "service", "hf", "hf-static", "hf-assisted"
-BASELINES = (SERVICE, HF, HF_STATIC, HF_ASSISTED)
-TARGET_ONLY = "target-only"
-PIPELINE_SUFFIX = "-pipeline"
+from specdec.bench.configs import (  # noqa: F401 - re-exported: the bench's config vocabulary
+    BASELINES,
+    HF,
+    HF_ASSISTED,
+    HF_STATIC,
+    PIPELINE_SUFFIX,
+    SERVICE,
+    TARGET_ONLY,
+    BenchConfig,
+    Route,
+    build_configs,
+    routes,
+    with_variants,
+)
+
 # Errors that mean "this orchestrator does not support the config" (an unknown
 # policy, say): the config is skipped for the rest of the run.
 UNSUPPORTED_CODES = ("INVALID_ARGUMENT", "UNIMPLEMENTED")
-
-
-@dataclasses.dataclass(frozen=True)
-class BenchConfig:
-    """One way of decoding. policy "none" is target-only through the services."""
-
-    name: str
-    kind: str
-    policy: str = ""
-    k: int | None = None
-    pipeline: bool = False
-
-    @property
-    def speculative(self) -> bool:
-        return self.kind == SERVICE and self.policy != "none"
-
-    def request_kwargs(self) -> dict:
-        """Keyword arguments for `Client.generate` (service configs)."""
-        if self.policy == "none":
-            return {"speculate": False}
-        kwargs = {"policy": self.policy, "pipeline": self.pipeline}
-        if self.k:
-            kwargs["num_draft_tokens"] = self.k
-        return kwargs
-
-    def to_json(self) -> dict:
-        return dataclasses.asdict(self)
-
-
-def build_configs(baselines: Sequence[str], ks: Sequence[int], policies: Sequence[str]) -> list[BenchConfig]:
-    """The configs to run. Policies are names the orchestrator knows
-    ("fixed" expands to one config per k); a "-pipeline" suffix asks for
-    pipelined drafting (e.g. "goodput-pipeline"). Other policies start from
-    the server's default k."""
-    configs: list[BenchConfig] = []
-    if SERVICE in baselines:
-        configs.append(BenchConfig(TARGET_ONLY, SERVICE, "none"))
-    if HF in baselines:
-        configs.append(BenchConfig("hf", HF))
-    if HF_STATIC in baselines:
-        configs.append(BenchConfig("hf-static", HF_STATIC))
-    if HF_ASSISTED in baselines:
-        configs.append(BenchConfig("hf-assisted", HF_ASSISTED))
-    for spec in policies:
-        pipeline = spec.endswith(PIPELINE_SUFFIX)
-        policy = spec[: -len(PIPELINE_SUFFIX)] if pipeline else spec
-        suffix = PIPELINE_SUFFIX if pipeline else ""
-        if policy == "fixed":
-            configs += [BenchConfig(f"fixed-k{k}{suffix}", SERVICE, "fixed", k, pipeline) for k in ks]
-        else:
-            configs.append(BenchConfig(spec, SERVICE, policy, None, pipeline))
-    names = [c.name for c in configs]
-    duplicates = sorted({n for n in names if names.count(n) > 1})
-    if duplicates:
-        raise ValueError(f"configs listed twice: {', '.join(duplicates)}")
-    return configs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,13 +131,20 @@ def _rotate(items: Sequence, by: int) -> list:
     return list(items[by:]) + list(items[:by])
 
 
+def runs_in_waves(cfg: BenchConfig, concurrency_configs: Sequence[str] | None) -> bool:
+    """Whether a service config also runs at concurrency > 1: all do when no
+    list is given; a listed name matches the config's full name or its base
+    name (then every head and batcher variant of it runs)."""
+    return concurrency_configs is None or cfg.name in concurrency_configs or cfg.base in concurrency_configs
+
+
 def schedule(plan: Plan) -> list[Unit]:
     """Every unit in the order they run (see the module docstring)."""
     units: list[Unit] = []
     for ci, _cond in enumerate(plan.conditions):
         configs = [c for c in plan.configs if c.kind == SERVICE or ci == 0]
-        wave_configs = [c for c in configs if c.kind == SERVICE
-                        and (plan.concurrency_configs is None or c.name in plan.concurrency_configs)]
+        wave_configs = [c for c in configs if c.kind == SERVICE and runs_in_waves(c, plan.concurrency_configs)]
+        configs = [c for c in configs if not c.waves_only]
         for rep in range(plan.repeats):
             for temp in plan.temperatures:
                 for conc in plan.concurrency:
@@ -263,7 +226,7 @@ class Runner:
         self.log = log
         self.records: list[dict] = []
         self.skipped: dict[str, str] = {}
-        self._clients: list = []
+        self._clients: dict = {}  # (route, i) -> Client
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------ public
@@ -274,10 +237,11 @@ class Runner:
         prompt = self.plan.prompts[0]
         kinds = {c.kind for c in self.plan.configs}
         if SERVICE in kinds and self.services is not None:
-            spec = next((c for c in self.plan.configs if c.speculative), None)
-            for cfg in [BenchConfig(TARGET_ONLY, SERVICE, "none")] + ([BenchConfig("warm-up", SERVICE, "fixed", 2)]
-                                                                      if spec else []):
-                _service_request(self._client(0), cfg, prompt, 0.0, 4)
+            for route in routes(self.plan.configs):
+                spec = any(c.speculative and c.route == route for c in self.plan.configs)
+                for cfg in [BenchConfig(TARGET_ONLY, SERVICE, "none")] + ([BenchConfig("warm-up", SERVICE, "fixed", 2)]
+                                                                          if spec else []):
+                    _service_request(self._client(route, 0), cfg, prompt, 0.0, 4)
         if self.hf is not None:
             for kind in (HF, HF_STATIC, HF_ASSISTED):
                 if kind in kinds:  # a static cache compiles here, not in a measured request
@@ -306,19 +270,21 @@ class Runner:
                     self._keep(record)
         finally:
             bar.close()
-            for client in self._clients:
+            for client in self._clients.values():
                 client.close()
-            self._clients = []
+            self._clients = {}
         return self.records
 
     # ----------------------------------------------------------- helpers
 
-    def _client(self, i: int):
+    def _client(self, route: Route, i: int):
+        """Client i of the orchestrator serving `route` (made once)."""
         from orchestrator.client import Client
 
-        while len(self._clients) <= i:
-            self._clients.append(Client(self.services.orchestrator_address, timeout_s=self.request_timeout_s))
-        return self._clients[i]
+        if (route, i) not in self._clients:
+            self._clients[(route, i)] = Client(self.services.address_of(route),
+                                               timeout_s=self.request_timeout_s)
+        return self._clients[(route, i)]
 
     def _keep(self, record: dict) -> None:
         self.records.append(record)
@@ -337,7 +303,7 @@ class Runner:
             bytes_before = self.services.proxy_bytes()
             start = time.perf_counter()
             if unit.concurrency == 1:
-                results = [_service_request(self._client(0), cfg, unit.jobs[0], unit.temperature,
+                results = [_service_request(self._client(cfg.route, 0), cfg, unit.jobs[0], unit.temperature,
                                             self.plan.max_tokens)]
                 bar.update(1)
             else:
@@ -361,7 +327,8 @@ class Runner:
             n = len(res["token_ids"])
             records.append({
                 "unit": unit.id, "config": cfg.name, "kind": cfg.kind, "policy": cfg.policy or None, "k": cfg.k,
-                "pipeline": cfg.pipeline, "temperature": unit.temperature, "concurrency": unit.concurrency,
+                "pipeline": cfg.pipeline, "draft_vocab": cfg.draft_vocab if cfg.speculative else None,
+                "batching": cfg.batching if cfg.kind == SERVICE else None, "temperature": unit.temperature, "concurrency": unit.concurrency,
                 **cond.to_json(), "repeat": unit.repeat, "prompt_index": prompt.index, "prompt_kind": prompt.kind,
                 "prompt_tokens": len(prompt.token_ids), "seed": prompt.seed, "max_tokens": self.plan.max_tokens,
                 "ok": res["ok"], "error": res["error"], "error_code": res["error_code"],
@@ -382,7 +349,7 @@ class Runner:
         results: list[dict] = []
 
         def worker(i: int) -> None:
-            client = self._client(i)
+            client = self._client(unit.config.route, i)
             while True:
                 try:
                     prompt = jobs.get_nowait()
@@ -395,7 +362,7 @@ class Runner:
                     bar.update(1)
 
         for i in range(unit.concurrency):  # channels exist before the clock starts
-            self._client(i)
+            self._client(unit.config.route, i)
         with concurrent.futures.ThreadPoolExecutor(unit.concurrency) as pool:
             for f in [pool.submit(worker, i) for i in range(unit.concurrency)]:
                 f.result()

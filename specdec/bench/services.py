@@ -1,5 +1,6 @@
-"""The three services as child processes, latency proxies between them, and
-memory probes.
+"""The services as child processes, latency proxies between them, and
+memory probes: one target, one draft per draft head, one orchestrator per
+route (draft head x verify batcher setting).
 
 Each role runs as `python -m specdec.cli.main serve ROLE --port 0 ...`, as
 `specd up` runs them; the port the server picked is read from its log line
@@ -18,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+from specdec.bench.configs import Route
 from specdec.processes import stop_processes, wait_serving
 
 _LISTENING = re.compile(r"listening on [^\s]*:(\d+)")
@@ -146,7 +148,18 @@ class ServiceOptions:
     tokenizer: str = ""
     startup_timeout_s: float = 900.0
     max_context: int = 4096
-    draft_vocab: int = 0  # the draft's output head over its N most frequent ids (0: all)
+    # One draft service per head: its output head over the N most frequent ids (0: all).
+    draft_vocabs: tuple[int, ...] = (0,)
+
+
+def draft_name(vocab: int, first: bool) -> str:
+    """The first draft service is "draft"; others are named by their head."""
+    return "draft" if first else f"draft-{'full' if vocab == 0 else f'v{vocab}'}"
+
+
+def _kind(name: str) -> str:
+    """A service's role from its name ("draft-v16384" -> "draft")."""
+    return name.split("-", 1)[0]
 
 
 class ServiceSet:
@@ -169,6 +182,7 @@ class ServiceSet:
         self.env = env
         self.services: dict[str, Service] = {}
         self.proxies: dict[str, object] = {}
+        self.orchestrators: dict[tuple[int, bool], str] = {}  # (draft head, batching) -> service name
 
     # ---------------------------------------------------------- lifecycle
 
@@ -179,34 +193,40 @@ class ServiceSet:
         common = ["--dtype", o.dtype, "--threads", str(o.threads), "--max-context", str(o.max_context)]
         self.services["target"] = spawn_role("target", ["--model", o.target, "--device", o.target_device, *common],
                                          self.log_dir, self.env)
-        head = ["--draft-vocab", str(o.draft_vocab)] if o.draft_vocab else []
-        self.services["draft"] = spawn_role("draft", ["--model", o.draft, "--device", o.draft_device, *common, *head],
-                                        self.log_dir, self.env)
-        for role in ("target", "draft"):
+        for i, vocab in enumerate(o.draft_vocabs):
+            head = ["--draft-vocab", str(vocab)] if vocab else []
+            name = draft_name(vocab, i == 0)
+            self.services[name] = spawn_role("draft", ["--model", o.draft, "--device", o.draft_device, *common,
+                                                       *head], self.log_dir, self.env, name=name)
+        for role in self._model_roles():
             self.services[role].port = read_port(self.services[role], 120.0)
+
+    def _model_roles(self) -> list[str]:
+        return ["target"] + [draft_name(v, i == 0) for i, v in enumerate(self.opts.draft_vocabs)]
 
     def wait_models(self) -> None:
         procs = [s.proc for s in self.services.values()]
-        for role in ("target", "draft"):
+        for role in self._model_roles():
             try:
                 wait_serving(self.services[role].port, procs, self.opts.startup_timeout_s)
             except RuntimeError as exc:
                 raise RuntimeError(f"{exc}\n{self._tails()}") from None
 
     def start_proxies(self, delay_ms: dict[str, float], jitter_ms: float = 0.0) -> None:
-        """A LatencyProxy in front of each model service (one-way delay per role);
-        imported only when network conditions are asked for."""
+        """A LatencyProxy in front of each model service (one-way delay per
+        role, "draft" for every draft head); imported only when network
+        conditions are asked for."""
         from specdec.latency_proxy import LatencyProxy
 
-        for role in ("target", "draft"):
-            proxy = LatencyProxy(upstream=self.services[role].address, delay_ms=delay_ms[role],
+        for role in self._model_roles():
+            proxy = LatencyProxy(upstream=self.services[role].address, delay_ms=delay_ms[_kind(role)],
                                  jitter_ms=jitter_ms, bandwidth_mbps=0.0)
             proxy.start()
             self.proxies[role] = proxy
 
     def set_delays(self, delay_ms: dict[str, float]) -> None:
         for role, proxy in self.proxies.items():
-            proxy.set_delay(delay_ms[role])
+            proxy.set_delay(delay_ms[_kind(role)])
 
     def proxy_bytes(self) -> int | None:
         """Bytes the proxies have forwarded so far, both directions, both services."""
@@ -214,33 +234,53 @@ class ServiceSet:
             return None
         return int(sum(getattr(p, "bytes_up", 0) + getattr(p, "bytes_down", 0) for p in self.proxies.values()))
 
-    def start_orchestrator(self, extra: list[str] | tuple[str, ...] = ()) -> None:
-        """extra: more `specd serve orchestrator` flags."""
+    def start_orchestrator(self, extra: list[str] | tuple[str, ...] = (), routes: list[Route] | None = None) -> None:
+        """One orchestrator per route (the draft head it talks to, its verify
+        batcher on or off; default: the first head, batcher on). The first is named
+        "orchestrator". extra: more `specd serve orchestrator` flags."""
+        routes = list(routes) if routes else [Route(self.opts.draft_vocabs[0], True)]
+        heads = {v: draft_name(v, i == 0) for i, v in enumerate(self.opts.draft_vocabs)}
 
         def upstream(role: str) -> str:
             proxy = self.proxies.get(role)
             return proxy.address if proxy is not None else self.services[role].address
 
-        args = ["--draft", upstream("draft"), "--target", upstream("target"),
-                "--rpc-timeout-s", "600", "--max-tokens-limit", "100000"]
-        if self.opts.tokenizer:
-            args += ["--tokenizer", self.opts.tokenizer]
-        args += list(extra)
-        orch = spawn_role("orchestrator", args, self.log_dir, self.env)
-        self.services["orchestrator"] = orch
-        orch.port = read_port(orch, 120.0)
-        try:
-            wait_serving(orch.port, [s.proc for s in self.services.values()], self.opts.startup_timeout_s)
-        except RuntimeError as exc:
-            raise RuntimeError(f"{exc}\n{self._tails()}") from None
+        started = []
+        for i, route in enumerate(routes):
+            if route.draft_vocab not in heads:
+                raise ValueError(f"no draft service with head {route.draft_vocab}")
+            args = ["--draft", upstream(heads[route.draft_vocab]), "--target", upstream("target"),
+                    "--rpc-timeout-s", "600", "--max-tokens-limit", "100000"]
+            if self.opts.tokenizer:
+                args += ["--tokenizer", self.opts.tokenizer]
+            if not route.batching:
+                args.append("--no-batching")
+            args += list(extra)
+            name = "orchestrator" if i == 0 else f"orchestrator-{route.name}"
+            orch = spawn_role("orchestrator", args, self.log_dir, self.env, name=name)
+            self.services[name] = orch
+            self.orchestrators[(route.draft_vocab, route.batching)] = name
+            started.append(orch)
+        for orch in started:
+            orch.port = read_port(orch, 120.0)
+            try:
+                wait_serving(orch.port, [s.proc for s in self.services.values()], self.opts.startup_timeout_s)
+            except RuntimeError as exc:
+                raise RuntimeError(f"{exc}\n{self._tails()}") from None
 
     @property
     def orchestrator_address(self) -> str:
+        """The first orchestrator's address."""
         return self.services["orchestrator"].address
 
+    def address_of(self, route: Route) -> str:
+        """The address of the orchestrator started for `route`."""
+        return self.services[self.orchestrators[(route.draft_vocab, route.batching)]].address
+
     def stop(self) -> None:
-        """Stop every process this set started (orchestrator first) and the proxies."""
-        stop_processes([self.services[r].proc for r in ("orchestrator", "draft", "target") if r in self.services])
+        """Stop every process this set started (orchestrators first) and the proxies."""
+        order = sorted(self.services, key=lambda name: (_kind(name) != "orchestrator", _kind(name) != "draft"))
+        stop_processes([self.services[name].proc for name in order])
         for proxy in self.proxies.values():
             try:
                 proxy.stop()

@@ -24,7 +24,7 @@ import threading
 import time
 from pathlib import Path
 
-from specdec.bench.runner import BASELINES, HF, HF_ASSISTED, HF_STATIC, SERVICE
+from specdec.bench.runner import BASELINES, HF, HF_ASSISTED, HF_STATIC, SERVICE, routes
 from specdec.cli.bench_options import SYNTH_PAIRS, UsageError, build_prompts, resolve, use_tiny_pair
 from specdec.models.catalog import DEFAULT_PAIR
 
@@ -44,9 +44,13 @@ def register(sub) -> None:
     g.add_argument("--draft-device", default=None, help="the draft's device (default --device)")
     g.add_argument("--target-device", default=None, help="the target's device (default --device)")
     g.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"))
-    g.add_argument("--draft-vocab", type=int, default=0,
+    g.add_argument("--draft-vocab", type=int, nargs="+", default=[0], metavar="N",
                    help="the draft service's output head over its N most frequent ids (specd models rank-vocab; "
-                        "0: the full head)")
+                        "0: the full head). Several sizes: one draft service each, and every specdec config runs "
+                        "against each head, named NAME/vN (NAME alone: the full head)")
+    g.add_argument("--batcher", nargs="+", choices=("on", "off"), default=["on"],
+                   help="the orchestrator's verify batcher. 'on off': the service configs that run at "
+                        "concurrency > 1 also run there with it off (one more orchestrator), named NAME/batcher-off")
     g.add_argument("--threads", type=int, default=0, help="CPU threads per model service and for the HF "
                                                           "baselines (0: torch's default)")
     g = p.add_argument_group("what to run (--quick sets small defaults; explicit flags win)")
@@ -189,8 +193,9 @@ def _measure(args, o: dict, plan, out_dir: Path) -> tuple:
 
 
 def _service_set(args, o: dict, out_dir: Path):
-    """The three services as child processes (not started yet); None when
-    no config uses them."""
+    """The services as child processes (not started yet): the target, one
+    draft per draft head, one orchestrator per route; None when no config
+    uses them."""
     if not o["uses_services"]:
         return None
     from specdec.bench.services import ServiceOptions, ServiceSet
@@ -198,7 +203,7 @@ def _service_set(args, o: dict, out_dir: Path):
     return ServiceSet(ServiceOptions(draft=o["draft_dir"], target=o["target_dir"], draft_device=o["draft_device"],
                                      target_device=o["target_device"], dtype=args.dtype, threads=args.threads,
                                      tokenizer=o["target_dir"], startup_timeout_s=args.startup_timeout,
-                                     draft_vocab=args.draft_vocab),
+                                     draft_vocabs=tuple(o["draft_vocabs"])),
                       out_dir / "logs")
 
 
@@ -235,7 +240,7 @@ def _interrupted_by_signals():
 def _start(services, args, o: dict, out_dir: Path):
     """Start the services' models, load the HF baselines in this process
     while they load, then bring the services up: proxies (under the first
-    network condition) and the orchestrator. Returns the HF baselines, None
+    network condition) and the orchestrators (one per route). Returns the HF baselines, None
     when no config needs them."""
     if services is not None:
         _log(f"specd bench: starting the services (logs in {out_dir / 'logs'})...")
@@ -246,7 +251,7 @@ def _start(services, args, o: dict, out_dir: Path):
         first = o["conditions"][0]
         if any(c.proxied for c in o["conditions"]):
             services.start_proxies(first.one_way_delays_ms(), first.jitter_ms)
-        services.start_orchestrator()
+        services.start_orchestrator(routes=routes(o["configs"]))
         (out_dir / "services.json").write_text(json.dumps(services.describe(), indent=2) + "\n")
     return hf
 
@@ -290,6 +295,7 @@ def _write_results(args, o: dict, prompts: list, runner, interrupted: bool, mach
     dtypes = _dtypes(args, o)
     extra = {"machine": machine, "command": command, "models": {"draft": o["draft"], "target": o["target"],
              "draft_device": o["draft_device"], "target_device": o["target_device"], "dtype": dtypes,
+             "draft_vocabs": o["draft_vocabs"],
              "threads": args.threads}, "started_utc": dt.datetime.fromtimestamp(started, dt.timezone.utc).isoformat()}
     runs = build_runs(records, extra)
     report.write_jsonl(out_dir / "runs.jsonl", runs)
@@ -326,8 +332,22 @@ def _settings(args, o: dict, prompts: list) -> dict:
 
 def _models(args, o: dict, dtypes: dict) -> dict:
     return {"draft": f"{o['draft']} on {o['draft_device']}, {dtypes['draft']}",
+            "draft heads": _heads_label(o["draft_vocabs"]), "verify batcher": _batcher_label(o["batching"]),
             "target": f"{o['target']} on {o['target_device']}, {dtypes['target']}",
             "threads per service": args.threads or "torch default"}
+
+
+def _heads_label(heads: list[int]) -> str:
+    """The draft heads and, with several, how the configs on each are named."""
+    several = len(heads) > 1
+    return ", ".join((f"{v} most frequent ids" + (f" (NAME/v{v})" if several else "")) if v
+                     else "full" + (" (NAME)" if several else "") for v in heads)
+
+
+def _batcher_label(settings: list[bool]) -> str:
+    if len(settings) == 1:
+        return "on" if settings[0] else "off"
+    return "on (NAME), and off at concurrency > 1 (NAME/batcher-off)"
 
 
 def _notes(runs: list) -> list[str]:

@@ -107,10 +107,12 @@ def resolve(args: argparse.Namespace) -> dict:
         if o["chat_prompts"] > len(CHAT_PROMPTS):
             raise UsageError(f"--chat-prompts: there are {len(CHAT_PROMPTS)} chat prompts")
 
-    from specdec.bench.runner import build_configs, network_conditions
+    from specdec.bench.runner import build_configs, network_conditions, with_variants
 
+    o["draft_vocabs"], o["batching"] = _draft_heads(args), _batcher_settings(args)
     try:
-        o["configs"] = build_configs(o["baselines"], o["num_draft_tokens"], o["policies"])
+        o["configs"] = with_variants(build_configs(o["baselines"], o["num_draft_tokens"], o["policies"]),
+                                     o["draft_vocabs"], o["batching"])
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     if not o["configs"]:
@@ -119,12 +121,16 @@ def resolve(args: argparse.Namespace) -> dict:
         raise UsageError("the HF baselines run at concurrency 1: include 1 in --concurrency or drop them")
     o["concurrency_configs"] = args.concurrency_configs
     if args.concurrency_configs:
-        unknown = set(args.concurrency_configs) - {c.name for c in o["configs"] if c.kind == SERVICE}
+        unknown = set(args.concurrency_configs) - {n for c in o["configs"] if c.kind == SERVICE for n in (c.name, c.base)}
         if unknown:
             raise UsageError(f"--concurrency-configs: no service config named {', '.join(sorted(unknown))}")
     elif args.quick:  # target-only and one specdec config: the newest policy asked for, else the first
-        spec = [c.name for c in o["configs"] if c.speculative]
+        spec = [c.base for c in o["configs"] if c.speculative]
         o["concurrency_configs"] = ["target-only"] + ([spec[-1]] if spec else [])
+    if len(o["draft_vocabs"]) > 1 and not any(c.speculative for c in o["configs"]):
+        raise UsageError("several --draft-vocab sizes compare specdec configs: add --policies")
+    if len(o["batching"]) > 1 and max(o["concurrency"]) < 2:
+        raise UsageError("--batcher on off compares the batcher under concurrency: add a --concurrency value above 1")
     o["conditions"] = network_conditions(args.rtt_ms, args.draft_rtt_ms, args.target_rtt_ms, args.jitter_ms)
     o["uses_services"] = any(c.kind == SERVICE for c in o["configs"])
     if any(c.proxied for c in o["conditions"]):
@@ -135,6 +141,24 @@ def resolve(args: argparse.Namespace) -> dict:
         except ImportError as exc:
             raise UsageError(f"network conditions need specdec.latency_proxy, which cannot be imported: {exc}") from None
     return o
+
+
+def _draft_heads(args) -> list[int]:
+    """--draft-vocab: one draft service per size (0: the full head)."""
+    heads = list(args.draft_vocab)
+    if any(v < 0 for v in heads):
+        raise UsageError("--draft-vocab sizes must be >= 0 (0: the full head)")
+    if len(set(heads)) != len(heads):
+        raise UsageError("--draft-vocab: a size is listed twice")
+    return heads
+
+
+def _batcher_settings(args) -> list[bool]:
+    """--batcher on/off: the orchestrator's verify batcher; both: the service
+    configs also run at concurrency > 1 with it off."""
+    if len(set(args.batcher)) != len(args.batcher):
+        raise UsageError("--batcher: a setting is listed twice")
+    return [b == "on" for b in args.batcher]
 
 
 # Random-weight pairs of real architectures (specdec/models/synth.py), built

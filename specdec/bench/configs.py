@@ -1,0 +1,138 @@
+"""The configs `specd bench` runs: ways of decoding, and for the service
+configs the route they take (which draft head, verify batcher on or off).
+
+A *config* is one way of decoding (target-only through the services, plain
+HF generate, HF assisted generation, specdec with a policy). `build_configs`
+names them from the flags; `with_variants` multiplies the speculative ones by
+draft head and the service ones by batcher setting; `routes` lists the
+orchestrators those need (the bench starts one per route, see services.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+SERVICE, HF, HF_STATIC, HF_ASSISTED = "service", "hf", "hf-static", "hf-assisted"
+BASELINES = (SERVICE, HF, HF_STATIC, HF_ASSISTED)
+TARGET_ONLY = "target-only"
+PIPELINE_SUFFIX = "-pipeline"
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchConfig:
+    """One way of decoding. policy "none" is target-only through the services."""
+
+    name: str
+    kind: str
+    policy: str = ""
+    k: int | None = None
+    pipeline: bool = False
+    # Service configs: the draft head (0: full) and the orchestrator's verify
+    # batcher they run against (a `Route`); waves_only: not at concurrency 1.
+    draft_vocab: int = 0
+    batching: bool = True
+    waves_only: bool = False
+
+    @property
+    def speculative(self) -> bool:
+        return self.kind == SERVICE and self.policy != "none"
+
+    @property
+    def route(self) -> "Route":
+        return Route(self.draft_vocab, self.batching)
+
+    @property
+    def base(self) -> str:
+        """The name without the head and batcher suffixes."""
+        return self.name.split("/", 1)[0]
+
+    def request_kwargs(self) -> dict:
+        """Keyword arguments for `Client.generate` (service configs)."""
+        if self.policy == "none":
+            return {"speculate": False}
+        kwargs = {"policy": self.policy, "pipeline": self.pipeline}
+        if self.k:
+            kwargs["num_draft_tokens"] = self.k
+        return kwargs
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def build_configs(baselines: Sequence[str], ks: Sequence[int], policies: Sequence[str]) -> list[BenchConfig]:
+    """The configs to run. Policies are names the orchestrator knows
+    ("fixed" expands to one config per k); a "-pipeline" suffix asks for
+    pipelined drafting (e.g. "goodput-pipeline"). Other policies start from
+    the server's default k."""
+    configs: list[BenchConfig] = []
+    if SERVICE in baselines:
+        configs.append(BenchConfig(TARGET_ONLY, SERVICE, "none"))
+    if HF in baselines:
+        configs.append(BenchConfig("hf", HF))
+    if HF_STATIC in baselines:
+        configs.append(BenchConfig("hf-static", HF_STATIC))
+    if HF_ASSISTED in baselines:
+        configs.append(BenchConfig("hf-assisted", HF_ASSISTED))
+    for spec in policies:
+        pipeline = spec.endswith(PIPELINE_SUFFIX)
+        policy = spec[: -len(PIPELINE_SUFFIX)] if pipeline else spec
+        suffix = PIPELINE_SUFFIX if pipeline else ""
+        if policy == "fixed":
+            configs += [BenchConfig(f"fixed-k{k}{suffix}", SERVICE, "fixed", k, pipeline) for k in ks]
+        else:
+            configs.append(BenchConfig(spec, SERVICE, policy, None, pipeline))
+    names = [c.name for c in configs]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ValueError(f"configs listed twice: {', '.join(duplicates)}")
+    return configs
+
+
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """Which orchestrator a service config talks to: the one whose draft
+    service has this head (0: full), with its verify batcher on or off."""
+
+    draft_vocab: int = 0
+    batching: bool = True
+
+    @property
+    def name(self) -> str:
+        return (f"v{self.draft_vocab}" if self.draft_vocab else "full") + ("" if self.batching else "-nobatch")
+
+
+def with_variants(configs: Sequence[BenchConfig], draft_vocabs: Sequence[int],
+                  batching: Sequence[bool]) -> list[BenchConfig]:
+    """Each speculative config once per draft head, and each service config
+    also with the verify batcher off when both settings are asked for.
+
+    With one head and one batcher setting, nothing changes but the route
+    fields (single-size runs keep today's names). Otherwise a config on a
+    trimmed head is named NAME/vN (NAME alone: the full head, 0), and one
+    with the batcher off NAME/batcher-off; those run only at concurrency > 1
+    (the batcher only matters there). Target-only uses no draft: it runs
+    once per batcher setting, against the first head's orchestrator."""
+    if not draft_vocabs or not batching:
+        raise ValueError("give at least one draft head and one batcher setting")
+    for what, values in (("--draft-vocab", draft_vocabs), ("--batcher", batching)):
+        if len(set(values)) != len(values):
+            raise ValueError(f"{what}: a value is listed twice")
+    several_heads, both = len(draft_vocabs) > 1, len(batching) > 1
+    out: list[BenchConfig] = []
+    for cfg in configs:
+        if cfg.kind != SERVICE:
+            out.append(cfg)
+            continue
+        for vocab in draft_vocabs if cfg.speculative else draft_vocabs[:1]:
+            for on in sorted(batching, reverse=True):  # on first
+                name = cfg.name + (f"/v{vocab}" if several_heads and vocab and cfg.speculative else "")
+                off_variant = both and not on
+                name += "/batcher-off" if off_variant else ""
+                out.append(dataclasses.replace(cfg, name=name, draft_vocab=vocab, batching=on,
+                                               waves_only=off_variant))
+    return out
+
+
+def routes(configs: Sequence[BenchConfig]) -> list[Route]:
+    """The orchestrators the service configs need, in first-use order."""
+    return list(dict.fromkeys(c.route for c in configs if c.kind == SERVICE))
