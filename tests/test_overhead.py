@@ -85,5 +85,7 @@ def test_specd_overhead_measures_every_figure_it_prints():
             assert m[f"{prefix} {sampling} round"] > 0
             assert f"{prefix} {sampling} round outside compute" in m
     text = report(figures, reps=2)
-    for row in ("two unary calls", "the unary calls)", "mutual TLS", "TLS cost per round", "bare message each way"):
+    assert m["bare cold round floor outside compute"] > 0 and m["cold floor draft gap"] > 0
+    for row in ("two unary calls", "the unary calls)", "mutual TLS", "TLS cost per round", "bare message each way",
+                "as a round meets it"):
         assert row in text, row

@@ -37,6 +37,7 @@ alone). Our figures are printed as ratios to the bare ones of their phase.
 """
 from __future__ import annotations
 
+import asyncio
 import inspect
 import random
 import statistics
@@ -91,8 +92,12 @@ async def interleave(calls: dict[str, Call], reps: int, warmup: int = 20) -> dic
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-async def round_calls(stack: Stack, sampling: str, k: int, prefix: str) -> dict[str, Call]:
-    """A round through the services, and the same compute in-process."""
+async def round_calls(stack: Stack, sampling: str, k: int, prefix: str,
+                      computed: list | None = None) -> dict[str, Call]:
+    """A round through the services, and the same compute in-process; each
+    round's (draft, target) compute as the services reported it is appended
+    to `computed`."""
+    computed = [] if computed is None else computed
     from orchestrator.downstream import open_request
     from specdec.telemetry import SPAN_DRAFT_PROPOSE, SPAN_ROUND, SPAN_TARGET_VERIFY
     from specdec.v1 import common_pb2, target_pb2
@@ -121,7 +126,9 @@ async def round_calls(stack: Stack, sampling: str, k: int, prefix: str) -> dict[
                     drafts, _ = await draft_client.propose(d_sid, n, [], k, DEADLINE_S)
                 with span(SPAN_TARGET_VERIFY):
                     reply, _ = await target_client.verify([item], DEADLINE_S)
-            return ReportedCompute((sum(d.compute_micros for d in drafts) + reply.compute_micros) / 1e6)
+            draft_s = sum(d.compute_micros for d in drafts) / 1e6
+            computed.append((draft_s, reply.compute_micros / 1e6))
+            return ReportedCompute(draft_s + reply.compute_micros / 1e6)
 
         return one_round
 
@@ -171,6 +178,26 @@ async def bare_calls(port: int) -> tuple[dict[str, Call], Callable[[], Awaitable
     return {"bare unary": lambda: unary(payload, timeout=DEADLINE_S), "bare stream message": one_message}, close
 
 
+def cold_floor(one_message: Call, gaps: tuple[float, float]) -> Call:
+    """A round's floor as a round meets it: two bare stream messages, each
+    after the caller has waited as long as one service's compute (the
+    draft's, then the target's). The wait is reported as compute, so its
+    "outside compute" figure is the two messages alone, sent to threads that
+    have gone idle: on this VM a message after 5 ms of idle costs about
+    twice one sent back to back (`specd overhead` prints both)."""
+
+    async def call():
+        slept = 0.0
+        for gap in gaps:
+            start = time.perf_counter()
+            await asyncio.sleep(gap)
+            slept += time.perf_counter() - start
+            await one_message()
+        return ReportedCompute(slept)
+
+    return call
+
+
 @dataclass
 class Figures:
     medians: dict[str, float]
@@ -198,6 +225,7 @@ async def measure(reps: int, k: int, tls: bool = False) -> Figures:
             bare, close_bare = await bare_calls(bare_port)
             calls: dict[str, Call] = {}
             noops: dict[str, Call] = {}
+            greedy_compute: list[tuple[float, float]] = []
             for tracing in (False, True):
                 prefix = "traced" if tracing else "plain"
                 # One stack per kind of round: each draft service then serves
@@ -206,7 +234,8 @@ async def measure(reps: int, k: int, tls: bool = False) -> Figures:
                 for sampling in ("greedy", "T=0.7"):
                     stack = start_stack(bg, tracing, Path(trace_dir))
                     stacks.append(stack)
-                    calls |= await round_calls(stack, sampling, k, prefix)
+                    computed = greedy_compute if (prefix, sampling) == ("plain", "greedy") else None
+                    calls |= await round_calls(stack, sampling, k, prefix, computed)
                 stacks.append(start_stack(bg, tracing, Path(trace_dir)))
                 noops |= await noop_call(stacks[-1], prefix)
             if tls:
@@ -222,6 +251,11 @@ async def measure(reps: int, k: int, tls: bool = False) -> Figures:
             # 1.1-1.3 ms before and after the changes of issue 15 alike), then
             # the rounds.
             medians = {f"{name} (calls)": t for name, t in (await interleave(bare | noops, reps)).items()}
+            for _ in range(10):  # what a greedy round's two services compute, for the cold floor's waits
+                await calls["plain greedy round"]()
+            gaps = (statistics.median(d for d, _ in greedy_compute), statistics.median(t for _, t in greedy_compute))
+            medians["cold floor draft gap"], medians["cold floor target gap"] = gaps
+            bare["bare cold round floor"] = cold_floor(bare["bare stream message"], gaps)
             medians |= await interleave(bare | calls, reps)
             await close_bare()
             for stack in stacks:
@@ -238,6 +272,7 @@ async def measure(reps: int, k: int, tls: bool = False) -> Figures:
 def report(fig: Figures, reps: int) -> str:
     m = fig.medians
     unary, message = m["bare unary"], m["bare stream message"]
+    cold = m[f"bare cold round floor{OUTSIDE}"]
 
     def ms(seconds: float) -> str:
         return f"{seconds * 1e3:.3f}"
@@ -248,6 +283,9 @@ def report(fig: Figures, reps: int) -> str:
         ("bare message each way on an open stream", message, f"{message / unary:.2f}x", ""),
         ("a round's floor on call streams: two bare messages each way", 2 * message,
          f"{2 * message / unary:.2f}x", ""),
+        (f"the same floor as a round meets it: each message after waiting as long as one service's compute "
+         f"(greedy: {m['cold floor draft gap'] * 1e3:.1f} and {m['cold floor target gap'] * 1e3:.1f} ms)", cold,
+         f"{cold / unary:.2f}x", ""),
         ("bare grpc.aio unary call, the no-ops' phase", calls_unary, "1.00x", ""),
         ("no-op unary (target Rollback), tracing off", m["plain noop (calls)"],
          f"{m['plain noop (calls)'] / calls_unary:.2f}x", "<= 1.3x"),
