@@ -123,6 +123,9 @@ class _OpenStream:
         self.waiting: dict[int, asyncio.Future] = {}
         self.reader: asyncio.Task | None = None
         self.writer: asyncio.Task | None = None
+        # A write is under way: grpc.aio reports a write that failed because
+        # the transport went away (the service died) as INTERNAL.
+        self.writing = False
         self.error: grpc.aio.AioRpcError | None = None
 
 
@@ -191,6 +194,10 @@ class CallStream:
             error = _rpc_error(grpc.StatusCode.UNAVAILABLE, f"the {self._service} service ended the call stream")
         except grpc.aio.AioRpcError as exc:
             error = exc
+            if exc.code() is grpc.StatusCode.INTERNAL and stream.writing:
+                error = _rpc_error(grpc.StatusCode.UNAVAILABLE,
+                                   f"the {self._service} service's call stream broke while a call was sent: "
+                                   f"{exc.details()}")
         except asyncio.CancelledError:
             error = _rpc_error(grpc.StatusCode.CANCELLED, "the call stream was closed")
         if self._stream is stream:
@@ -220,7 +227,10 @@ async def _write(stream: _OpenStream) -> None:
         if stream.call.done():
             return
         while True:
-            await stream.call.write(await stream.outbox.get())
+            message = await stream.outbox.get()
+            stream.writing = True
+            await stream.call.write(message)
+            stream.writing = False
     except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
         pass  # the stream broke: the reader fails the calls waiting on it
 
