@@ -56,7 +56,7 @@ def load_model(cfg: EngineConfig) -> LoadedModel:
     from specdec.models import synth
 
     if synth.is_synth_name(cfg.model):  # random weights of a real architecture, built in place
-        return synth.load(cfg)
+        return _load_synth(cfg)
     apply_threads(cfg.threads)
     where, gguf_file = locate(cfg.model)
     dtype = resolve_dtype(cfg.dtype, cfg.device)
@@ -76,6 +76,23 @@ def load_model(cfg: EngineConfig) -> LoadedModel:
     if not ships_tokenizer(where, gguf_file):
         tokenizer = None  # one transformers made up (Qwen2: one token), not the model's
     return LoadedModel(model=model, tokenizer=tokenizer, name=cfg.model)
+
+
+def _load_synth(cfg: EngineConfig) -> LoadedModel:
+    """A "synth:NAME" model built in memory on cfg.device in cfg.dtype;
+    NotFound for an unknown name."""
+    from specdec.models import synth
+    from specdec.models.catalog import ModelNotFoundError
+
+    try:
+        synth.get_synth(cfg.model)
+    except ModelNotFoundError as exc:
+        raise NotFound(str(exc)) from None
+    apply_threads(cfg.threads)
+    model = synth.build_model(cfg.model, cfg.device, resolve_dtype(cfg.dtype, cfg.device))
+    log.info("%s: random weights, %.0f M parameters, on %s", cfg.model,
+             sum(p.numel() for p in model.parameters()) / 1e6, cfg.device)
+    return LoadedModel(model=model, tokenizer=synth.load_tokenizer(cfg.model), name=cfg.model)
 
 
 def tokenizer_fingerprint(tokenizer, vocab_size: int) -> str:

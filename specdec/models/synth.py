@@ -175,23 +175,6 @@ def load_tokenizer(name: str, cache_dir: str | os.PathLike | None = None):
     return AutoTokenizer.from_pretrained(str(directory))
 
 
-def load(cfg):
-    """`load_model` for a "synth:NAME" EngineConfig: a LoadedModel built in
-    memory on cfg.device in cfg.dtype. NotFound for an unknown name."""
-    from specdec.engine.loading import LoadedModel, apply_threads, resolve_dtype
-    from specdec.errors import NotFound
-
-    try:
-        get_synth(cfg.model)
-    except ModelNotFoundError as exc:
-        raise NotFound(str(exc)) from None
-    apply_threads(cfg.threads)
-    model = build_model(cfg.model, cfg.device, resolve_dtype(cfg.dtype, cfg.device))
-    log.info("%s: random weights, %.0f M parameters, on %s", cfg.model,
-             sum(p.numel() for p in model.parameters()) / 1e6, cfg.device)
-    return LoadedModel(model=model, tokenizer=load_tokenizer(cfg.model), name=cfg.model)
-
-
 @dataclass(frozen=True)
 class SynthMarker:
     """What `save` writes beside the weights, so nobody mistakes them for trained ones."""
