@@ -39,15 +39,13 @@ class ModelClient:
         self.stub = stub
         self.name = name
         self.info: common_pb2.ModelInfo | None = None
+        self.call_streams: list[CallStream] = []  # the RPCs this client sends on call streams
 
     async def aclose(self) -> None:
         """End the call streams, then close the channel."""
-        for calls in self._call_streams():
+        for calls in self.call_streams:
             await calls.close()
         await self.channel.close()
-
-    def _call_streams(self) -> list[CallStream]:
-        return []
 
     async def fetch_info(self, timeout: float) -> common_pb2.ModelInfo:
         reply = await self.stub.GetModelInfo(common_pb2.GetModelInfoRequest(), timeout=timeout)
@@ -74,9 +72,7 @@ class DraftClient(ModelClient):
         super().__init__(channel, draft_pb2_grpc.DraftServiceStub(channel), "draft")
         self.propose_all = CallStream(self.stub.ProposeAllStream, self.stub.ProposeAll, draft_pb2.ProposeAllCall,
                                       "draft", enabled=call_streams)
-
-    def _call_streams(self) -> list[CallStream]:
-        return [self.propose_all]
+        self.call_streams.append(self.propose_all)
 
     async def propose(self, session_id: str, keep_length: int, append: list[int], k: int, timeout: float,
                       first: asyncio.Future | None = None) -> tuple[list[draft_pb2.ProposeResponse], CallCost]:
@@ -110,9 +106,7 @@ class TargetClient(ModelClient):
         super().__init__(channel, target_pb2_grpc.TargetServiceStub(channel), "target")
         self.verify_calls = CallStream(self.stub.VerifyStream, self.stub.Verify, target_pb2.VerifyCall, "target",
                                        enabled=call_streams)
-
-    def _call_streams(self) -> list[CallStream]:
-        return [self.verify_calls]
+        self.call_streams.append(self.verify_calls)
 
     async def verify(self, items: list[target_pb2.VerifyItem],
                      timeout: float) -> tuple[target_pb2.VerifyResponse, int]:

@@ -14,9 +14,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from specdec.cli.exits import EXIT_ERROR, EXIT_OK
 from specdec.models.catalog import DEFAULT_PAIR
-
-EXIT_OK, EXIT_ERROR = 0, 1
 
 
 def register(sub: argparse._SubParsersAction) -> None:

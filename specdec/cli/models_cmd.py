@@ -15,13 +15,10 @@ import json
 import sys
 
 from specdec.cli import rank_vocab_cmd, synth_cmd
+from specdec.cli.exits import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK
 from specdec.models.cache import CachedModel, default_cache_dir, list_cached
 from specdec.models.catalog import CATALOG, DEFAULT_PAIR, ModelNotFoundError, get_spec
 from specdec.models.fetch import DTYPES, FetchError, fetch
-
-EXIT_OK = 0
-EXIT_ERROR = 1
-EXIT_INTERRUPTED = 130
 
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:

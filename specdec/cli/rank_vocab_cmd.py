@@ -10,8 +10,7 @@ import argparse
 import sys
 import time
 
-EXIT_OK = 0
-EXIT_ERROR = 1
+from specdec.cli.exits import EXIT_ERROR, EXIT_OK
 
 
 def register(commands: argparse._SubParsersAction) -> None:

@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-EXIT_OK, EXIT_ERROR = 0, 1
+from specdec.cli.exits import EXIT_ERROR, EXIT_OK
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -9,11 +9,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from specdec.cli.exits import EXIT_ERROR, EXIT_OK, EXIT_USAGE
 from specdec.models.synth import PREFIX, get_synth, synth_names
-
-EXIT_OK = 0
-EXIT_ERROR = 1
-EXIT_USAGE = 2
 
 
 def register(commands: argparse._SubParsersAction) -> None:

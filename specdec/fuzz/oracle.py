@@ -24,6 +24,8 @@ from typing import Callable
 
 import grpc
 
+from specdec.rpc.grpc_errors import status_from_number
+
 BAD = frozenset({grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.DEADLINE_EXCEEDED})
 CALL_TIMEOUT_S = 20.0  # each call's deadline: far above what any fuzzed call needs on the tiny models
 
@@ -70,8 +72,7 @@ def call_on_stream(method, call_type, request, timeout: float = CALL_TIMEOUT_S) 
         return Outcome(grpc.StatusCode.INTERNAL, f"{len(replies)} replies to one call: {replies}")
     reply = replies[0]
     if reply.HasField("error"):
-        code = next((c for c in grpc.StatusCode if c.value[0] == reply.error.code), grpc.StatusCode.UNKNOWN)
-        return Outcome(code, reply.error.message)
+        return Outcome(status_from_number(reply.error.code), reply.error.message)
     return Outcome(grpc.StatusCode.OK, "", reply.response)
 
 

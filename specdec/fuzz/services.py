@@ -18,6 +18,7 @@ import grpc
 from specdec.fuzz.oracle import Expect, Tally, call, call_on_stream
 from specdec.fuzz.programs import SLOTS
 from specdec.fuzz.system import MAX_CONTEXT, ROWS, USABLE_VOCAB
+from specdec.rpc.grpc_errors import status_from_number
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
 MAX_VERIFY_BATCH = 64
@@ -270,7 +271,7 @@ class ServiceFuzzer:
         failed = r.HasField("error")
         code = grpc.StatusCode.OK
         if failed:
-            code = next((c for c in grpc.StatusCode if c.value[0] == r.error.code), grpc.StatusCode.UNKNOWN)
+            code = status_from_number(r.error.code)
         with self.tally._lock:
             self.tally.item_counts[(self.service, code.name)] += 1
         if failed and (code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.OK)

@@ -40,7 +40,6 @@ from specdec.errors import InvalidArgument
 from specdec.rpc import grpc_errors
 from specdec.rpc.grpc_tracing import trace_metadata
 from specdec.rpc.malformed import Malformed
-from specdec.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +125,6 @@ class _OpenStream:
         # A write is under way: grpc.aio reports a write that failed because
         # the transport went away (the service died) as INTERNAL.
         self.writing = False
-        self.error: grpc.aio.AioRpcError | None = None
 
 
 class CallStream:
@@ -150,11 +148,7 @@ class CallStream:
             return await self._unary(request, timeout=timeout, metadata=trace_metadata())
         stream = self._stream if self._stream is not None else self._open()
         call_id = next(self._ids)
-        message = self._call_type(call_id=call_id, request=request)
-        carrier: dict[str, str] = {}
-        Telemetry.inject(carrier)
-        if carrier:
-            message.trace_context.update(carrier)
+        message = self._call_type(call_id=call_id, request=request, trace_context=dict(trace_metadata() or ()))
         reply_future = asyncio.get_running_loop().create_future()
         stream.waiting[call_id] = reply_future
         stream.outbox.put_nowait(message)
@@ -172,7 +166,7 @@ class CallStream:
         finally:
             stream.waiting.pop(call_id, None)
         if reply.HasField("error"):
-            raise _rpc_error(_code(reply.error.code), reply.error.message)
+            raise _rpc_error(grpc_errors.status_from_number(reply.error.code), reply.error.message)
         return reply.response
 
     def _open(self) -> _OpenStream:
@@ -233,13 +227,6 @@ async def _write(stream: _OpenStream) -> None:
             stream.writing = False
     except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
         pass  # the stream broke: the reader fails the calls waiting on it
-
-
-def _code(number: int) -> grpc.StatusCode:
-    for code in grpc.StatusCode:
-        if code.value[0] == number:
-            return code
-    return grpc.StatusCode.UNKNOWN
 
 
 def _rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:

@@ -76,6 +76,15 @@ def stream(method):
     return wrapper
 
 
+def status_from_number(number: int) -> grpc.StatusCode:
+    """The status of a google.rpc.Code number sent in a message (an item's
+    or a call's error); UNKNOWN for a number that is none."""
+    return _BY_NUMBER.get(number, grpc.StatusCode.UNKNOWN)
+
+
+_BY_NUMBER: dict[int, grpc.StatusCode] = {code.value[0]: code for code in grpc.StatusCode}
+
+
 def code_number(exc: BaseException) -> int:
     """The google.rpc.Code number for a per-item error inside a batch reply."""
     code, _ = status_for(exc)
