@@ -60,7 +60,7 @@ class DraftServicer(SessionServicer, draft_pb2_grpc.DraftServiceServicer):
 
     def _span(self, request, metadata):
         attributes = {A_K: request.num_draft_tokens, A_APPENDED: len(request.append_token_ids)}
-        return self.telemetry.server_span(SPAN_PROPOSE, metadata, attributes)
+        return self.telemetry.leaf_server_span(SPAN_PROPOSE, metadata, attributes)
 
     async def _start(self, request):
         """The call's DraftStream, validated on the engine thread."""

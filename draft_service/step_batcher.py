@@ -20,6 +20,9 @@ from draft_service.drafters import DraftStream, DraftToken
 
 log = logging.getLogger(__name__)
 
+# The kind of job one draft step is, for EngineWorker.run_short / is_short.
+STEP = "draft step"
+
 # A session whose Propose came within this many seconds of another session's
 # may be drafting beside it: its steps go where they can share passes.
 ALONE_S = 1.0
@@ -86,20 +89,40 @@ class DraftStepBatcher:
         run as ONE engine-thread job, which a stream arriving meanwhile stops
         after its current step, the rest of the call then joining the shared
         passes. When no other session has asked for drafts lately
-        (`note_caller`), nothing could share them: the job runs on the event
-        loop itself if such jobs are short (`EngineWorker.run_short`), which
-        saves the two thread hand-offs."""
+        (`note_caller`), nothing could share them: if its steps are short
+        (`EngineWorker.is_short`), each runs right on the event loop, which
+        saves the two thread hand-offs of a job, and the loop serves other
+        calls between steps; otherwise the one job does."""
         alone = self.note_caller(session_id)
         if self._active:
             return await self.collect(await self.worker.run(start))
         arrivals = self._arrivals
+        if alone and self.worker.is_short(STEP):
+            return await self._steps_on_the_loop(start, arrivals)
         more = lambda: self._arrivals == arrivals  # noqa: E731
-        if alone:
-            stream, steps = await self.worker.run_short("propose", _start_and_step, start, self.drafter.step_many,
-                                                        more)
-        else:
-            stream, steps = await self.worker.run(_start_and_step, start, self.drafter.step_many, more)
-        tokens = []
+        stream, steps = await self.worker.run(_start_and_step, start, self.drafter.step_many, more)
+        if steps:
+            self.worker.note(STEP, max(seconds for _, seconds in steps))
+        return await self._take(stream, steps, [])
+
+    async def _steps_on_the_loop(self, start, arrivals: int) -> list[tuple[DraftToken, float]]:
+        """A lone stream's steps one at a time, each on the event loop while
+        the engine is idle and its steps short (on the engine thread, queued,
+        otherwise), yielding to the loop between steps; a stream arriving
+        meanwhile makes the rest join the shared passes."""
+        stream = await self.worker.run_quick(start)
+        tokens: list[tuple[DraftToken, float]] = []
+        while True:
+            steps = await self.worker.run_short(STEP, _timed_steps, self.drafter.step_many, [stream], None)
+            if stream.done or self._arrivals != arrivals or any(not isinstance(r, DraftToken) for (r,), _ in steps):
+                return await self._take(stream, steps, tokens)
+            await self._take(None, steps, tokens)
+            await asyncio.sleep(0)  # let the loop answer other calls between steps
+
+    async def _take(self, stream: DraftStream | None, steps, tokens: list) -> list[tuple[DraftToken, float]]:
+        """Append the tokens of a lone stream's `steps` to `tokens`; raise its
+        error; with `stream` given and not done, collect the rest of its
+        tokens from the shared passes."""
         for (result,), seconds in steps:
             self.passes += 1
             if result is None:
@@ -108,7 +131,7 @@ class DraftStepBatcher:
                 raise result
             self.steps += 1
             tokens.append((result, seconds))
-        if not stream.done:
+        if stream is not None and not stream.done:
             tokens += await self.collect(stream)
         return tokens
 

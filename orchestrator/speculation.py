@@ -168,7 +168,7 @@ class SpeculativeRequest:
                 raise
             if self.spec.pipeline and drafts:
                 self._ahead_decision.observe_verify(overlapped, reply.compute_s / max(1, reply.items))
-            with self.telemetry.span(SPAN_ACCEPT) as accept_span:
+            with self.telemetry.leaf_span(SPAN_ACCEPT) as accept_span:
                 result = self._accept(drafts, reply.result)
                 accept_span.set_attribute(A_ACCEPTED, result.num_accepted)
             self._advance_prefixes(len(drafts), result.num_accepted)

@@ -13,7 +13,9 @@ tokens (whoever knows one can drive the session).
 """
 from __future__ import annotations
 
+import asyncio
 import os
+import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Mapping, Sequence
@@ -137,6 +139,58 @@ class _CurrentSpan:
         return False
 
 
+class _LeafSpan:
+    """A span that has no children, built once it has ended: inside it only
+    its start time and attributes are noted, and the span itself is made on
+    the event loop's next turn (or at once with no loop running). A
+    service's span of a call then costs its reply almost nothing: the reply
+    is on its way before the span is built, and the SDK's work happens while
+    the caller handles the reply. The span is never current, so nothing may
+    be traced inside it; the same errors are recorded as by `_CurrentSpan`."""
+
+    __slots__ = ("_tracer", "_name", "_parent", "_carrier", "_kind", "_attributes", "_start")
+
+    def __init__(self, tracer, name: str, parent: Context | None, carrier: dict | None, kind: SpanKind,
+                 attributes: Mapping | None):
+        self._tracer = tracer
+        self._name = name
+        self._parent = parent  # the context to parent to, when there is no carrier to extract one from
+        self._carrier = carrier  # a caller's trace context (W3C), extracted when the span is built
+        self._kind = kind
+        self._attributes = dict(attributes or {})
+
+    def __enter__(self):
+        self._start = time.time_ns()
+        return self
+
+    def is_recording(self) -> bool:
+        return True
+
+    def set_attribute(self, key: str, value) -> None:
+        self._attributes[key] = value
+
+    def set_attributes(self, attributes: Mapping) -> None:
+        self._attributes.update(attributes)
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        end = time.time_ns()
+        error = exc if isinstance(exc, Exception) else None  # as _CurrentSpan: not a cancellation
+        try:
+            asyncio.get_running_loop().call_soon(self._build, end, error)
+        except RuntimeError:  # no event loop in this thread
+            self._build(end, error)
+        return False
+
+    def _build(self, end: int, error: Exception | None) -> None:
+        parent = extract(self._carrier) if self._carrier is not None else self._parent
+        span = self._tracer.start_span(self._name, context=parent, kind=self._kind, attributes=self._attributes,
+                                       start_time=self._start)
+        if error is not None:
+            span.record_exception(error, timestamp=end)
+            span.set_status(Status(StatusCode.ERROR, f"{type(error).__name__}: {error}"))
+        span.end(end_time=end)
+
+
 # ---------------------------------------------------------------- settings
 
 def _exporter_names(var: str, signal: str, env: Mapping[str, str]) -> tuple[str, ...]:
@@ -212,6 +266,21 @@ class Telemetry:
         parent = extract({key: value for key, value in metadata or ()})
         return _CurrentSpan(self.tracer.start_span(name, context=parent, kind=SpanKind.SERVER,
                                                    attributes=attributes))
+
+    def leaf_server_span(self, name: str, metadata, attributes: Mapping | None = None):
+        """`server_span` for a handler that traces nothing inside it: the
+        span is built after the handler, off the reply's path (`_LeafSpan`)."""
+        if not self.tracing:
+            return _NO_SPAN
+        return _LeafSpan(self.tracer, name, None, {key: value for key, value in metadata or ()}, SpanKind.SERVER,
+                         attributes)
+
+    def leaf_span(self, name: str, attributes: Mapping | None = None):
+        """`span` for work that traces nothing inside it, a child of the
+        current span, built once it has ended (`_LeafSpan`)."""
+        if not self.tracing:
+            return _NO_SPAN
+        return _LeafSpan(self.tracer, name, context_api.get_current(), None, SpanKind.INTERNAL, attributes)
 
     @staticmethod
     def inject(carrier: dict) -> None:

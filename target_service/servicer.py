@@ -24,7 +24,7 @@ class TargetServicer(SessionServicer, target_pb2_grpc.TargetServiceServicer):
     async def _verify(self, request, metadata):
         """One batched call serves several requests: its span is a child of
         the orchestrator's `verify.batch` span, which links the requests."""
-        with self.telemetry.server_span(SPAN_VERIFY, metadata, {A_BATCH_ITEMS: len(request.items)}) as span:
+        with self.telemetry.leaf_server_span(SPAN_VERIFY, metadata, {A_BATCH_ITEMS: len(request.items)}) as span:
             items = [
                 VerifyRequestItem(
                     session_id=it.session_id,
@@ -46,7 +46,7 @@ class TargetServicer(SessionServicer, target_pb2_grpc.TargetServiceServicer):
 
     @grpc_errors.unary
     async def Decode(self, request, context):
-        with self.telemetry.server_span(SPAN_DECODE, context.invocation_metadata(),
+        with self.telemetry.leaf_server_span(SPAN_DECODE, context.invocation_metadata(),
                                         {A_K: request.num_tokens, A_APPENDED: len(request.append_token_ids)}) as span:
             start = time.perf_counter()
             tokens, length = await self.worker.run(

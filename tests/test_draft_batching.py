@@ -121,3 +121,90 @@ def test_a_session_drafting_alone_is_told_so_until_another_session_drafts(monkey
     assert not batcher.note_caller("a")
     now[0] += sb.ALONE_S + 0.1
     assert batcher.note_caller("b")  # a has been quiet long enough
+
+
+class _CountingDrafter:
+    """Makes token 7 for every live stream, noting the thread of each step,
+    the streams it took, and how often the event loop ran other work."""
+
+    def __init__(self, loop_ticks: list[int]):
+        self.loop_ticks = loop_ticks
+        self.steps: list[tuple[str, int, int]] = []  # (thread, streams in the pass, loop ticks so far)
+        self.on_step = None
+
+    def propose(self, k: int, sid: str = "s"):
+        from draft_service.drafters import DraftStream
+
+        return DraftStream(self, sid, k, owner=None)
+
+    def step_many(self, streams):
+        import threading
+
+        from draft_service.drafters import DraftToken
+
+        self.steps.append((threading.current_thread().name, len(streams), self.loop_ticks[0]))
+        if self.on_step is not None:
+            self.on_step()
+        out = []
+        for st in streams:
+            if st.done:
+                out.append(None)
+                continue
+            st.produced += 1
+            out.append(DraftToken(index=st.produced - 1, token_id=7, q=None, length=10 + st.produced))
+        return out
+
+
+def test_a_lone_streams_short_steps_run_on_the_event_loop_one_at_a_time():
+    """Once a draft step is known to be short, a stream drafting alone runs
+    each step right on the event loop (no engine-thread hand-off), and the
+    loop serves other work between its steps; a stream arriving meanwhile
+    makes the rest of the call share passes with it."""
+    import asyncio
+    import threading
+
+    from draft_service.step_batcher import DraftStepBatcher
+    from specdec.rpc.serving import EngineWorker
+
+    async def run():
+        ticks = [0]
+
+        async def ticker():  # other work on the loop: counts loop iterations
+            while True:
+                ticks[0] += 1
+                await asyncio.sleep(0)
+
+        background = asyncio.ensure_future(ticker())
+        worker = EngineWorker("eng", inline_max_s=1.0)
+        drafter = _CountingDrafter(ticks)
+        batcher = DraftStepBatcher(worker, drafter)
+        try:
+            first = await batcher.start_and_collect(lambda: drafter.propose(3), "s")
+            assert [d.index for d, _ in first] == [0, 1, 2]
+            assert {t for t, _, _ in drafter.steps} == {"eng_0"}, "unknown step cost: one engine-thread job"
+            drafter.steps.clear()
+            second = await batcher.start_and_collect(lambda: drafter.propose(4), "s")
+            assert [d.index for d, _ in second] == [0, 1, 2, 3]
+            loop_thread = threading.current_thread().name
+            assert [t for t, _, _ in drafter.steps] == [loop_thread] * 4
+            seen = [tick for _, _, tick in drafter.steps]
+            assert all(b > a for a, b in zip(seen, seen[1:])), "the loop ran nothing between two steps"
+            # Another stream arrives during the first step: the rest share passes with it.
+            drafter.steps.clear()
+            other = drafter.propose(4, "t")
+            joined: list = []
+
+            async def consume():
+                joined.extend([item async for item in batcher.stream(other)])
+
+            arrivals: list = []
+            drafter.on_step = lambda: arrivals or arrivals.append(asyncio.ensure_future(consume()))
+            third = await batcher.start_and_collect(lambda: drafter.propose(4), "s")
+            await arrivals[0]
+            assert [d.index for d, _ in third] == [0, 1, 2, 3] and len(joined) == 4
+            assert max(n for _, n, _ in drafter.steps) == 2, "the two streams never shared a pass"
+        finally:
+            background.cancel()
+            worker.shutdown()
+
+    asyncio.run(run())

@@ -54,8 +54,10 @@ def test_propose_all_equals_the_stream_and_measures_itself(tmp_path: Path, tempe
 def test_specd_overhead_prints_our_figures_against_bare_grpc(capsys):
     from specdec.cli.main import main
 
-    assert main(["--log-level", "WARNING", "overhead", "--reps", "2"]) == 0
+    assert main(["--log-level", "WARNING", "overhead", "--reps", "2", "--in-process"]) == 0
     out = capsys.readouterr().out
+    assert "both services in the measuring process;" in out and "grpc iomgr" in out
+    assert "| the same bare unary call under grpcio's default I/O (EventEngine" in out
     for figure in ("bare grpc.aio unary call", "no-op unary (target Rollback), tracing off",
                    "round overhead, greedy, k=4, tracing on", "tracing cost per round, T=0.7"):
         assert f"| {figure} |" in out
@@ -75,16 +77,19 @@ def test_specd_overhead_wire_prints_bytes_per_token_and_verify_throughput(capsys
 
 
 def test_specd_overhead_measures_every_figure_it_prints():
-    """A tiny run of the whole measurement (2 reps): every row it prints,
-    the call-stream round beside the unary one and the mutual-TLS round,
-    has a positive wall time behind it."""
+    """A tiny run of the whole measurement (2 reps), the services each in a
+    process of its own: every row it prints, the call-stream round beside
+    the unary one, the mutual-TLS round and the round with both services in
+    the measuring process, has a positive wall time behind it."""
     figures = eventloop.run(measure(reps=2, k=2, tls=True))
     m = figures.medians
     for sampling in ("greedy", "T=0.7"):
         for prefix in ("plain", "traced", "unary", "tls"):
             assert m[f"{prefix} {sampling} round"] > 0
             assert f"{prefix} {sampling} round outside compute" in m
+    assert m["inproc greedy round outside compute"] > 0 and not figures.in_process
     text = report(figures, reps=2)
+    assert "each service in a process of its own" in text and "both services in the measuring process" in text
     assert m["bare cold round floor outside compute"] > 0 and m["cold floor draft gap"] > 0
     for row in ("two unary calls", "the unary calls)", "mutual TLS", "TLS cost per round", "bare message each way",
                 "as a round meets it"):

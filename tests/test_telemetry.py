@@ -383,3 +383,40 @@ def test_serve_commands_serve_metrics_on_the_metrics_port(monkeypatch):
     assert "specdec_active_sessions{" in text and "specdec_kv_cache_bytes{" in text
     with pytest.raises(OSError):  # stopped with the role
         urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2)
+
+
+def test_a_leaf_span_is_built_after_its_work_with_its_times_parent_attributes_and_error():
+    """`leaf_server_span` notes the span and builds it on the event loop's
+    next turn (off the reply's path): the same span a current one would be,
+    its caller's trace context as parent, attributes set inside it, an error
+    recorded, the times of the work itself."""
+    import asyncio
+
+    from opentelemetry.trace import StatusCode
+
+    exporter = InMemorySpanExporter()
+    telemetry = T.setup_telemetry("leaf", span_exporters=[exporter])
+    trace_id, parent_id = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    metadata = (("traceparent", f"00-{trace_id}-{parent_id}-01"),)
+
+    async def run():
+        with telemetry.leaf_server_span(T.SPAN_VERIFY, metadata, {T.A_BATCH_ITEMS: 2}) as span:
+            before = time.time_ns()
+            span.set_attribute(T.A_BATCH_SESSIONS, 2)
+        assert exporter.get_finished_spans() == (), "built only once the loop turns"
+        await asyncio.sleep(0)
+        with pytest.raises(ValueError):
+            with telemetry.leaf_span(T.SPAN_ACCEPT):
+                raise ValueError("bad drafts")
+        await asyncio.sleep(0)
+        return before
+
+    before = asyncio.run(run())
+    verify, accept = exporter.get_finished_spans()
+    assert verify.name == T.SPAN_VERIFY and verify.kind is T.SpanKind.SERVER
+    assert format(verify.context.trace_id, "032x") == trace_id and format(verify.parent.span_id, "016x") == parent_id
+    assert dict(verify.attributes) == {T.A_BATCH_ITEMS: 2, T.A_BATCH_SESSIONS: 2}
+    assert verify.start_time <= before <= verify.end_time
+    assert accept.status.status_code is StatusCode.ERROR and accept.events[0].name == "exception"
+    assert accept.parent is None  # no span was current: a root
+    telemetry.shutdown()

@@ -13,6 +13,10 @@ machine that slows down during the run moves all of them alike:
   the bare call of its own phase.
 - bare stream message: one message each way on an already-open
   bidirectional stream: the floor of a message.
+- the same references under grpcio's default I/O engine (EventEngine), in
+  a child process just before the rounds: this process runs the iomgr that
+  specdec/rpc/grpc_io.py chooses, and grpc fixes its engine once per process
+  (specdec/bench/bare_grpc.py).
 - no-op unary: our target service's Rollback to the length the session
   already has (answered on the event loop when the engine is idle), on
   services that serve nothing else, as the bare echo server does.
@@ -38,58 +42,27 @@ alone). Our figures are printed as ratios to the bare ones of their phase.
 from __future__ import annotations
 
 import asyncio
-import inspect
+import json
+import os
 import random
 import statistics
+import sys
 import tempfile
-import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Awaitable, Callable
 
 from specdec import eventloop
-from specdec.bench.overhead_stack import (BARE_SERVICE, DEADLINE_S, BackgroundLoop, Stack, start_bare_server,
-                                          start_stack)
+from specdec.rpc import grpc_io
+from specdec.bench.bare_grpc import calls as bare_calls
+from specdec.bench.bare_grpc import cold_floor
+from specdec.bench.bare_grpc import start_server as start_bare_server
+from specdec.bench.interleave import OUTSIDE, Call, ReportedCompute, interleave
+from specdec.bench.overhead_stack import DEADLINE_S, BackgroundLoop, Stack, StackSpec, start_stacks
 
 
 # ------------------------------------------------------------ the measurement
 
-
-Call = Callable[[], Awaitable[object] | object]
-
-
-class ReportedCompute(float):
-    """What a call returns to say how many of its seconds the services
-    reported as their own compute: `interleave` then also records, rep by
-    rep, the call's wall time minus it (`<name> outside compute`)."""
-
-
-OUTSIDE = " outside compute"
-
-
-async def _timed(call: Call) -> tuple[float, object]:
-    start = time.perf_counter()
-    result = call()
-    if inspect.isawaitable(result):
-        result = await result
-    return time.perf_counter() - start, result
-
-
-async def interleave(calls: dict[str, Call], reps: int, warmup: int = 20) -> dict[str, float]:
-    """Median seconds of each call, the calls taken in turn (forwards, then
-    backwards) so that drift touches all of them alike."""
-    times: dict[str, list[float]] = {name: [] for name in calls}
-    for rep in range(reps + warmup):
-        order = list(calls) if rep % 2 else list(reversed(calls))
-        for name in order:
-            seconds, result = await _timed(calls[name])
-            if rep < warmup:
-                continue
-            times[name].append(seconds)
-            if isinstance(result, ReportedCompute):
-                times.setdefault(name + OUTSIDE, []).append(seconds - result)
-    return {name: statistics.median(t) for name, t in times.items()}
 
 
 async def round_calls(stack: Stack, sampling: str, k: int, prefix: str,
@@ -99,6 +72,8 @@ async def round_calls(stack: Stack, sampling: str, k: int, prefix: str,
     to `computed`."""
     computed = [] if computed is None else computed
     from orchestrator.downstream import open_request
+    from specdec.rpc.model_service import SessionMeta
+    from specdec.sampling.params import SamplingParams
     from specdec.telemetry import SPAN_DRAFT_PROPOSE, SPAN_ROUND, SPAN_TARGET_VERIFY
     from specdec.v1 import common_pb2, target_pb2
     from target_service.verifier import VerifyRequestItem
@@ -111,12 +86,16 @@ async def round_calls(stack: Stack, sampling: str, k: int, prefix: str,
     t_sid, _ = await stack.target_client.open(request, DEADLINE_S)
     d_sid, _ = await stack.draft_client.open(request, DEADLINE_S)
     n = len(prompt)
-    proposal = list(stack.drafter.propose(d_sid, n, [], k))  # realistic drafts and q, reused every rep
+    # The same sessions on the stack's own engines (the services' when they run
+    # in this process, copies from the same seeds otherwise): the same compute in-process.
+    meta = SessionMeta(params=SamplingParams(temperature, 0, 1.0), seed=1)
+    local_d_sid, local_t_sid = stack.drafter.open(prompt, meta, 0)[0], stack.verifier.open(prompt, meta, 0)[0]
+    proposal = list(stack.drafter.propose(local_d_sid, n, [], k))  # realistic drafts and q, reused every rep
     drafts = [d.token_id for d in proposal]
     qs = [d.q.to_lists() for d in proposal if d.q is not None]
     item = target_pb2.VerifyItem(session_id=t_sid, keep_length=n, draft_token_ids=drafts,
                                  draft_q=[common_pb2.SparseDistribution(token_ids=i, probs=p) for i, p in qs])
-    core_item = VerifyRequestItem(t_sid, n, [], drafts, qs)
+    core_item = VerifyRequestItem(local_t_sid, n, [], drafts, qs)
     span = stack.telemetry.span if stack.telemetry.tracing else (lambda *a, **kw: nullcontext())
 
     def remote_round(draft_client, target_client):
@@ -133,12 +112,12 @@ async def round_calls(stack: Stack, sampling: str, k: int, prefix: str,
         return one_round
 
     def local_round():
-        list(stack.drafter.propose(d_sid, n, [], k))
+        list(stack.drafter.propose(local_d_sid, n, [], k))
         stack.verifier.verify([core_item])
 
     rounds = {f"{prefix} {sampling} round": remote_round(stack.draft_client, stack.target_client),
               f"{prefix} {sampling} compute": local_round}
-    if prefix == "tls":
+    if prefix in ("tls", "inproc"):
         del rounds[f"{prefix} {sampling} compute"]
     if prefix == "plain":
         rounds[f"unary {sampling} round"] = remote_round(stack.unary_draft_client, stack.unary_target_client)
@@ -159,49 +138,25 @@ async def noop_call(stack: Stack, prefix: str) -> dict[str, Call]:
     return {f"{prefix} noop": noop}
 
 
-async def bare_calls(port: int) -> tuple[dict[str, Call], Callable[[], Awaitable[None]]]:
-    import grpc
-
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-    unary = channel.unary_unary(f"/{BARE_SERVICE}/Echo")
-    stream = channel.stream_stream(f"/{BARE_SERVICE}/EchoStream")()
-    payload = b"0123456789abcdef"
-
-    async def one_message():
-        await stream.write(payload)
-        await stream.read()
-
-    async def close():
-        await stream.done_writing()
-        await channel.close()
-
-    return {"bare unary": lambda: unary(payload, timeout=DEADLINE_S), "bare stream message": one_message}, close
-
-
-def cold_floor(one_message: Call, gaps: tuple[float, float]) -> Call:
-    """A round's floor as a round meets it: two bare stream messages, each
-    after the caller has waited as long as one service's compute (the
-    draft's, then the target's). The wait is reported as compute, so its
-    "outside compute" figure is the two messages alone, sent to threads that
-    have gone idle: on this VM a message after 5 ms of idle costs about
-    twice one sent back to back (`specd overhead` prints both)."""
-
-    async def call():
-        slept = 0.0
-        for gap in gaps:
-            start = time.perf_counter()
-            await asyncio.sleep(gap)
-            slept += time.perf_counter() - start
-            await one_message()
-        return ReportedCompute(slept)
-
-    return call
+async def _event_engine_references(reps: int, gaps: tuple[float, float]) -> dict[str, float]:
+    """The bare references under grpcio's default I/O engine (EventEngine),
+    measured in a child process just before the rounds: this process runs the
+    engine specdec/rpc/grpc_io.py chose, which grpc fixes once per process."""
+    env = {k: v for k, v in os.environ.items() if k != "GRPC_EXPERIMENTS"} | {"SPECD_GRPC_IO": "event-engine"}
+    child = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "specdec.bench.bare_grpc", "--reps", str(reps), "--gaps", *map(str, gaps),
+        env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
+    out, _ = await asyncio.wait_for(child.communicate(), timeout=DEADLINE_S + reps)
+    if child.returncode != 0:
+        raise RuntimeError(f"the EventEngine references' process exited with {child.returncode}")
+    return json.loads(out)["medians"]
 
 
 @dataclass
 class Figures:
     medians: dict[str, float]
     k: int
+    in_process: bool = False  # every stack's services ran in the measuring process
 
     def round_overhead(self, prefix: str, sampling: str) -> float:
         """Median over rounds of (round wall time − the compute the services
@@ -215,8 +170,11 @@ class Figures:
         return self.medians[f"{prefix} {sampling} round"] - self.medians[f"{prefix} {sampling} compute"]
 
 
-async def measure(reps: int, k: int, tls: bool = False) -> Figures:
-    """`tls`: also the rounds over mutual TLS (tracing off), as `tls <sampling> round`."""
+async def measure(reps: int, k: int, tls: bool = False, in_process: bool = False, threads: int = 1) -> Figures:
+    """`tls`: also the rounds over mutual TLS (tracing off), as `tls <sampling> round`.
+    The services run each in a process of their own, as deployed, and beside
+    them the greedy round with both services in this process (`inproc`);
+    `in_process`: every stack's services in this process (no `inproc` rounds)."""
     bg = BackgroundLoop()
     stacks: list[Stack] = []
     with tempfile.TemporaryDirectory() as trace_dir:
@@ -226,25 +184,26 @@ async def measure(reps: int, k: int, tls: bool = False) -> Figures:
             calls: dict[str, Call] = {}
             noops: dict[str, Call] = {}
             greedy_compute: list[tuple[float, float]] = []
-            for tracing in (False, True):
-                prefix = "traced" if tracing else "plain"
-                # One stack per kind of round: each draft service then serves
-                # one request, as in a single stream (a draft service serving
-                # several shares its steps between them: draft_service/step_batcher.py).
-                for sampling in ("greedy", "T=0.7"):
-                    stack = start_stack(bg, tracing, Path(trace_dir))
-                    stacks.append(stack)
-                    computed = greedy_compute if (prefix, sampling) == ("plain", "greedy") else None
-                    calls |= await round_calls(stack, sampling, k, prefix, computed)
-                stacks.append(start_stack(bg, tracing, Path(trace_dir)))
-                noops |= await noop_call(stacks[-1], prefix)
+            # One stack per kind of round: each draft service then serves one
+            # request, as in a single stream (a draft service serving several
+            # shares its steps between them: draft_service/step_batcher.py).
+            kinds = [(prefix, sampling) for prefix in ("plain", "traced") for sampling in ("greedy", "T=0.7", "noop")]
             if tls:
                 from specdec.security.local_ca import LocalTls
 
                 certificates = LocalTls.create(Path(trace_dir) / "tls")
-                for sampling in ("greedy", "T=0.7"):
-                    stacks.append(start_stack(bg, False, Path(trace_dir), tls=certificates))
-                    calls |= await round_calls(stacks[-1], sampling, k, "tls")
+                kinds += [("tls", "greedy"), ("tls", "T=0.7")]
+            if not in_process:
+                kinds.append(("inproc", "greedy"))
+            specs = [StackSpec(tracing=prefix == "traced", tls=certificates if prefix == "tls" else None,
+                               in_process=in_process or prefix == "inproc") for prefix, _ in kinds]
+            stacks += start_stacks(bg, specs, Path(trace_dir), threads)
+            for (prefix, sampling), stack in zip(kinds, stacks):
+                if sampling == "noop":
+                    noops |= await noop_call(stack, prefix)
+                    continue
+                computed = greedy_compute if (prefix, sampling) == ("plain", "greedy") else None
+                calls |= await round_calls(stack, sampling, k, prefix, computed)
             # Two phases, each with the bare calls interleaved: the no-ops
             # against the bare calls alone (interleaved with rounds, whose
             # compute churns the caches and the scheduler, a no-op measured
@@ -256,6 +215,7 @@ async def measure(reps: int, k: int, tls: bool = False) -> Figures:
             gaps = (statistics.median(d for d, _ in greedy_compute), statistics.median(t for _, t in greedy_compute))
             medians["cold floor draft gap"], medians["cold floor target gap"] = gaps
             bare["bare cold round floor"] = cold_floor(bare["bare stream message"], gaps)
+            medians |= {f"{name} (event engine)": t for name, t in (await _event_engine_references(reps, gaps)).items()}
             medians |= await interleave(bare | calls, reps)
             await close_bare()
             for stack in stacks:
@@ -266,7 +226,7 @@ async def measure(reps: int, k: int, tls: bool = False) -> Figures:
                 bg.run(stack.draft.stop(0))
             bg.run(bare_server.stop(0))
             bg.stop()
-    return Figures(medians, k)
+    return Figures(medians, k, in_process)
 
 
 def report(fig: Figures, reps: int) -> str:
@@ -278,6 +238,7 @@ def report(fig: Figures, reps: int) -> str:
         return f"{seconds * 1e3:.3f}"
 
     calls_unary = m["bare unary (calls)"]  # the no-ops' phase: bare calls interleaved with the no-ops alone
+    ee = lambda name: m[f"{name} (event engine)"]  # noqa: E731
     rows = [
         ("bare grpc.aio unary call", unary, "1.00x", ""),
         ("bare message each way on an open stream", message, f"{message / unary:.2f}x", ""),
@@ -286,6 +247,12 @@ def report(fig: Figures, reps: int) -> str:
         (f"the same floor as a round meets it: each message after waiting as long as one service's compute "
          f"(greedy: {m['cold floor draft gap'] * 1e3:.1f} and {m['cold floor target gap'] * 1e3:.1f} ms)", cold,
          f"{cold / unary:.2f}x", ""),
+        ("the same bare unary call under grpcio's default I/O (EventEngine; a child process, just before)",
+         ee("bare unary"), f"{ee('bare unary') / unary:.2f}x", ""),
+        ("... a bare message each way, EventEngine", ee("bare stream message"),
+         f"{ee('bare stream message') / unary:.2f}x", ""),
+        ("... the floor as a round meets it, EventEngine", ee(f"bare cold round floor{OUTSIDE}"),
+         f"{ee(f'bare cold round floor{OUTSIDE}') / unary:.2f}x", ""),
         ("bare grpc.aio unary call, the no-ops' phase", calls_unary, "1.00x", ""),
         ("no-op unary (target Rollback), tracing off", m["plain noop (calls)"],
          f"{m['plain noop (calls)'] / calls_unary:.2f}x", "<= 1.3x"),
@@ -303,13 +270,19 @@ def report(fig: Figures, reps: int) -> str:
         rows.append((f"round overhead, {sampling}, k={fig.k}, tracing on", traced, f"{traced / unary:.2f}x",
                      "<= 1.0 ms"))
         rows.append((f"tracing cost per round, {sampling}", traced - plain, f"{(traced - plain) / unary:.2f}x", ""))
+        if f"inproc {sampling} round{OUTSIDE}" in m:
+            shared = fig.round_overhead("inproc", sampling)
+            rows.append((f"round overhead, {sampling}, k={fig.k}, tracing off, both services in the measuring "
+                         "process (one GIL with the client)", shared, f"{shared / unary:.2f}x", ""))
         if f"tls {sampling} round{OUTSIDE}" in m:
             secured = fig.round_overhead("tls", sampling)
             rows.append((f"round overhead, {sampling}, k={fig.k}, mutual TLS, tracing off", secured,
                          f"{secured / unary:.2f}x", ""))
             rows.append((f"TLS cost per round, {sampling}", secured - plain, f"{(secured - plain) / unary:.2f}x", ""))
-    lines = [f"Loopback, plaintext, tiny models, {eventloop.loop_name()} event loops; median of {reps}, "
-             "calls interleaved.", "",
+    layout = ("both services in the measuring process" if fig.in_process
+              else "each service in a process of its own, as deployed")
+    lines = [f"Loopback, plaintext, tiny models, {layout}; {eventloop.loop_name()} event loops, "
+             f"{grpc_io.describe()}; median of {reps}, calls interleaved.", "",
              "| figure | ms | / bare unary | goal |", "|---|---|---|---|"]
     lines += [f"| {name} | {ms(value)} | {ratio} | {goal} |" for name, value, ratio, goal in rows]
     lines += ["", "Round overhead = round wall time − the compute the services reported for that round (their "

@@ -1,8 +1,8 @@
 """The servers and clients `specd overhead` measures (specdec/bench/overhead.py):
-tiny random engines, a bare grpc.aio echo server (the floor of a call and of
-a stream message), and a `Stack` of a target and a draft service with the
+tiny random engines and a `Stack` of a target and a draft service with the
 orchestrator's own clients of them, on call streams and as unary calls,
-plaintext or over mutual TLS."""
+plaintext or over mutual TLS; the services each in a process of their own,
+as deployed, or in this process."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -11,7 +11,7 @@ from pathlib import Path
 from specdec import eventloop
 
 DEADLINE_S = 60.0
-BARE_SERVICE = "specdec.bench.Bare"
+START_S = 600.0  # for a service process to import torch and build its engine, many starting at once
 
 
 def tiny_model(vocab_size: int = 128, seed: int = 0, arch: str = "llama"):
@@ -45,32 +45,59 @@ def BackgroundLoop() -> eventloop.BackgroundLoop:
     return eventloop.BackgroundLoop(timeout_s=DEADLINE_S, name="overhead-servers")
 
 
-async def start_bare_server():
-    """A grpc.aio server with two generic echo handlers: unary and bidi."""
-    import grpc
+class ChildService:
+    """A service of the stack in a process of its own (specdec/bench/overhead_service.py)."""
 
-    async def echo(request: bytes, context) -> bytes:
-        return request
+    def __init__(self, role: str, seed: int, threads: int, trace_file: str = "", tls_files=None):
+        import subprocess
+        import sys
 
-    async def echo_stream(requests, context):
-        async for message in requests:
-            yield message
+        command = [sys.executable, "-m", "specdec.bench.overhead_service", "--role", role, "--seed", str(seed),
+                   "--threads", str(threads)]
+        if trace_file:
+            command += ["--trace-file", trace_file]
+        if tls_files is not None:
+            command += ["--tls-cert", str(tls_files.cert), "--tls-key", str(tls_files.key),
+                        "--tls-ca", str(tls_files.ca)]
+        self.role = role
+        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self._port: int | None = None
 
-    server = grpc.aio.server()
-    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(BARE_SERVICE, {
-        "Echo": grpc.unary_unary_rpc_method_handler(echo),
-        "EchoStream": grpc.stream_stream_rpc_method_handler(echo_stream),
-    })])
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    return server, port
+    @property
+    def port(self) -> int:
+        """The service's port, once it has printed it (waits up to START_S)."""
+        import select
+
+        if self._port is None:
+            ready, _, _ = select.select([self.process.stdout], [], [], START_S)
+            line = self.process.stdout.readline() if ready else ""
+            if not line.strip().isdigit():
+                self.process.kill()
+                raise RuntimeError(f"the {self.role} service's process did not start "
+                                   f"(exit status {self.process.poll()})")
+            self._port = int(line)
+        return self._port
+
+    async def stop(self, grace_s: float = 0.0) -> None:
+        import subprocess
+
+        if self.process.poll() is None:
+            self.process.stdin.close()  # it stops itself when its stdin closes
+            try:
+                self.process.wait(timeout=max(grace_s, 5.0))
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
 
 
 @dataclass
 class Stack:
     """A target and a draft service over tiny engines, and the orchestrator's
     clients of them; `telemetry` is the client side's (its spans, its trace
-    context on the calls)."""
+    context on the calls). `verifier` and `drafter` are the same engines
+    (the services' own when they run in this process, copies built from the
+    same seeds when they run in their own processes), for the same compute
+    in-process."""
 
     target: object
     draft: object
@@ -87,41 +114,73 @@ class Stack:
             await client.aclose()
 
 
-def start_stack(bg: eventloop.BackgroundLoop, tracing: bool, trace_dir: Path, tls=None) -> Stack:
-    """`tls`: a LocalTls, whose certificates then secure both services with
-    mutual TLS and the clients' channels with the orchestrator's certificate."""
+@dataclass(frozen=True)
+class StackSpec:
+    tracing: bool
+    tls: object = None  # a LocalTls: both services speak mutual TLS, the clients present the orchestrator's cert
+    in_process: bool = False  # the services on `bg` in this process, not each in a process of its own
+
+
+def start_stacks(bg: eventloop.BackgroundLoop, specs: list[StackSpec], trace_dir: Path,
+                 threads: int = 1) -> list[Stack]:
+    """One stack per spec. The services of a stack run each in a process of
+    its own, as deployed (all processes are started before any is waited
+    for), or with `in_process` on `bg`, in this process."""
     from draft_service.drafters import ModelDrafter
     from draft_service.server import start_draft_service
-    from orchestrator.downstream import DraftClient, TargetClient, channel_to
     from specdec.rpc.model_service import SessionLimits
     from specdec.rpc.serving import ServerConfig
-    from specdec.security.tls import ClientTls
-    from specdec.telemetry import TelemetrySettings, setup_telemetry
     from target_service.server import start_target_service
     from target_service.verifier import Verifier
 
-    def telemetry(role: str):
-        settings = TelemetrySettings(tracing=tracing, trace_file=str(trace_dir / "spans.jsonl") if tracing else "")
-        return setup_telemetry(role, settings)
-
     limits = SessionLimits()
-    verifier = Verifier(tiny_engine(seed=0), limits.max_draft_tokens, limits.max_verify_batch)
-    drafter = ModelDrafter(tiny_engine(seed=1), limits.max_draft_tokens)
-    cfg = ServerConfig(host="127.0.0.1", port=0)
-    target = bg.run(start_target_service(cfg, limits, lambda: verifier, telemetry=telemetry("target"),
-                                         tls=_service_tls(tls, "target")))
-    draft = bg.run(start_draft_service(cfg, limits, lambda: drafter, telemetry=telemetry("draft"),
-                                       tls=_service_tls(tls, "draft")))
+    trace_file = str(trace_dir / "spans.jsonl")
+    built = []
+    for spec in specs:
+        verifier = Verifier(tiny_engine(seed=0), limits.max_draft_tokens, limits.max_verify_batch)
+        drafter = ModelDrafter(tiny_engine(seed=1), limits.max_draft_tokens)
+        if spec.in_process:
+            cfg = ServerConfig(host="127.0.0.1", port=0)
+            target = bg.run(start_target_service(cfg, limits, lambda: verifier, telemetry=_telemetry(spec, "target", trace_file),
+                                                 tls=_service_tls(spec.tls, "target")))
+            draft = bg.run(start_draft_service(cfg, limits, lambda: drafter, telemetry=_telemetry(spec, "draft", trace_file),
+                                               tls=_service_tls(spec.tls, "draft")))
+        else:
+            files = (lambda role: spec.tls.files[role]) if spec.tls is not None else (lambda role: None)
+            target = ChildService("target", 0, threads, trace_file if spec.tracing else "", files("target"))
+            draft = ChildService("draft", 1, threads, trace_file if spec.tracing else "", files("draft"))
+        built.append((spec, target, draft, verifier, drafter))
+    return [_stack(spec, target, draft, verifier, drafter, trace_file)
+            for spec, target, draft, verifier, drafter in built]
+
+
+def start_stack(bg: eventloop.BackgroundLoop, tracing: bool, trace_dir: Path, tls=None,
+                in_process: bool = True) -> Stack:
+    """One stack (`start_stacks`), its services in this process unless told otherwise."""
+    return start_stacks(bg, [StackSpec(tracing, tls, in_process)], trace_dir)[0]
+
+
+def _telemetry(spec: StackSpec, role: str, trace_file: str):
+    from specdec.telemetry import TelemetrySettings, setup_telemetry
+
+    return setup_telemetry(role, TelemetrySettings(tracing=spec.tracing,
+                                                   trace_file=trace_file if spec.tracing else ""))
+
+
+def _stack(spec: StackSpec, target, draft, verifier, drafter, trace_file: str) -> Stack:
+    from orchestrator.downstream import DraftClient, TargetClient, channel_to
+    from specdec.security.tls import ClientTls
+
     target_at, draft_at = f"127.0.0.1:{target.port}", f"127.0.0.1:{draft.port}"
 
     def channel(address: str):
-        if tls is None:
+        if spec.tls is None:
             return channel_to(address)
-        own = tls.files["orchestrator"]
+        own = spec.tls.files["orchestrator"]
         return channel_to(address, credentials=ClientTls(own.ca, own.cert, own.key).channel_credentials())
 
     return Stack(target, draft, verifier, drafter, TargetClient(channel(target_at)),
-                 DraftClient(channel(draft_at)), telemetry("orchestrator"),
+                 DraftClient(channel(draft_at)), _telemetry(spec, "orchestrator", trace_file),
                  TargetClient(channel(target_at), call_streams=False),
                  DraftClient(channel(draft_at), call_streams=False))
 

@@ -28,6 +28,8 @@ import sys  # noqa: E402
 
 from specdec.cli import (bench_cmd, generate_cmd, identity_cmd, models_cmd, overhead_cmd, proxy_cmd,  # noqa: E402
                          serve_cmd, soak_cmd, steps_cmd, trace_cmd, up_cmd)
+from specdec.cli.exits import EXIT_USAGE  # noqa: E402
+from specdec.rpc import grpc_io  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,6 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    try:
+        grpc_io.chosen()
+    except ValueError as exc:
+        print(f"specd: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:

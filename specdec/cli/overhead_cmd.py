@@ -26,6 +26,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tls", action="store_true",
                    help="also the round over mutual TLS (a throwaway CA's certificates, as `specd up --tls`), "
                    "and what TLS adds per round")
+    p.add_argument("--in-process", action="store_true",
+                   help="run both services in the measuring process, on a background event loop (the layout of "
+                   "earlier figures), instead of each in a process of its own as deployed")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (default 1; with --wire 2, as the real target's forward passes use; with "
                    "--end-to-end torch's default)")
@@ -68,7 +71,8 @@ def run(args: argparse.Namespace) -> int:
         print(wire(args.num_draft_tokens, args.acceptance, args.reps, args.target, args.dtype or "bfloat16", threads))
         return 0
     torch.set_num_threads(args.threads or 1)
-    figures = eventloop.run(measure(args.reps, args.num_draft_tokens, tls=args.tls))
+    figures = eventloop.run(measure(args.reps, args.num_draft_tokens, tls=args.tls, in_process=args.in_process,
+                                    threads=args.threads or 1))
     print(report(figures, args.reps))
     return 0
 

@@ -151,7 +151,7 @@ class SessionServicer:
 
     @grpc_errors.unary
     async def OpenSession(self, request, context):
-        with self.telemetry.server_span(SPAN_PREFILL, context.invocation_metadata(),
+        with self.telemetry.leaf_server_span(SPAN_PREFILL, context.invocation_metadata(),
                                         {A_PROMPT_TOKENS: len(request.prompt_token_ids)}) as span:
             meta = SessionMeta(params=sampling_from_wire(request.sampling), seed=request.seed)
             caller = self.quota.admit(context)
@@ -183,13 +183,13 @@ class SessionServicer:
 
     @grpc_errors.unary
     async def Rollback(self, request, context):
-        with self.telemetry.server_span(SPAN_ROLLBACK, context.invocation_metadata(), {A_LENGTH: request.length}):
+        with self.telemetry.leaf_server_span(SPAN_ROLLBACK, context.invocation_metadata(), {A_LENGTH: request.length}):
             length = await self.worker.run_quick(self.backend.rollback, request.session_id, request.length)
         return common_pb2.RollbackResponse(length=length)
 
     @grpc_errors.unary
     async def CloseSession(self, request, context):
-        with self.telemetry.server_span(SPAN_CLOSE, context.invocation_metadata()):
+        with self.telemetry.leaf_server_span(SPAN_CLOSE, context.invocation_metadata()):
             # Shielded: a close the caller stops waiting for (its deadline
             # passed while the engine thread was busy) still happens; dropped
             # from the queue, the session would be held until it expires.

@@ -103,13 +103,23 @@ class EngineWorker:
             return fn(*args, **kwargs)
         return await self.run(fn, *args, **kwargs)
 
+    def note(self, kind: object, seconds: float) -> None:
+        """Record what a job of `kind` took when it ran inside a larger job."""
+        self._last_s[kind] = seconds
+
+    def is_short(self, kind: object) -> bool:
+        """Whether a job of `kind` would run right here on the event loop
+        now (`run_short`): the engine is idle and the last one took at most
+        `inline_max_s`."""
+        return self.idle and self._last_s.get(kind, math.inf) <= self.inline_max_s
+
     async def run_short(self, kind: object, fn: Callable, *args, **kwargs):
         """A job that is often short (one round's verify, one round's k draft
         steps on a small model or a fast GPU): run on the event loop when the
         engine is idle and the last job of this `kind` took at most
         `inline_max_s`; on the thread otherwise (and the first time, to learn
         what it costs). Order is kept: an idle engine has nothing queued."""
-        if not (self.idle and self._last_s.get(kind, math.inf) <= self.inline_max_s):
+        if not self.is_short(kind):
             return await self.run(self._timed, kind, fn, *args, **kwargs)
         return self._timed(kind, fn, *args, **kwargs)
 
