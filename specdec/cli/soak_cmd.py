@@ -17,6 +17,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from specdec.cli.model_flags import add_threads
+
 
 def register(sub) -> None:
     p = sub.add_parser("soak", help="load and soak: concurrent mixed streams against the three roles")
@@ -26,7 +28,7 @@ def register(sub) -> None:
     length.add_argument("--minutes", type=float, help="minutes of load (instead of --seconds)")
     p.add_argument("--replicas", type=int, default=1, help="target replicas (default 1)")
     p.add_argument("--seed", type=int, default=0, help="seed of the request mix")
-    p.add_argument("--threads", type=int, default=1, help="CPU threads per model service")
+    add_threads(p, default=1, applies_to="per model service")
     p.add_argument("--request-timeout-s", type=float, default=120.0,
                    help="deadline of every request not in the short-deadline fraction (default 120)")
     p.add_argument("--draft-model", default="", help="draft model (default: the tiny random pair's)")
