@@ -46,7 +46,9 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-def _faults(args) -> tuple:
+def faults_from_args(args: argparse.Namespace) -> tuple:
+    """The faults of --kill and --term (ROLE@SECONDS each) as `Fault`s; a
+    malformed one exits with a one-line usage message."""
     from specdec.soak.run import Fault
 
     faults = []
@@ -76,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     env = dict(item.split("=", 1) for item in args.env if "=" in item)
     seconds = args.minutes * 60 if args.minutes is not None else args.seconds
     cfg = SoakConfig(draft=draft, target=target, streams=args.streams, seconds=seconds, replicas=args.replicas,
-                     seed=args.seed, threads=args.threads, faults=_faults(args), check_greedy=args.check_greedy,
+                     seed=args.seed, threads=args.threads, faults=faults_from_args(args), check_greedy=args.check_greedy,
                      env=env, mix=StreamMix(request_timeout_s=args.request_timeout_s))
     logs = Path(args.logs or tempfile.mkdtemp(prefix="specd-soak-"))
     print(f"specd soak: logs in {logs}", file=sys.stderr, flush=True)
