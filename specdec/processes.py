@@ -45,21 +45,6 @@ def wait_serving(port: int, procs: list[subprocess.Popen], timeout_s: float, cre
     raise RuntimeError(f"the service on port {port} was not SERVING after {timeout_s:.0f} s")
 
 
-def wait_all_serving(services: Sequence["Service"], watched: Sequence["Service"], timeout_s: float,
-                     explain: Callable[[], str] | None = None) -> None:
-    """Wait until each of `services` reports SERVING, in turn; fail early if
-    any of `watched` exits meanwhile. `explain()` (e.g. the logs' tails) is
-    added to the error's message."""
-    procs = [s.proc for s in watched]
-    for service in services:
-        try:
-            wait_serving(service.port, procs, timeout_s)
-        except RuntimeError as exc:
-            if explain is None:
-                raise
-            raise RuntimeError(f"{exc}\n{explain()}") from None
-
-
 def stop_processes(procs: list[subprocess.Popen], grace_s: float = 30.0) -> None:
     """SIGTERM every process (they drain), then SIGKILL what is left after grace_s."""
     for p in procs:
@@ -74,11 +59,6 @@ def stop_processes(procs: list[subprocess.Popen], grace_s: float = 30.0) -> None
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait(timeout=10)
-
-
-def stop_services(services: Sequence["Service"], grace_s: float = 30.0) -> None:
-    """`stop_processes` of services started by `spawn_role`, in the order given."""
-    stop_processes([s.proc for s in services], grace_s)
 
 
 # ------------------------------------------- roles as `specd serve` children
@@ -154,6 +134,26 @@ def read_ports(services: Sequence[Service], timeout_s: float = 120.0) -> None:
     """Fill in each service's port (`read_port`), in turn."""
     for service in services:
         service.port = read_port(service, timeout_s)
+
+
+def wait_all_serving(services: Sequence[Service], watched: Sequence[Service], timeout_s: float,
+                     explain: Callable[[], str] | None = None) -> None:
+    """Wait until each of `services` reports SERVING, in turn; fail early if
+    any of `watched` exits meanwhile. `explain()` (e.g. the logs' tails) is
+    added to the error's message."""
+    procs = [s.proc for s in watched]
+    for service in services:
+        try:
+            wait_serving(service.port, procs, timeout_s)
+        except RuntimeError as exc:
+            if explain is None:
+                raise
+            raise RuntimeError(f"{exc}\n{explain()}") from None
+
+
+def stop_services(services: Sequence[Service], grace_s: float = 30.0) -> None:
+    """`stop_processes` of services started by `spawn_role`, in the order given."""
+    stop_processes([s.proc for s in services], grace_s)
 
 
 def log_tail(path: Path, lines: int = 15) -> str:
