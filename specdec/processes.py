@@ -1,20 +1,28 @@
-"""Services as child processes: wait until one reports SERVING, keep them
-running (`Supervisor`: restart with backoff), stop them all.
+"""Services as child processes: start a role as `specd serve ROLE --port 0`
+and read the port it bound (`spawn_role`, `read_ports`), wait until one
+reports SERVING, keep them running (`Supervisor`: restart with backoff), stop
+them all, and read their memory from /proc.
 
-Shared by `specd up` (`specdec.cli.up_cmd`) and `specd bench`
-(`specdec.bench.services`), which both start the roles as child processes.
+Shared by `specd up` (`specdec.cli.up_cmd`), `specd bench`
+(`specdec.bench.services`) and `specd soak` (`specdec.soak.services`), which
+all start the roles as child processes.
 """
 from __future__ import annotations
 
+import os
+import re
 import signal
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from typing import Callable
+from pathlib import Path
+from typing import Callable, Mapping, Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+_LISTENING = re.compile(r"listening on [^\s]*:(\d+)")
 
 
 def wait_serving(port: int, procs: list[subprocess.Popen], timeout_s: float, credentials=None) -> None:
@@ -51,6 +59,125 @@ def stop_processes(procs: list[subprocess.Popen], grace_s: float = 30.0) -> None
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait(timeout=10)
+
+
+# ------------------------------------------- roles as `specd serve` children
+
+
+@dataclass
+class Service:
+    """One role started by `spawn_role`: its process, its log, and the port
+    it bound (0 until `read_ports`)."""
+
+    role: str
+    proc: subprocess.Popen
+    log_path: Path
+    command: list[str]
+    port: int = 0
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def describe(self) -> dict:
+        return {"role": self.role, "pid": self.pid, "port": self.port, "log": str(self.log_path),
+                "command": self.command}
+
+
+def role_env(base: Mapping[str, str] | None = None, extra: Mapping[str, str] | None = None) -> dict:
+    """The environment of the roles' children: `base` (default this process's
+    environment) with `extra` on top, less OTEL_SERVICE_NAME (each role names itself)."""
+    env = {**(os.environ if base is None else base), **(extra or {})}
+    env.pop("OTEL_SERVICE_NAME", None)
+    return env
+
+
+def spawn_role(role: str, args: list[str], log_dir: Path, env: dict, name: str = "") -> Service:
+    """Start `specd serve ROLE --port 0 ARGS`, its output in LOG_DIR/NAME.log
+    (NAME defaults to the role; replicas of one role need their own)."""
+    name = name or role
+    command = [sys.executable, "-m", "specdec.cli.main", "serve", role, "--host", "127.0.0.1", "--port", "0",
+               "--metrics-port", "0", *args]
+    log_path = log_dir / f"{name}.log"
+    log = open(log_path, "w")
+    try:
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    finally:
+        log.close()  # the child holds its own descriptor
+    return Service(name, proc, log_path, command)
+
+
+def read_port(service: Service, timeout_s: float) -> int:
+    """The port a service started by `spawn_role` bound, from its log line
+    "listening on HOST:PORT"."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            match = _LISTENING.search(service.log_path.read_text(errors="replace"))
+        except OSError:
+            match = None
+        if match:
+            return int(match.group(1))
+        if service.proc.poll() is not None:
+            break
+        time.sleep(0.1)
+    tail = log_tail(service.log_path)
+    raise RuntimeError(f"the {service.role} service did not start (exit code {service.proc.poll()}); "
+                       f"its log {service.log_path} ends with:\n{tail}")
+
+
+def read_ports(services: Sequence[Service], timeout_s: float = 120.0) -> None:
+    """Fill in each service's port (`read_port`), in turn."""
+    for service in services:
+        service.port = read_port(service, timeout_s)
+
+
+def wait_all_serving(services: Sequence[Service], watched: Sequence[Service], timeout_s: float,
+                     explain: Callable[[], str] | None = None) -> None:
+    """Wait until each of `services` reports SERVING, in turn; fail early if
+    any of `watched` exits meanwhile. `explain()` (e.g. the logs' tails) is
+    added to the error's message."""
+    procs = [s.proc for s in watched]
+    for service in services:
+        try:
+            wait_serving(service.port, procs, timeout_s)
+        except RuntimeError as exc:
+            if explain is None:
+                raise
+            raise RuntimeError(f"{exc}\n{explain()}") from None
+
+
+def stop_services(services: Sequence[Service], grace_s: float = 30.0) -> None:
+    """`stop_processes` of services started by `spawn_role`, in the order given."""
+    stop_processes([s.proc for s in services], grace_s)
+
+
+def log_tail(path: Path, lines: int = 15) -> str:
+    """The last `lines` lines of a log, or "(no log)"."""
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def status_mb(pid: int | str, key: str) -> float | None:
+    """A size from /proc/PID/status (e.g. "VmRSS", "VmHWM") in MiB; None
+    once the process is gone or without the field."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) / 1024.0
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+# ------------------------------------------------------------ supervision
 
 
 @dataclass(frozen=True)

@@ -81,9 +81,23 @@ async def _status(call) -> tuple[grpc.StatusCode, str]:
     return caught.value.code(), caught.value.details()
 
 
+class StreamsOpened(grpc.aio.StreamStreamClientInterceptor):
+    """Notes the method of each stream a channel opens."""
+
+    def __init__(self):
+        self.methods: list[str] = []
+
+    async def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
+        method = client_call_details.method
+        self.methods.append(method.decode() if isinstance(method, bytes) else method)
+        return await continuation(client_call_details, request_iterator)
+
+
 async def _failed_call_then_more(target) -> None:
-    on_stream, as_unary = (TargetClient(channel_to(f"127.0.0.1:{target.port}"), call_streams=flag)
-                           for flag in (True, False))
+    opened = StreamsOpened()
+    on_stream, as_unary = (TargetClient(channel_to(f"127.0.0.1:{target.port}", interceptors=interceptors),
+                                        call_streams=flag)
+                           for flag, interceptors in ((True, [opened]), (False, ())))
     try:
         t_sid, _ = await on_stream.open(open_request(PROMPT, 0.0, 0, 1.0, 1, 64, "bad"), DEADLINE_S)
         too_many = [target_pb2.VerifyItem(session_id=t_sid, draft_token_ids=[5])] * 5  # max_verify_batch is 4
@@ -91,12 +105,12 @@ async def _failed_call_then_more(target) -> None:
         unary_status = await _status(as_unary.verify(too_many, DEADLINE_S))
         assert stream_status == unary_status
         assert stream_status[0] is grpc.StatusCode.INVALID_ARGUMENT
-        stream = on_stream.verify_calls._stream
-        # The stream goes on: the next call is answered on it.
+        assert opened.methods == ["/specdec.v1.TargetService/VerifyStream"]
+        # The stream goes on: the next call is answered on it, no new stream opened.
         reply, _ = await on_stream.verify([target_pb2.VerifyItem(session_id=t_sid, draft_token_ids=[5])],
                                           DEADLINE_S)
         assert len(reply.results[0].argmax_token_ids) == 2
-        assert on_stream.verify_calls._stream is stream
+        assert len(opened.methods) == 1
         # An unknown session is a per-item error, as with a unary call.
         reply, _ = await on_stream.verify([target_pb2.VerifyItem(session_id="nope", draft_token_ids=[5])],
                                           DEADLINE_S)

@@ -15,6 +15,7 @@ full run is `python -m specdec.fuzz --messages 10000` (docs/reliability.md).
 from __future__ import annotations
 
 import os
+import threading
 
 import grpc
 import pytest
@@ -73,10 +74,18 @@ def test_the_status_oracles_flag_what_they_must():
 
 
 def test_the_witness_flags_a_different_result():
-    results = iter([[1, 2], [1, 2], [1, 3]])
+    results = iter([[1, 2], [1, 2], [1, 3]])  # alone before, once on its thread, alone after
+    checked_on_thread = threading.Event()
+
+    def run():
+        result = next(results)
+        if threading.current_thread() is not threading.main_thread():
+            checked_on_thread.set()
+        return result
+
     tally = Tally()
-    witness = Witness("target", lambda: next(results), tally)
-    witness._check_once()
+    witness = Witness("target", run, tally, pause_s=3600).start()  # one run on the thread, then it waits
+    assert checked_on_thread.wait(60)
     witness.stop()  # its last run differs
     assert witness.runs == 2 and len(tally.violations) == 1 and "differs" in tally.violations[0].what
 

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from specdec.cli.main import build_parser
-from specdec.cli.soak_cmd import _faults
+from specdec.cli.soak_cmd import faults_from_args
 from specdec.soak.load import StreamMix
 from specdec.soak.report import percentile, rss_growth, table
 from specdec.soak.run import Fault, SoakConfig, run_soak
@@ -44,9 +44,9 @@ def test_soak_flags_and_faults():
     args = build_parser().parse_args(["soak", "--streams", "4", "--minutes", "2", "--kill", "target0@20",
                                       "--term", "draft@5.5"])
     assert args.streams == 4 and args.minutes == 2.0
-    assert _faults(args) == (Fault("target0", 20.0, "SIGKILL"), Fault("draft", 5.5, "SIGTERM"))
+    assert faults_from_args(args) == (Fault("target0", 20.0, "SIGKILL"), Fault("draft", 5.5, "SIGTERM"))
     with pytest.raises(SystemExit):
-        _faults(build_parser().parse_args(["soak", "--kill", "target0"]))
+        faults_from_args(build_parser().parse_args(["soak", "--kill", "target0"]))
 
 
 @pytest.mark.slow

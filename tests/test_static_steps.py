@@ -43,9 +43,9 @@ def test_a_step_is_padded_to_its_bucket_and_padding_touches_only_scratch():
     assert steps.bucket(17) == 24 and steps.bucket(25) == 32 and steps.fits(40) and not steps.fits(41)
     seqs = [random_tokens(n, seed=n) for n in (4, 9, 6)]
     sessions = [static.open_session(seq) for seq in seqs]
-    sizes = []
-    forward = steps._forward
-    steps._forward = lambda size, **kw: sizes.append(size) or forward(size, **kw)
+    sizes = []  # the token count of each forward pass the model runs
+    steps.model.register_forward_pre_hook(lambda _model, _args, kwargs: sizes.append(kwargs["input_ids"].shape[1]),
+                                          with_kwargs=True)
     before = static.store.keys.clone()
     static.extend([ExtendItem(s.id, None, [5, 6], 3) for s in sessions])  # 3 rows x 3 tokens = 9 -> bucket 9
     static.extend([ExtendItem(s.id, None, [5, 6, 7, 8], 2) for s in sessions])  # 3 x 4 new = 12 -> 12

@@ -369,14 +369,14 @@ def test_specd_trace_lists_and_shows_a_real_run(tmp_path, capsys):
 def test_serve_commands_serve_metrics_on_the_metrics_port(monkeypatch):
     import socket
 
-    from specdec.cli.serve_cmd import _telemetry
+    from specdec.cli.serve_cmd import role_telemetry
     from specdec.rpc.serving import ServerConfig
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     monkeypatch.setenv("SPECD_TRACING", "off")
-    with _telemetry("target", ServerConfig(host="127.0.0.1", metrics_port=port)) as t:
+    with role_telemetry("target", ServerConfig(host="127.0.0.1", metrics_port=port)) as t:
         t.metrics.observe_sessions(lambda: (3, 1024))
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
             text = reply.read().decode()

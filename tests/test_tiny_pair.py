@@ -54,10 +54,10 @@ def test_second_call_reuses_the_build(pair, monkeypatch):
     cache, draft_dir, target_dir = pair
     before = _files(cache)
 
-    def no_rebuild(_root):
+    def no_rebuild():
         raise AssertionError("the pair was rebuilt")
 
-    monkeypatch.setattr(tiny_pair, "_build_into", no_rebuild)
+    monkeypatch.setattr(tiny_pair, "build_models", no_rebuild)
     assert ensure_tiny_pair(cache) == (draft_dir, target_dir)
     assert ensure_tiny_pair(str(cache)) == (draft_dir, target_dir)
     assert _files(cache) == before
@@ -66,7 +66,7 @@ def test_second_call_reuses_the_build(pair, monkeypatch):
 def test_default_cache_dir_comes_from_the_environment(pair, monkeypatch):
     cache, draft_dir, target_dir = pair
     monkeypatch.setenv("SPECD_CACHE_DIR", str(cache))
-    monkeypatch.setattr(tiny_pair, "_build_into", lambda _root: pytest.fail("rebuilt"))
+    monkeypatch.setattr(tiny_pair, "build_models", lambda: pytest.fail("rebuilt"))
     assert ensure_tiny_pair() == (draft_dir, target_dir)
 
 

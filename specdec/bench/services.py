@@ -2,27 +2,22 @@
 memory probes: one target, one draft per draft head, one orchestrator per
 route (draft head x verify batcher setting).
 
-Each role runs as `python -m specdec.cli.main serve ROLE --port 0 ...`, as
-`specd up` runs them; the port the server picked is read from its log line
-"listening on HOST:PORT", then `wait_serving` waits until it reports
-SERVING. Logs go into the results folder. `ServiceSet.stop()` always runs
+Each role runs as `python -m specdec.cli.main serve ROLE --port 0 ...`
+(`specdec.processes.spawn_role`, as `specd soak` starts them too); the port
+the server picked is read from its log line "listening on HOST:PORT", then
+`wait_all_serving` waits until it reports SERVING. Logs go into the results folder. `ServiceSet.stop()` always runs
 (the bench calls it from a finally): SIGTERM, then SIGKILL after a grace.
 """
 from __future__ import annotations
 
 import dataclasses
-import os
-import re
 import shutil
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 from specdec.bench.configs import Route
-from specdec.processes import stop_processes, wait_serving
-
-_LISTENING = re.compile(r"listening on [^\s]*:(\d+)")
+from specdec.processes import (Service, log_tail, read_ports, role_env, spawn_role, status_mb, stop_services,
+                               wait_all_serving)
 
 
 # ------------------------------------------------------------------- memory
@@ -42,14 +37,7 @@ def reset_peak_rss(pid: int | str) -> bool:
 
 def peak_rss_mb(pid: int | str) -> float | None:
     """VmHWM of a process in MiB (Linux), None if unavailable."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024.0
-    except (OSError, ValueError):
-        pass
-    return None
+    return status_mb(pid, "VmHWM")
 
 
 def gpu_memory_by_pid() -> dict[int, float]:
@@ -74,67 +62,6 @@ def gpu_memory_by_pid() -> dict[int, float]:
 
 
 # ---------------------------------------------------------------- processes
-
-
-@dataclasses.dataclass
-class Service:
-    role: str
-    proc: subprocess.Popen
-    log_path: Path
-    command: list[str]
-    port: int = 0
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def describe(self) -> dict:
-        return {"role": self.role, "pid": self.pid, "port": self.port, "log": str(self.log_path),
-                "command": self.command}
-
-
-def spawn_role(role: str, args: list[str], log_dir: Path, env: dict, name: str = "") -> Service:
-    """Start `specd serve ROLE --port 0 ARGS`, its output in LOG_DIR/NAME.log
-    (NAME defaults to the role; replicas of one role need their own)."""
-    name = name or role
-    command = [sys.executable, "-m", "specdec.cli.main", "serve", role, "--host", "127.0.0.1", "--port", "0",
-               "--metrics-port", "0", *args]
-    log_path = log_dir / f"{name}.log"
-    log = open(log_path, "w")
-    try:
-        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    finally:
-        log.close()  # the child holds its own descriptor
-    return Service(name, proc, log_path, command)
-
-
-def read_port(service: Service, timeout_s: float) -> int:
-    """The port a service started by `spawn_role` bound, from its log line."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            match = _LISTENING.search(service.log_path.read_text(errors="replace"))
-        except OSError:
-            match = None
-        if match:
-            return int(match.group(1))
-        if service.proc.poll() is not None:
-            break
-        time.sleep(0.1)
-    tail = _log_tail(service.log_path)
-    raise RuntimeError(f"the {service.role} service did not start (exit code {service.proc.poll()}); "
-                       f"its log {service.log_path} ends with:\n{tail}")
-
-
-def _log_tail(path: Path, lines: int = 15) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
 
 
 @dataclasses.dataclass
@@ -177,9 +104,7 @@ class ServiceSet:
         self.opts = opts
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        env = dict(os.environ if env is None else env)
-        env.pop("OTEL_SERVICE_NAME", None)  # each role names itself
-        self.env = env
+        self.env = role_env(env)
         self.services: dict[str, Service] = {}
         self.proxies: dict[str, object] = {}
         self.orchestrators: dict[tuple[int, bool], str] = {}  # (draft head, batching) -> service name
@@ -198,19 +123,14 @@ class ServiceSet:
             name = draft_name(vocab, i == 0)
             self.services[name] = spawn_role("draft", ["--model", o.draft, "--device", o.draft_device, *common,
                                                        *head], self.log_dir, self.env, name=name)
-        for role in self._model_roles():
-            self.services[role].port = read_port(self.services[role], 120.0)
+        read_ports([self.services[role] for role in self._model_roles()])
 
     def _model_roles(self) -> list[str]:
         return ["target"] + [draft_name(v, i == 0) for i, v in enumerate(self.opts.draft_vocabs)]
 
     def wait_models(self) -> None:
-        procs = [s.proc for s in self.services.values()]
-        for role in self._model_roles():
-            try:
-                wait_serving(self.services[role].port, procs, self.opts.startup_timeout_s)
-            except RuntimeError as exc:
-                raise RuntimeError(f"{exc}\n{self._tails()}") from None
+        wait_all_serving([self.services[role] for role in self._model_roles()], list(self.services.values()),
+                         self.opts.startup_timeout_s, self._tails)
 
     def start_proxies(self, delay_ms: dict[str, float], jitter_ms: float = 0.0) -> None:
         """A LatencyProxy in front of each model service (one-way delay per
@@ -262,11 +182,8 @@ class ServiceSet:
             self.orchestrators[(route.draft_vocab, route.batching)] = name
             started.append(orch)
         for orch in started:
-            orch.port = read_port(orch, 120.0)
-            try:
-                wait_serving(orch.port, [s.proc for s in self.services.values()], self.opts.startup_timeout_s)
-            except RuntimeError as exc:
-                raise RuntimeError(f"{exc}\n{self._tails()}") from None
+            read_ports([orch])
+            wait_all_serving([orch], list(self.services.values()), self.opts.startup_timeout_s, self._tails)
 
     @property
     def orchestrator_address(self) -> str:
@@ -280,7 +197,7 @@ class ServiceSet:
     def stop(self) -> None:
         """Stop every process this set started (orchestrators first) and the proxies."""
         order = sorted(self.services, key=lambda name: (_kind(name) != "orchestrator", _kind(name) != "draft"))
-        stop_processes([self.services[name].proc for name in order])
+        stop_services([self.services[name] for name in order])
         for proxy in self.proxies.values():
             try:
                 proxy.stop()
@@ -289,7 +206,7 @@ class ServiceSet:
         self.proxies = {}
 
     def _tails(self) -> str:
-        return "\n".join(f"--- {s.role} log ({s.log_path}):\n{_log_tail(s.log_path)}" for s in self.services.values())
+        return "\n".join(f"--- {s.role} log ({s.log_path}):\n{log_tail(s.log_path)}" for s in self.services.values())
 
     # ------------------------------------------------------------- memory
 

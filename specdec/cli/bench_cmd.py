@@ -26,6 +26,7 @@ from pathlib import Path
 
 from specdec.bench.runner import BASELINES, HF, HF_ASSISTED, HF_STATIC, SERVICE, routes
 from specdec.cli.bench_options import SYNTH_PAIRS, UsageError, build_prompts, resolve, use_tiny_pair
+from specdec.cli.model_flags import add_device, add_dtype, add_role_devices, add_threads
 from specdec.models.catalog import DEFAULT_PAIR
 
 
@@ -40,10 +41,9 @@ def register(sub) -> None:
                         "projected speedups)")
     g.add_argument("--draft", default=None, help=f"draft: catalog name or model directory (default {DEFAULT_PAIR.draft})")
     g.add_argument("--target", default=None, help=f"target: catalog name or model directory (default {DEFAULT_PAIR.target})")
-    g.add_argument("--device", default="cpu", help="device of both roles and the HF baselines: cpu, cuda, cuda:N")
-    g.add_argument("--draft-device", default=None, help="the draft's device (default --device)")
-    g.add_argument("--target-device", default=None, help="the target's device (default --device)")
-    g.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"))
+    add_device(g, applies_to="for both roles and the HF baselines")
+    add_role_devices(g)
+    add_dtype(g)
     g.add_argument("--draft-vocab", type=int, nargs="+", default=[0], metavar="N",
                    help="the draft service's output head over its N most frequent ids (specd models rank-vocab; "
                         "0: the full head). Several sizes: one draft service each, and every specdec config runs "
@@ -51,8 +51,7 @@ def register(sub) -> None:
     g.add_argument("--batcher", nargs="+", choices=("on", "off"), default=["on"],
                    help="the orchestrator's verify batcher. 'on off': the service configs that run at "
                         "concurrency > 1 also run there with it off (one more orchestrator), named NAME/batcher-off")
-    g.add_argument("--threads", type=int, default=0, help="CPU threads per model service and for the HF "
-                                                          "baselines (0: torch's default)")
+    add_threads(g, applies_to="per model service and for the HF baselines")
     g = p.add_argument_group("what to run (--quick sets small defaults; explicit flags win)")
     g.add_argument("--quick", action="store_true", help="a few minutes on a CPU: few prompts, short outputs, "
                                                         "one k, concurrency 1 and 4, one repeat")

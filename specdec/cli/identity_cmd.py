@@ -15,6 +15,7 @@ import argparse
 import sys
 
 from specdec.cli.exits import EXIT_ERROR, EXIT_OK
+from specdec.cli.model_flags import add_device, add_dtype, add_threads
 from specdec.models.catalog import DEFAULT_PAIR
 
 
@@ -26,10 +27,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompts", type=int, default=10, help="number of prompts (default 10)")
     p.add_argument("--first-prompt", type=int, default=0, help="index of the first prompt (default 0)")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens generated per prompt (default 128)")
-    p.add_argument("--dtype", default="bfloat16", choices=("auto", "bfloat16", "float16", "float32"))
+    add_dtype(p, default="bfloat16")
     p.add_argument("--num-draft-tokens", type=int, default=3, help="tokens drafted per round (default 3)")
-    p.add_argument("--threads", type=int, default=2, help="CPU threads (default 2)")
-    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    add_threads(p, default=2)
+    add_device(p)
     p.add_argument("--draft", default=DEFAULT_PAIR.draft, help=f"draft model (default {DEFAULT_PAIR.draft})")
     p.add_argument("--target", default=DEFAULT_PAIR.target, help=f"target model (default {DEFAULT_PAIR.target})")
     p.set_defaults(func=run)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 
+from specdec.cli.model_flags import add_device, add_dtype, add_threads
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("overhead", help="per-round wire and loop overhead against bare grpcio calls",
@@ -29,9 +30,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--in-process", action="store_true",
                    help="run both services in the measuring process, on a background event loop (the layout of "
                    "earlier figures), instead of each in a process of its own as deployed")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch threads (default 1; with --wire 2, as the real target's forward passes use; with "
-                   "--end-to-end torch's default)")
+    add_threads(p, default=None, default_text="1; with --wire 2, as the real target's forward passes use; with "
+                "--end-to-end torch's default")
     wire = p.add_argument_group("--wire: bytes per round and Verify throughput")
     wire.add_argument("--wire", action="store_true",
                       help="print the bytes of one round (vocab 151936, greedy and T=0.7) per emitted token, and "
@@ -39,7 +39,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     wire.add_argument("--acceptance", type=float, default=0.8, help="acceptance rate for bytes per token (0.8)")
     wire.add_argument("--target", default="", help="a cached model whose Verify throughput to add "
                       "(e.g. qwen2.5-coder-1.5b-instruct); with --end-to-end, the target (with --draft)")
-    wire.add_argument("--dtype", default=None, help="dtype of --target (bfloat16; with --end-to-end auto)")
+    add_dtype(wire, default=None, applies_to="for --target", default_text="bfloat16; with --end-to-end auto")
     e2e = p.add_argument_group("--end-to-end: tokens/s with tracing on vs off, spans per token")
     e2e.add_argument("--end-to-end", action="store_true",
                      help="two whole in-process systems (target, draft, orchestrator) over the same engines, one "
@@ -51,7 +51,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     e2e.add_argument("--random-pair", action="store_true",
                      help="instead of the tiny pair, the tests' 2-layer random target and a perturbed copy as draft "
                      "(the pair of the former benchmarks/tracing_overhead.py)")
-    e2e.add_argument("--device", default="cpu", help="device of --draft/--target (default cpu)")
+    add_device(e2e, applies_to="for --draft/--target")
     p.set_defaults(func=run)
 
 

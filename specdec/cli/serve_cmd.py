@@ -72,7 +72,7 @@ def _serve_draft(args: argparse.Namespace) -> int:
     tls = from_args(TlsConfig, args)  # checked before anything binds, by start_model_service
 
     async def main():
-        with _telemetry("draft", server_cfg) as telemetry:
+        with role_telemetry("draft", server_cfg) as telemetry:
             service = await start_draft_service(
                 server_cfg, limits, lambda: build_drafter(engine_cfg, drafter_cfg, limits),
                 backend_kind=drafter_cfg.drafter, telemetry=telemetry, tls=tls)
@@ -91,7 +91,7 @@ def _serve_target(args: argparse.Namespace) -> int:
     tls = from_args(TlsConfig, args)
 
     async def main():
-        with _telemetry("target", server_cfg) as telemetry:
+        with role_telemetry("target", server_cfg) as telemetry:
             service = await start_target_service(server_cfg, limits, lambda: build_verifier(engine_cfg, limits),
                                                  telemetry=telemetry, tls=tls)
             await _serve_forever(service.running, server_cfg, "target", engine_cfg.model)
@@ -111,7 +111,7 @@ def _serve_orchestrator(args: argparse.Namespace) -> int:
     tls = from_args(TlsConfig, args)  # so are these
 
     async def main():
-        with _telemetry("orchestrator", server_cfg) as telemetry:
+        with role_telemetry("orchestrator", server_cfg) as telemetry:
             orch = await start_orchestrator(server_cfg, cfg, telemetry=telemetry, http=http_cfg, tls=tls)
             http = f", HTTP on {orch.http.host}:{orch.http.port}" if orch.http else ""
             # Draining the orchestrator drains both front doors.
@@ -122,7 +122,7 @@ def _serve_orchestrator(args: argparse.Namespace) -> int:
 
 
 @contextlib.contextmanager
-def _telemetry(role: str, server_cfg: ServerConfig):
+def role_telemetry(role: str, server_cfg: ServerConfig):
     """The role's Telemetry from the environment (OTEL_*, SPECD_TRACING,
     SPECD_TRACE_FILE), plus the Prometheus endpoint when --metrics-port is
     set; spans still queued are flushed on the way out."""

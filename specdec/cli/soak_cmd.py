@@ -17,6 +17,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from specdec.cli.model_flags import add_threads
+
 
 def register(sub) -> None:
     p = sub.add_parser("soak", help="load and soak: concurrent mixed streams against the three roles")
@@ -26,7 +28,7 @@ def register(sub) -> None:
     length.add_argument("--minutes", type=float, help="minutes of load (instead of --seconds)")
     p.add_argument("--replicas", type=int, default=1, help="target replicas (default 1)")
     p.add_argument("--seed", type=int, default=0, help="seed of the request mix")
-    p.add_argument("--threads", type=int, default=1, help="CPU threads per model service")
+    add_threads(p, default=1, applies_to="per model service")
     p.add_argument("--request-timeout-s", type=float, default=120.0,
                    help="deadline of every request not in the short-deadline fraction (default 120)")
     p.add_argument("--draft-model", default="", help="draft model (default: the tiny random pair's)")
@@ -44,7 +46,9 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-def _faults(args) -> tuple:
+def faults_from_args(args: argparse.Namespace) -> tuple:
+    """The faults of --kill and --term (ROLE@SECONDS each) as `Fault`s; a
+    malformed one exits with a one-line usage message."""
     from specdec.soak.run import Fault
 
     faults = []
@@ -74,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     env = dict(item.split("=", 1) for item in args.env if "=" in item)
     seconds = args.minutes * 60 if args.minutes is not None else args.seconds
     cfg = SoakConfig(draft=draft, target=target, streams=args.streams, seconds=seconds, replicas=args.replicas,
-                     seed=args.seed, threads=args.threads, faults=_faults(args), check_greedy=args.check_greedy,
+                     seed=args.seed, threads=args.threads, faults=faults_from_args(args), check_greedy=args.check_greedy,
                      env=env, mix=StreamMix(request_timeout_s=args.request_timeout_s))
     logs = Path(args.logs or tempfile.mkdtemp(prefix="specd-soak-"))
     print(f"specd soak: logs in {logs}", file=sys.stderr, flush=True)

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from specdec.cli.exits import EXIT_ERROR, EXIT_OK
+from specdec.cli.model_flags import add_device, add_dtype, add_threads
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -25,9 +26,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                        "session) steps, with the fixed-shape path (CUDA graphs on CUDA) and the eager path, as "
                        "multiples of weight bytes / measured copy bandwidth.")
     p.add_argument("models", nargs="+", metavar="MODEL", help="catalog names, directories, or synth:NAME")
-    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
-    p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"))
-    p.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
+    add_device(p)
+    add_dtype(p)
+    add_threads(p)
     p.add_argument("--num-draft-tokens", type=int, nargs="+", default=[4],
                    help="verify shapes: num_draft_tokens + 1 tokens per session (default 4)")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8], help="sessions per step (default 1 8)")

@@ -24,6 +24,7 @@ import sys
 import tempfile
 import time
 
+from specdec.cli.model_flags import add_device, add_dtype, add_role_devices, add_threads
 from specdec.models.catalog import DEFAULT_PAIR
 from specdec.processes import Backoff, Supervisor, wait_serving
 from specdec.trace_file import TRACE_FILE_ENV, default_trace_file
@@ -34,11 +35,10 @@ def register(sub) -> None:
     p.add_argument("--draft-model", default=DEFAULT_PAIR.draft)
     p.add_argument("--target-model", default=DEFAULT_PAIR.target)
     p.add_argument("--drafter", default="model", choices=("model", "ngram"))
-    p.add_argument("--device", default="cpu", help="device of both model services (or use --draft-device/--target-device)")
-    p.add_argument("--draft-device", default=None)
-    p.add_argument("--target-device", default=None)
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--threads", type=int, default=0, help="CPU threads per model service (0: torch default)")
+    add_device(p, applies_to="for both model services")
+    add_role_devices(p)
+    add_dtype(p)
+    add_threads(p, applies_to="per model service")
     p.add_argument("--port", type=int, default=50051, help="orchestrator port")
     p.add_argument("--http-port", type=int, default=8000,
                    help="the orchestrator's OpenAI-compatible HTTP API (/v1) port (-1: off)")

@@ -19,6 +19,7 @@ from typing import Callable, Optional
 
 import grpc
 
+from specdec.rpc.method_handlers import wrap_behavior
 from specdec.security.api_keys import ApiKeyChecker
 
 OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
@@ -111,37 +112,20 @@ async def _stream_of(result):
 
 def _guard(handler: grpc.RpcMethodHandler, check: Check) -> grpc.RpcMethodHandler:
     """The same handler, with `check` first."""
-    des, ser = handler.request_deserializer, handler.response_serializer
-    if handler.unary_unary:
-        inner_uu = handler.unary_unary
 
-        async def unary_unary(request, context):
+    def wrap(inner, response_streaming: bool):
+        if response_streaming:
+            async def streaming(request, context):
+                await _enforce(check, context)
+                async for item in _stream_of(inner(request, context)):
+                    yield item
+
+            return streaming
+
+        async def unary(request, context):
             await _enforce(check, context)
-            return await inner_uu(request, context)
+            return await inner(request, context)
 
-        return grpc.unary_unary_rpc_method_handler(unary_unary, des, ser)
-    if handler.unary_stream:
-        inner_us = handler.unary_stream
+        return unary
 
-        async def unary_stream(request, context):
-            await _enforce(check, context)
-            async for item in _stream_of(inner_us(request, context)):
-                yield item
-
-        return grpc.unary_stream_rpc_method_handler(unary_stream, des, ser)
-    if handler.stream_unary:
-        inner_su = handler.stream_unary
-
-        async def stream_unary(requests, context):
-            await _enforce(check, context)
-            return await inner_su(requests, context)
-
-        return grpc.stream_unary_rpc_method_handler(stream_unary, des, ser)
-    inner_ss = handler.stream_stream
-
-    async def stream_stream(requests, context):
-        await _enforce(check, context)
-        async for item in _stream_of(inner_ss(requests, context)):
-            yield item
-
-    return grpc.stream_stream_rpc_method_handler(stream_stream, des, ser)
+    return wrap_behavior(handler, wrap)

@@ -20,6 +20,7 @@ from typing import Callable
 
 import grpc
 
+from specdec.rpc.method_handlers import wrap_behavior
 
 _MAX_CACHED = 256
 
@@ -73,6 +74,10 @@ def _guard_stream(behavior):
     return guarded
 
 
+def _guard(behavior, response_streaming: bool):
+    return _guard_stream(behavior) if response_streaming else _guard_unary(behavior)
+
+
 class MalformedRequests(grpc.aio.ServerInterceptor):
     """Answer undecodable requests of unary-request methods with INVALID_ARGUMENT.
     On a bidirectional stream (the call streams) a message that cannot be
@@ -101,6 +106,4 @@ class MalformedRequests(grpc.aio.ServerInterceptor):
         if handler.request_streaming:
             # Only our own call streams know the marker (not, say, reflection's stream).
             return handler._replace(request_deserializer=deserializer) if method.startswith("/specdec.") else handler
-        if handler.response_streaming:
-            return handler._replace(request_deserializer=deserializer, unary_stream=_guard_stream(handler.unary_stream))
-        return handler._replace(request_deserializer=deserializer, unary_unary=_guard_unary(handler.unary_unary))
+        return wrap_behavior(handler, _guard, request_deserializer=deserializer)

@@ -1,6 +1,6 @@
 """The roles of a soak run as child processes: one draft, N target replicas
 and one orchestrator, each `specd serve ROLE --port 0` (as `specd bench`
-starts them, `specdec.bench.services`), plus what the soak reads from them:
+starts them: `specdec.processes.spawn_role`), plus what the soak reads from them:
 resident memory (/proc/PID/status) and the sessions each model service holds
 (GetModelInfo's `sessions`).
 
@@ -16,7 +16,6 @@ gets every replica as one comma-separated `--target` list.
 """
 from __future__ import annotations
 
-import os
 import re
 import signal
 from dataclasses import dataclass, field
@@ -24,8 +23,8 @@ from pathlib import Path
 
 import grpc
 
-from specdec.bench.services import Service, read_port, spawn_role
-from specdec.processes import stop_processes, wait_serving
+from specdec.processes import (Service, log_tail, read_ports, role_env, spawn_role, status_mb, stop_services,
+                               wait_all_serving)
 from specdec.v1 import common_pb2, draft_pb2_grpc, target_pb2_grpc
 
 
@@ -44,14 +43,7 @@ class RoleOptions:
 
 def vm_rss_mb(pid: int) -> float | None:
     """Resident memory of a process now (VmRSS), MiB; None once it is gone."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024.0
-    except (OSError, ValueError):
-        pass
-    return None
+    return status_mb(pid, "VmRSS")
 
 
 _KV_STORE = re.compile(r"KV store: \d+ session slots of \d+ tokens, ([\d.]+) MiB")
@@ -109,8 +101,7 @@ class SoakServices:
         self.opts = opts
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.env = {**os.environ, **opts.env}
-        self.env.pop("OTEL_SERVICE_NAME", None)  # each role names itself
+        self.env = role_env(extra=opts.env)
         self.services: dict[str, Service] = {}
         self._kv_mb: dict[str, float | None] = {}  # one KV store tensor's size per model service
 
@@ -133,20 +124,17 @@ class SoakServices:
         for name in self.target_names:
             self.services[name] = spawn_role("target", ["--model", o.target, *common], self.log_dir, self.env, name)
         self.services["draft"] = spawn_role("draft", ["--model", o.draft, *common], self.log_dir, self.env)
+        models = [self.services[name] for name in self.model_names]
+        read_ports(models)
+        wait_all_serving(models, list(self.services.values()), o.startup_timeout_s)
         for name in self.model_names:
-            self.services[name].port = read_port(self.services[name], 120.0)
-        for name in self.model_names:
-            wait_serving(self.services[name].port, self._procs(), o.startup_timeout_s)
             self._kv_mb[name] = kv_tensor_mb(self.services[name].log_path.read_text(errors="replace"))
         targets = ",".join(self.services[n].address for n in self.target_names)
         orch = spawn_role("orchestrator", ["--draft", self.services["draft"].address, "--target", targets,
                                            "--tokenizer", "", *o.orchestrator_flags], self.log_dir, self.env)
         self.services["orchestrator"] = orch
-        orch.port = read_port(orch, 120.0)
-        wait_serving(orch.port, self._procs(), o.startup_timeout_s)
-
-    def _procs(self):
-        return [s.proc for s in self.services.values()]
+        read_ports([orch])
+        wait_all_serving([orch], list(self.services.values()), o.startup_timeout_s)
 
     def pid(self, name: str) -> int:
         return self.services[name].pid
@@ -185,14 +173,10 @@ class SoakServices:
     def log_tails(self, lines: int = 20) -> str:
         out = []
         for s in self.services.values():
-            try:
-                text = "\n".join(s.log_path.read_text(errors="replace").splitlines()[-lines:])
-            except OSError:
-                text = "(no log)"
-            out.append(f"--- {s.role} ({s.log_path}):\n{text}")
+            out.append(f"--- {s.role} ({s.log_path}):\n{log_tail(s.log_path, lines)}")
         return "\n".join(out)
 
     def stop(self, grace_s: float = 15.0) -> None:
         """Stop every child (orchestrator first): SIGTERM, SIGKILL after grace_s."""
         order = ["orchestrator", *self.model_names]
-        stop_processes([self.services[n].proc for n in order if n in self.services], grace_s)
+        stop_services([self.services[n] for n in order if n in self.services], grace_s)
