@@ -7,6 +7,7 @@ import logging
 import sys
 
 from specdec import eventloop
+from specdec.cli.exits import EXIT_USAGE
 from specdec.config import add_arguments, from_args
 from specdec.engine.config import EngineConfig
 from specdec.errors import SpecdecError
@@ -86,7 +87,14 @@ def _serve_draft(args: argparse.Namespace) -> int:
 def _serve_target(args: argparse.Namespace) -> int:
     from target_service.server import build_verifier, start_target_service
 
+    from specdec.engine.quantize import refuse_for_target
+
     server_cfg, engine_cfg, limits = from_args(ServerConfig, args), from_args(EngineConfig, args), from_args(SessionLimits, args)
+    try:
+        refuse_for_target(engine_cfg.quantize)
+    except ValueError as exc:
+        print(f"specd serve target: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     engine_cfg.validate()
     tls = from_args(TlsConfig, args)
 
