@@ -10,9 +10,10 @@ one, `SubsetHead.proj`), becomes an `Int8Linear`:
 - weights: int8, symmetric, one scale per output channel, quantized once at
   load time;
 - activations: int8 per token. fbgemm quantizes its whole input with one
-  range, so each row is divided by its own absolute maximum first and the
-  output row multiplied back: a token's logits then do not depend on which
-  other tokens share its step (up to the rounding any batched GEMM has);
+  range (its min and max), so each row is divided by its own absolute
+  maximum first, a sentinel row holding 1 and -1 fixes the range at
+  [-1, 1], and each output row is multiplied back: a token's logits then do
+  not depend on which other tokens share its step;
 - the bias is added in the model's dtype after the product.
 
 Exact by construction, like the trimmed head: the draft's q is the quantized
@@ -25,6 +26,7 @@ CPU only: fbgemm has no CUDA kernel (`EngineConfig.validate` says so).
 from __future__ import annotations
 
 import pathlib
+import warnings
 
 import torch
 from torch import nn
@@ -49,11 +51,16 @@ class Int8Linear(nn.Module):
         weight = linear.weight.detach().float()
         scales = (weight.abs().amax(dim=1) / 127).clamp_min(1e-12).double()
         zeros = torch.zeros(weight.shape[0], dtype=torch.long)
-        qweight = torch.quantize_per_channel(weight, scales, zeros, 0, torch.qint8)
+        with warnings.catch_warnings():  # torch marks its quantized tensors deprecated; fbgemm's ops stay
+            warnings.filterwarnings("ignore", message=".*quantize_per_channel.*deprecated")
+            qweight = torch.quantize_per_channel(weight, scales, zeros, 0, torch.qint8)
         self.packed = torch.ops.quantized.linear_prepack(qweight, None)
         bias = linear.bias
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         self.in_features, self.out_features = int(weight.shape[1]), int(weight.shape[0])
+        sentinel = torch.zeros(1, self.in_features)
+        sentinel[0, 0], sentinel[0, -1] = 1.0, -1.0
+        self.register_buffer("sentinel", sentinel, persistent=False)
         self.out_dtype = linear.weight.dtype
         # Without VNNI fbgemm's int16 accumulation can saturate on 8-bit activations.
         self.reduce_range = (not _cpu_has_vnni()) if reduce_range is None else reduce_range
@@ -64,10 +71,14 @@ class Int8Linear(nn.Module):
         return self.in_features * self.out_features + 8 * self.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.float()
+        shape = x.shape
+        rows = x.reshape(-1, shape[-1]).float()
         peak = rows.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12)
-        out = torch.ops.quantized.linear_dynamic(rows / peak, self.packed, self.reduce_range) * peak
-        out = out.to(self.out_dtype)
+        # Every row now lies in [-1, 1]; the sentinel row spans exactly that,
+        # so fbgemm's one range is always [-1, 1] whatever the other rows.
+        rows = torch.cat([rows / peak, self.sentinel])
+        out = torch.ops.quantized.linear_dynamic(rows, self.packed, self.reduce_range)[:-1] * peak
+        out = out.to(self.out_dtype).reshape(*shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias
 
     def extra_repr(self) -> str:
