@@ -168,7 +168,11 @@ def test_the_target_refuses_a_quantized_model():
     assert main(["serve", "target", "--model", "synth:qwen2.5-0.5b", "--quantize", "int8", "--port", "0"]) == 2
 
 
-def test_int8_is_cpu_only():
+def test_int8_is_cpu_only(capsys):
+    from specdec.cli.main import main
+
+    assert main(["serve", "draft", "--device", "cuda", "--quantize", "int8", "--port", "0"]) == 2
+    assert "CPU only" in capsys.readouterr().err
     with pytest.raises(ValueError, match="CPU only"):
         EngineConfig(device="cuda", quantize="int8").validate()
     with pytest.raises(ValueError, match="none or int8"):
