@@ -98,9 +98,8 @@ def _serve_draft(args: argparse.Namespace) -> int:
 
 
 def _serve_target(args: argparse.Namespace) -> int:
-    from target_service.server import build_verifier, start_target_service
-
     from specdec.engine.quantize import refuse_for_target
+    from target_service.server import build_verifier, start_target_service
 
     server_cfg, engine_cfg, limits = from_args(ServerConfig, args), from_args(EngineConfig, args), from_args(SessionLimits, args)
     if not _valid_engine(engine_cfg, "target", refuse_for_target):

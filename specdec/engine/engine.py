@@ -27,7 +27,6 @@ from specdec.engine import vocab
 from specdec.engine.attention import STEP_KWARG, row_mask, use_store_attention
 from specdec.engine.config import EngineConfig
 from specdec.engine.draft_vocab import load_ranking, restrict_head, subset_ids
-from specdec.engine.quantize import is_quantized, quantize_linears
 from specdec.engine.kv_store import (
     KVShape,
     KVStore,
@@ -37,6 +36,7 @@ from specdec.engine.kv_store import (
     slots_for_budget,
 )
 from specdec.engine.loading import free_device_memory, load_model, tokenizer_fingerprint
+from specdec.engine.quantize import is_quantized, quantize_linears
 from specdec.engine.sessions import ContextRules, Session, SessionTable, new_session_id
 from specdec.engine.static_steps import CaptureReport, StaticSteps
 from specdec.errors import InvalidArgument
