@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from specdec.engine.config import EngineConfig
 from specdec.engine.engine import ModelEngine
+from specdec.engine.quantize import refuse_for_target
 from specdec.rpc.model_server import ModelService, start_model_service
 from specdec.rpc.model_service import SessionLimits
 from specdec.rpc.serving import ServerConfig
@@ -17,6 +18,7 @@ DEFAULT_PORT = 50053
 
 
 def build_verifier(engine_cfg: EngineConfig, limits: SessionLimits, engine: ModelEngine | None = None) -> Verifier:
+    refuse_for_target(engine_cfg.quantize if engine is None else engine.quantized)
     if engine is None:
         engine = ModelEngine.load(engine_cfg)
         engine.warmup()

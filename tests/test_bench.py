@@ -148,7 +148,8 @@ def test_draft_vocab_and_batcher_flags_are_checked():
                        ({"batcher": ["off", "off"]}, "twice"),
                        ({"batcher": ["on", "off"], "concurrency": [1]}, "concurrency"),
                        ({"concurrency_configs": ["fixed-k2/v64"]}, "no service config"),
-                       ({"draft_vocab": [0, 64], "policies": ["none"]}, "--policies")):
+                       ({"draft_vocab": [0, 64], "policies": ["none"]}, "--policies"),
+                       ({"draft_quantize": "int8", "draft_device": "cuda"}, "CPU only")):
         with pytest.raises(UsageError, match=match):
             resolve(args(**bad))
 

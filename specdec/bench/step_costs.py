@@ -61,12 +61,14 @@ def copy_bandwidth(device: torch.device, megabytes: int = 512, repeat: int = 5) 
 
 
 def weight_bytes(model) -> int:
+    """Bytes of the weights a forward reads: parameters, tied ones once, and
+    the packed int8 weights of quantized layers (engine/quantize.py)."""
     seen, total = set(), 0
     for p in model.parameters():
         if p.data_ptr() not in seen:  # tied embeddings count once
             seen.add(p.data_ptr())
             total += p.numel() * p.element_size()
-    return total
+    return total + sum(m.weight_nbytes for m in model.modules() if hasattr(m, "weight_nbytes"))
 
 
 def _sync(device: torch.device) -> None:
@@ -74,47 +76,62 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _timed(engine, items, repeat: int) -> float:
-    from specdec.engine.engine import ExtendItem
-
-    times = []
-    for _ in range(repeat + 1):
-        _sync(engine.device)
-        start = time.perf_counter()
-        engine.extend([ExtendItem(i.session_id, i.keep_length, i.tokens, i.num_logits) for i in items])
-        _sync(engine.device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[1:]) * 1000  # the first run warms up
-
-
 def measure(engine, *, ks=(4,), batches=(1, 8), context: int = 200, repeat: int = 10,
             bandwidth: float | None = None) -> list[StepCost]:
     """Step costs of `engine` at decode and verify shapes (see module doc)."""
+    return measure_interleaved([engine], ks=ks, batches=batches, context=context, repeat=repeat, bandwidth=bandwidth)
+
+
+def measure_interleaved(engines, *, ks=(4,), batches=(1, 8), context: int = 200, repeat: int = 10,
+                        bandwidth: float | None = None) -> list[StepCost]:
+    """Step costs of several engines (e.g. one model bf16 and int8), each
+    timed run of one engine followed by the same step of the others, so a busy
+    machine's load falls on all alike; medians of `repeat` runs after one
+    warm-up run each."""
     from specdec.engine.engine import ExtendItem
 
-    bandwidth = bandwidth or copy_bandwidth(engine.device)
-    floor_ms = weight_bytes(engine.model) / bandwidth * 1000
-    paths = [("graphs" if engine.device.type == "cuda" else "static", engine.steps)] if engine.steps else []
-    paths.append(("eager", None))
+    bandwidth = bandwidth or copy_bandwidth(engines[0].device)
     shapes = [("decode", 1)] + [("verify", k + 1) for k in ks]
     out: list[StepCost] = []
-    saved = engine.steps
+    saved = [e.steps for e in engines]
     try:
         for b in batches:
-            sessions = [engine.open_session([3 + (i + j) % 100 for j in range(context)]) for i in range(b)]
-            for s in sessions:
-                engine.extend([ExtendItem(s.id, None, [], 1)])
-            for path, steps in paths:
-                engine.steps = steps
+            sessions = []
+            for engine in engines:
+                opened = [engine.open_session([3 + (i + j) % 100 for j in range(context)]) for i in range(b)]
+                for s in opened:
+                    engine.extend([ExtendItem(s.id, None, [], 1)])
+                sessions.append(opened)
+            for path in ("static", "eager"):
+                runs = [(e, opened) for e, opened, steps in zip(engines, sessions, saved) if path == "eager" or steps]
                 for kind, n in shapes:
-                    items = [ExtendItem(s.id, context, [7] * n, n) for s in sessions]
-                    out.append(StepCost(engine.name, str(engine.device), str(engine.dtype).removeprefix("torch."),
-                                        path, f"{kind} {b}x{n}", b, n, _timed(engine, items, repeat), floor_ms))
-            for s in sessions:
-                engine.close(s.id)
+                    times: list[list[float]] = [[] for _ in runs]
+                    for _ in range(repeat + 1):
+                        for (engine, opened), engine_times in zip(runs, times):
+                            engine.steps = None if path == "eager" else saved[engines.index(engine)]
+                            items = [ExtendItem(s.id, context, [7] * n, n) for s in opened]
+                            engine_times.append(_timed_once(engine, items))
+                    for (engine, _), engine_times in zip(runs, times):
+                        label = path if path == "eager" else ("graphs" if engine.device.type == "cuda" else "static")
+                        floor_ms = weight_bytes(engine.model) / bandwidth * 1000
+                        out.append(StepCost(engine.name, str(engine.device), str(engine.dtype).removeprefix("torch."),
+                                            label, f"{kind} {b}x{n}", b, n,
+                                            statistics.median(engine_times[1:]) * 1000, floor_ms))
+            for engine, opened in zip(engines, sessions):
+                for s in opened:
+                    engine.close(s.id)
     finally:
-        engine.steps = saved
+        for engine, steps in zip(engines, saved):
+            engine.steps = steps
     return out
+
+
+def _timed_once(engine, items) -> float:
+    _sync(engine.device)
+    start = time.perf_counter()
+    engine.extend(items)
+    _sync(engine.device)
+    return time.perf_counter() - start
 
 
 def markdown(costs: list[StepCost]) -> str:

@@ -48,6 +48,9 @@ def register(sub) -> None:
                    help="the draft service's output head over its N most frequent ids (specd models rank-vocab; "
                         "0: the full head). Several sizes: one draft service each, and every specdec config runs "
                         "against each head, named NAME/vN (NAME alone: the full head)")
+    g.add_argument("--draft-quantize", default="none", choices=("none", "int8"),
+                   help="the draft service's linear layers as int8 (CPU only; engine/quantize.py); the HF "
+                        "baselines keep their own draft as it is")
     g.add_argument("--batcher", nargs="+", choices=("on", "off"), default=["on"],
                    help="the orchestrator's verify batcher. 'on off': the service configs that run at "
                         "concurrency > 1 also run there with it off (one more orchestrator), named NAME/batcher-off")
@@ -202,7 +205,7 @@ def _service_set(args, o: dict, out_dir: Path):
     return ServiceSet(ServiceOptions(draft=o["draft_dir"], target=o["target_dir"], draft_device=o["draft_device"],
                                      target_device=o["target_device"], dtype=args.dtype, threads=args.threads,
                                      tokenizer=o["target_dir"], startup_timeout_s=args.startup_timeout,
-                                     draft_vocabs=tuple(o["draft_vocabs"])),
+                                     draft_vocabs=tuple(o["draft_vocabs"]), draft_quantize=args.draft_quantize),
                       out_dir / "logs")
 
 
@@ -294,7 +297,7 @@ def _write_results(args, o: dict, prompts: list, runner, interrupted: bool, mach
     dtypes = _dtypes(args, o)
     extra = {"machine": machine, "command": command, "models": {"draft": o["draft"], "target": o["target"],
              "draft_device": o["draft_device"], "target_device": o["target_device"], "dtype": dtypes,
-             "draft_vocabs": o["draft_vocabs"],
+             "draft_vocabs": o["draft_vocabs"], "draft_quantize": args.draft_quantize,
              "threads": args.threads}, "started_utc": dt.datetime.fromtimestamp(started, dt.timezone.utc).isoformat()}
     runs = build_runs(records, extra)
     report.write_jsonl(out_dir / "runs.jsonl", runs)
@@ -331,9 +334,14 @@ def _settings(args, o: dict, prompts: list) -> dict:
 
 def _models(args, o: dict, dtypes: dict) -> dict:
     return {"draft": f"{o['draft']} on {o['draft_device']}, {dtypes['draft']}",
-            "draft heads": _heads_label(o["draft_vocabs"]), "verify batcher": _batcher_label(o["batching"]),
+            "draft heads": _heads_label(o["draft_vocabs"]), "draft weights": _draft_weights(args, dtypes),
+            "verify batcher": _batcher_label(o["batching"]),
             "target": f"{o['target']} on {o['target_device']}, {dtypes['target']}",
             "threads per service": args.threads or "torch default"}
+
+
+def _draft_weights(args, dtypes: dict) -> str:
+    return "int8 linear layers (fbgemm)" if args.draft_quantize == "int8" else dtypes["draft"]
 
 
 def _heads_label(heads: list[int]) -> str:

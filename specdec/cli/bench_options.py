@@ -64,6 +64,8 @@ def resolve(args: argparse.Namespace) -> dict:
             raise UsageError(f"--{name.replace('_', '-')} must be cpu, cuda or cuda:N, not {dev!r}")
     o["draft_device"] = args.draft_device or args.device
     o["target_device"] = args.target_device or args.device
+    if getattr(args, "draft_quantize", "none") != "none" and o["draft_device"] != "cpu":
+        raise UsageError(f"--draft-quantize {args.draft_quantize} runs on the CPU only: use --draft-device cpu")
     if any(d.startswith("cuda") for d in (o["draft_device"], o["target_device"])):
         import torch
 

@@ -7,6 +7,7 @@ import logging
 import sys
 
 from specdec import eventloop
+from specdec.cli.exits import EXIT_USAGE
 from specdec.config import add_arguments, from_args
 from specdec.engine.config import EngineConfig
 from specdec.errors import SpecdecError
@@ -63,12 +64,25 @@ def _run(coro) -> int:
     return 0
 
 
+def _valid_engine(engine_cfg: EngineConfig, role: str, *checks) -> bool:
+    """The engine settings' checks, a bad one as one line on stderr."""
+    try:
+        for check in checks:
+            check(engine_cfg.quantize)
+        engine_cfg.validate()
+    except ValueError as exc:
+        print(f"specd serve {role}: error: {exc}", file=sys.stderr)
+        return False
+    return True
+
+
 def _serve_draft(args: argparse.Namespace) -> int:
     from draft_service.server import DrafterConfig, build_drafter, start_draft_service
 
     server_cfg, engine_cfg = from_args(ServerConfig, args), from_args(EngineConfig, args)
     limits, drafter_cfg = from_args(SessionLimits, args), from_args(DrafterConfig, args)
-    engine_cfg.validate()
+    if not _valid_engine(engine_cfg, "draft"):
+        return EXIT_USAGE
     tls = from_args(TlsConfig, args)  # checked before anything binds, by start_model_service
 
     async def main():
@@ -84,10 +98,12 @@ def _serve_draft(args: argparse.Namespace) -> int:
 
 
 def _serve_target(args: argparse.Namespace) -> int:
+    from specdec.engine.quantize import refuse_for_target
     from target_service.server import build_verifier, start_target_service
 
     server_cfg, engine_cfg, limits = from_args(ServerConfig, args), from_args(EngineConfig, args), from_args(SessionLimits, args)
-    engine_cfg.validate()
+    if not _valid_engine(engine_cfg, "target", refuse_for_target):
+        return EXIT_USAGE
     tls = from_args(TlsConfig, args)
 
     async def main():

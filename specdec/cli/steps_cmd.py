@@ -8,6 +8,7 @@ sessions vs the same sessions one by one (specdec/bench/lifecycle.py).
     specd steps synth:qwen2.5-0.5b synth:qwen2.5-7b --device cuda --dtype bfloat16 --num-draft-tokens 4
     specd steps qwen2.5-coder-0.5b-instruct --draft-vocab 0 8192 16384 32768
     specd steps qwen2.5-coder-0.5b-instruct --dtype bfloat16 --threads 2 --batches 1 4 16 --lifecycle
+    specd steps qwen2.5-coder-0.5b-instruct --dtype bfloat16 --threads 2 --batches 1 --quantize none int8
 """
 from __future__ import annotations
 
@@ -36,6 +37,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repeat", type=int, default=10, help="timed runs per shape; the median is reported")
     p.add_argument("--draft-vocab", type=int, nargs="+", default=[0],
                    help="output head sizes to measure (0: full; needs `specd models rank-vocab`)")
+    p.add_argument("--quantize", nargs="+", default=["none"], choices=("none", "int8"),
+                   help="weights to measure: none (the dtype's) and/or int8 (CPU; engine/quantize.py), "
+                   "interleaved per step shape when several are given")
     life = p.add_argument_group("--lifecycle: the engine's costs around the steps")
     life.add_argument("--lifecycle", action="store_true",
                       help="also measure load time, prefill of a --context-token prompt, rollback at "
@@ -51,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     import time
 
     from specdec.bench import lifecycle
-    from specdec.bench.step_costs import copy_bandwidth, markdown, measure, plot
+    from specdec.bench.step_costs import copy_bandwidth, markdown, measure_interleaved, plot
     from specdec.engine.config import EngineConfig
     from specdec.engine.engine import ModelEngine
     from specdec.errors import SpecdecError
@@ -68,30 +72,35 @@ def run(args: argparse.Namespace) -> int:
         max_context = max(max_context, *args.rollback_contexts, 300 + max(args.num_draft_tokens) + 8)
     for model in args.models:
         for head in args.draft_vocab:
-            try:
-                cfg = EngineConfig(model=model, device=args.device, dtype=args.dtype, threads=args.threads,
-                                   max_context=max_context, max_sessions=max(args.batches), draft_vocab=head)
-                start = time.perf_counter()
-                engine = ModelEngine.load(cfg)
-                load_s = time.perf_counter() - start
-            except (SpecdecError, ValueError, OSError) as error:
-                print(f"specd: error: {model}: {error}", file=sys.stderr)
-                return EXIT_ERROR
-            engine.warmup()
-            bandwidth = bandwidth or copy_bandwidth(engine.device)
-            if head:
-                engine.name = f"{engine.name} (head {head})"
-            costs += measure(engine, ks=args.num_draft_tokens, batches=args.batches, context=args.context,
-                             repeat=args.repeat, bandwidth=bandwidth)
-            if args.lifecycle:
+            engines, load_times = [], []
+            for quantize in args.quantize:
                 try:
-                    lives.append(lifecycle.measure(engine, load_s=load_s, context=args.context, batches=args.batches,
-                                                   tokens=args.num_draft_tokens[0] + 1,
-                                                   rollback_contexts=args.rollback_contexts, repeat=args.repeat))
-                except SpecdecError as error:  # e.g. a rollback context beyond what the model holds
+                    cfg = EngineConfig(model=model, device=args.device, dtype=args.dtype, threads=args.threads,
+                                       max_context=max_context, max_sessions=max(args.batches), draft_vocab=head,
+                                       quantize=quantize)
+                    start = time.perf_counter()
+                    engine = ModelEngine.load(cfg)
+                    load_times.append(time.perf_counter() - start)
+                except (SpecdecError, ValueError, OSError) as error:
                     print(f"specd: error: {model}: {error}", file=sys.stderr)
                     return EXIT_ERROR
-            del engine
+                engine.warmup()
+                engine.name = engine.name + (f" (head {head})" if head else "") + \
+                    (f" ({quantize})" if quantize != "none" else "")
+                engines.append(engine)
+            bandwidth = bandwidth or copy_bandwidth(engines[0].device)
+            costs += measure_interleaved(engines, ks=args.num_draft_tokens, batches=args.batches, context=args.context,
+                                         repeat=args.repeat, bandwidth=bandwidth)
+            if args.lifecycle:
+                for engine, load_s in zip(engines, load_times):
+                    try:
+                        lives.append(lifecycle.measure(engine, load_s=load_s, context=args.context,
+                                                       batches=args.batches, tokens=args.num_draft_tokens[0] + 1,
+                                                       rollback_contexts=args.rollback_contexts, repeat=args.repeat))
+                    except SpecdecError as error:  # e.g. a rollback context beyond what the model holds
+                        print(f"specd: error: {model}: {error}", file=sys.stderr)
+                        return EXIT_ERROR
+            del engines, engine
     table = markdown(costs)
     print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s\n{table}")
     (out / "steps.md").write_text(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s\n\n{table}\n")

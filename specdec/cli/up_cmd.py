@@ -39,6 +39,8 @@ def register(sub) -> None:
     add_role_devices(p)
     add_dtype(p)
     add_threads(p, applies_to="per model service")
+    p.add_argument("--draft-quantize", default="none", choices=("none", "int8"),
+                   help="the draft's linear layers as int8 (CPU only; see docs/benchmarks.md \"An int8 draft\")")
     p.add_argument("--port", type=int, default=50051, help="orchestrator port")
     p.add_argument("--http-port", type=int, default=8000,
                    help="the orchestrator's OpenAI-compatible HTTP API (/v1) port (-1: off)")
@@ -93,7 +95,8 @@ def run(args: argparse.Namespace) -> int:
         env["SPECD_CACHE_DIR"] = args.cache_dir
     common = ["--dtype", args.dtype, "--threads", str(args.threads), "--host", "127.0.0.1"]
     draft_args = ["--model", args.draft_model, "--drafter", args.drafter, "--port", str(args.draft_port),
-                  "--device", args.draft_device or args.device, *common, *_metrics_flag(args, 1)]
+                  "--device", args.draft_device or args.device, "--quantize", args.draft_quantize, *common,
+                  *_metrics_flag(args, 1)]
     target_args = ["--model", args.target_model, "--port", str(args.target_port),
                    "--device", args.target_device or args.device, *common, *_metrics_flag(args, 2)]
     tls, tls_dir, credentials = None, None, None

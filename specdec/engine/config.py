@@ -48,6 +48,10 @@ class EngineConfig:
     # A draft's output head over only its N most frequent token ids (the
     # ranking `specd models rank-vocab` stores with the model); 0: all ids.
     draft_vocab: int = opt(0, "draft: output head over the N most frequent token ids (0: all)")
+    # Weights of the model's linear layers (engine/quantize.py): "int8" runs
+    # them as fbgemm int8 (CPU only; the draft only: the target refuses it).
+    quantize: str = opt("none", "draft on CPU: int8 weights and activations for the linear layers",
+                        choices=("none", "int8"))
     # Prompt tokens per forward pass during prefill (bounds activation memory).
     prefill_chunk: int = opt(512, "prompt tokens per prefill forward pass")
 
@@ -60,6 +64,11 @@ class EngineConfig:
             raise ValueError(f"attention must be auto, sdpa or triton, not {self.attention!r}")
         if self.cuda_graphs not in ("auto", "on", "off"):
             raise ValueError(f"cuda_graphs must be auto, on or off, not {self.cuda_graphs!r}")
+        if self.quantize not in ("none", "int8"):
+            raise ValueError(f"quantize must be none or int8, not {self.quantize!r}")
+        if self.quantize != "none" and self.device != "cpu":
+            raise ValueError(f"--quantize {self.quantize} runs on the CPU only (fbgemm has no CUDA kernel); "
+                             "use --device cpu or --quantize none")
         if self.cuda_graphs == "on" and not self.device.startswith("cuda"):
             raise ValueError("--cuda-graphs on needs a CUDA device (--device cuda or cuda:N)")
         for name, low in (("max_sessions", 1), ("max_context", 2), ("prefill_chunk", 1), ("graph_max_tokens", 1), ("draft_vocab", 0),

@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 RANK_FILE = "vocab_rank.json"
@@ -39,14 +38,19 @@ class SubsetHead(nn.Module):
     def __init__(self, head: nn.Linear, ids: torch.Tensor, vocab_size: int):
         super().__init__()
         ids = ids.to(device=head.weight.device, dtype=torch.long)
-        self.weight = nn.Parameter(head.weight.detach()[ids].clone(), requires_grad=False)  # [N, H]
         bias = getattr(head, "bias", None)
-        self.bias = None if bias is None else nn.Parameter(bias.detach()[ids].clone(), requires_grad=False)
+        # An nn.Linear of its own, so what replaces linears (quantize.py) finds it.
+        self.proj = nn.Linear(head.weight.shape[1], ids.numel(), bias=bias is not None,
+                              device=head.weight.device, dtype=head.weight.dtype).requires_grad_(False)
+        with torch.no_grad():
+            self.proj.weight.copy_(head.weight.detach()[ids])  # [N, H]
+            if bias is not None:
+                self.proj.bias.copy_(bias.detach()[ids])
         self.register_buffer("ids", ids, persistent=False)
         self.vocab_size = vocab_size
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        subset = F.linear(hidden, self.weight, self.bias)  # [..., N]
+        subset = self.proj(hidden)  # [..., N]
         full = subset.new_full((*subset.shape[:-1], self.vocab_size), float("-inf"))
         return full.index_copy_(-1, self.ids, subset)
 

@@ -36,6 +36,7 @@ from specdec.engine.kv_store import (
     slots_for_budget,
 )
 from specdec.engine.loading import free_device_memory, load_model, tokenizer_fingerprint
+from specdec.engine.quantize import is_quantized, quantize_linears
 from specdec.engine.sessions import ContextRules, Session, SessionTable, new_session_id
 from specdec.engine.static_steps import CaptureReport, StaticSteps
 from specdec.errors import InvalidArgument
@@ -104,6 +105,7 @@ class ModelEngine:
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.steps: StaticSteps | None = None
         self.output_ids = self.vocab_size  # ids the output head computes (restrict_output)
+        self.quantized = "none"  # quantize_weights
         self.capture_report: CaptureReport | None = None
         if self._wants_graphs(cfg.cuda_graphs):
             self.use_static_steps(cfg.graph_max_tokens)
@@ -129,6 +131,8 @@ class ModelEngine:
         engine = cls(loaded.model, cfg, tokenizer=loaded.tokenizer, name=loaded.name)
         if cfg.draft_vocab:
             engine.restrict_output(engine._ranked_subset(cfg.draft_vocab))
+        if cfg.quantize != "none":
+            engine.quantize_weights(cfg.quantize)
         return engine
 
     def _ranked_subset(self, size: int) -> torch.Tensor:
@@ -204,9 +208,25 @@ class ModelEngine:
         trimmed draft vocabulary, draft_vocab.py). Before warmup: a captured
         graph keeps the head it was captured with."""
         assert self.steps is None or not self.steps.captured, "restrict the head before capturing graphs"
+        if is_quantized(self.model):
+            raise ValueError("restrict the output head before quantizing the model")
         restrict_head(self.model, ids)
         self.output_ids = int(ids.numel())
         log.info("output head restricted to %d of %d token ids", self.output_ids, self.vocab_size)
+
+    def quantize_weights(self, kind: str) -> None:
+        """Run every linear layer, the output head included (trimmed or not),
+        with int8 weights (quantize.py). The draft's q stays its real
+        distribution: that of the quantized model."""
+        if kind != "int8":
+            raise ValueError(f"quantize must be none or int8, not {kind!r}")
+        if self.device.type != "cpu":
+            raise ValueError("--quantize int8 runs on the CPU only (fbgemm has no CUDA kernel)")
+        assert self.steps is None or not self.steps.captured, "quantize before capturing graphs"
+        with torch.inference_mode(False), torch.no_grad():
+            replaced = quantize_linears(self.model)
+        self.quantized = kind
+        log.info("%d linear layers quantized to int8 (fbgemm)", replaced)
 
     def _eos_ids(self) -> tuple[int, ...]:
         ids: set[int] = set()
