@@ -73,6 +73,10 @@ class HFBaselines:
         self.target = loaded.model
         self.tokenizer = loaded.tokenizer
         self.draft = load_model(draft_cfg).model if draft_cfg is not None else None
+        if self.draft is not None and getattr(draft_cfg, "quantize", "none") != "none":
+            from specdec.engine.quantize import quantize_linears
+
+            quantize_linears(self.draft)  # the same int8 draft as the draft service's (engine/quantize.py)
         self.eos_ids = _eos_ids(self.target, self.tokenizer)
         pad = getattr(self.target.config, "pad_token_id", None)
         self.pad_id = pad if pad is not None else (self.eos_ids[0] if self.eos_ids else 0)

@@ -49,8 +49,8 @@ def register(sub) -> None:
                         "0: the full head). Several sizes: one draft service each, and every specdec config runs "
                         "against each head, named NAME/vN (NAME alone: the full head)")
     g.add_argument("--draft-quantize", default="none", choices=("none", "int8"),
-                   help="the draft service's linear layers as int8 (CPU only; engine/quantize.py); the HF "
-                        "baselines keep their own draft as it is")
+                   help="the draft's linear layers as int8 (CPU only; engine/quantize.py), in the draft "
+                        "service and in HF assisted generation alike, so both speculate with the same draft")
     g.add_argument("--batcher", nargs="+", choices=("on", "off"), default=["on"],
                    help="the orchestrator's verify batcher. 'on off': the service configs that run at "
                         "concurrency > 1 also run there with it off (one more orchestrator), named NAME/batcher-off")
@@ -267,7 +267,8 @@ def _load_hf_baselines(args, o: dict):
 
     _log("specd bench: loading the HF baselines in this process...")
     target_cfg = EngineConfig(model=o["target_dir"], device=o["target_device"], dtype=args.dtype, threads=args.threads)
-    draft_cfg = (EngineConfig(model=o["draft_dir"], device=o["draft_device"], dtype=args.dtype, threads=args.threads)
+    draft_cfg = (EngineConfig(model=o["draft_dir"], device=o["draft_device"], dtype=args.dtype, threads=args.threads,
+                              quantize=args.draft_quantize)
                  if HF_ASSISTED in hf_kinds else None)
     return HFBaselines(target_cfg, draft_cfg)
 
