@@ -77,20 +77,48 @@ def test_specd_overhead_wire_prints_bytes_per_token_and_verify_throughput(capsys
 
 
 def test_specd_overhead_measures_every_figure_it_prints():
-    """A tiny run of the whole measurement (2 reps), the services each in a
-    process of its own: every row it prints, the call-stream round beside
-    the unary one, the mutual-TLS round and the round with both services in
-    the measuring process, has a positive wall time behind it."""
-    figures = eventloop.run(measure(reps=2, k=2, tls=True))
+    """A tiny run of the whole measurement (2 reps, both services in the
+    measuring process, to keep it short): every row it prints, the
+    call-stream round beside the unary one and the mutual-TLS round, has a
+    positive wall time behind it."""
+    figures = eventloop.run(measure(reps=2, k=2, tls=True, in_process=True))
     m = figures.medians
     for sampling in ("greedy", "T=0.7"):
         for prefix in ("plain", "traced", "unary", "tls"):
             assert m[f"{prefix} {sampling} round"] > 0
             assert f"{prefix} {sampling} round outside compute" in m
-    assert m["inproc greedy round outside compute"] > 0 and not figures.in_process
+    assert figures.in_process and "inproc greedy round" not in m
     text = report(figures, reps=2)
-    assert "each service in a process of its own" in text and "both services in the measuring process" in text
     assert m["bare cold round floor outside compute"] > 0 and m["cold floor draft gap"] > 0
     for row in ("two unary calls", "the unary calls)", "mutual TLS", "TLS cost per round", "bare message each way",
-                "as a round meets it"):
+                "as a round meets it", "both services in the measuring process;"):
         assert row in text, row
+
+
+def test_services_in_processes_of_their_own_serve_traced_rounds_and_stop(tmp_path: Path):
+    """The deployed layout `specd overhead` measures by default: each service
+    in its own process (specdec/bench/overhead_service.py) serves the
+    orchestrator's clients, reports its compute, traces into the trace
+    file, and exits when the stack stops."""
+    from specdec.bench.overhead import round_calls
+    from specdec.bench.overhead_stack import StackSpec, start_stacks
+    from specdec.trace_file import read_spans
+
+    async def run():
+        bg = BackgroundLoop()
+        stack = start_stacks(bg, [StackSpec(tracing=True)], tmp_path)[0]
+        try:
+            rounds = await round_calls(stack, "T=0.7", 3, "traced")
+            for _ in range(2):
+                assert await rounds["traced T=0.7 round"]() > 0  # the compute the services reported
+        finally:
+            await stack.close_clients()
+            for service in (stack.target, stack.draft):
+                await service.stop(0)
+            bg.stop()
+        return stack
+
+    stack = asyncio.run(run())
+    assert stack.target.process.poll() == 0 and stack.draft.process.poll() == 0
+    names = {span["name"] for span in read_spans(tmp_path / "spans.jsonl")}
+    assert {"propose", "verify", "prefill"} <= names, names
