@@ -21,13 +21,9 @@ from specdec.bench.services import peak_rss_mb, reset_peak_rss
 def _eos_ids(model, tokenizer) -> list[int]:
     """The target's end-of-sequence ids as the target service computes them
     (generation_config and config), plus the tokenizer's, as the orchestrator adds."""
-    ids: set[int] = set()
-    for source in (getattr(model, "generation_config", None), model.config):
-        value = getattr(source, "eos_token_id", None) if source is not None else None
-        if isinstance(value, int):
-            ids.add(value)
-        elif value:
-            ids.update(int(v) for v in value)
+    from specdec.engine.model_facts import eos_ids
+
+    ids = set(eos_ids(model))
     if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
         ids.add(int(tokenizer.eos_token_id))
     return sorted(ids)

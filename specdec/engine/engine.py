@@ -16,19 +16,17 @@ from __future__ import annotations
 
 import inspect
 import logging
-import os
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
 from specdec.engine import vocab
 from specdec.engine.attention import STEP_KWARG, row_mask, use_store_attention
 from specdec.engine.config import EngineConfig
 from specdec.engine.draft_vocab import load_ranking, restrict_head, subset_ids
 from specdec.engine.kv_store import (
-    KVShape,
     KVStore,
     RowSpan,
     StepLayout,
@@ -36,6 +34,7 @@ from specdec.engine.kv_store import (
     slots_for_budget,
 )
 from specdec.engine.loading import free_device_memory, load_model, tokenizer_fingerprint
+from specdec.engine.model_facts import choose_kernel, context_limit, eos_ids, probe_kv_shape, wants_graphs
 from specdec.engine.quantize import is_quantized, quantize_linears
 from specdec.engine.sessions import ContextRules, Session, SessionTable, new_session_id
 from specdec.engine.static_steps import CaptureReport, StaticSteps
@@ -95,19 +94,19 @@ class ModelEngine:
         self.dtype = next(model.parameters()).dtype
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self.usable_vocab_size = vocab.usable_size(self.vocab_size, tokenizer)
-        self.max_context = self._context_limit(cfg.max_context)
-        self.kv_shape = self._probe_kv_shape()
+        self.max_context = context_limit(model.config, cfg.max_context)
+        self.kv_shape = probe_kv_shape(self.model, self.device)
         self.max_kv_bytes = cfg.max_kv_bytes or free_device_memory(self.device) // 2
         num_slots = slots_for_budget(self.kv_shape, self.max_context, self.max_kv_bytes, cfg.max_sessions)
         self.store = KVStore(self.kv_shape, num_slots, self.max_context)
-        self.kernel = self._choose_kernel(cfg.attention)
+        self.kernel = choose_kernel(cfg.attention, self.device)
         use_store_attention(self.model)
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.steps: StaticSteps | None = None
         self.output_ids = self.vocab_size  # ids the output head computes (restrict_output)
         self.quantized = "none"  # quantize_weights
         self.capture_report: CaptureReport | None = None
-        if self._wants_graphs(cfg.cuda_graphs):
+        if wants_graphs(cfg.cuda_graphs, self.device, self.kernel):
             self.use_static_steps(cfg.graph_max_tokens)
         self._sessions: SessionTable[EngineSession] = SessionTable(cfg.max_sessions)
         self.rules = ContextRules(self.usable_vocab_size, self.max_context)
@@ -115,7 +114,7 @@ class ModelEngine:
             model_name=self.name,
             vocab_size=self.vocab_size,
             max_context=self.max_context,
-            eos_token_ids=self._eos_ids(),
+            eos_token_ids=eos_ids(self.model, self.vocab_size),
             tokenizer_fingerprint=tokenizer_fingerprint(tokenizer, self.vocab_size),
             device=str(self.device),
             dtype=str(self.dtype).removeprefix("torch."),
@@ -143,59 +142,6 @@ class ModelEngine:
             return subset_ids(ranked, size, self.info.eos_token_ids, self.usable_vocab_size)
         except (OSError, ValueError) as exc:
             raise InvalidArgument(f"--draft-vocab {size}: {exc}") from None
-
-    # ----------------------------------------------------------- model facts
-
-    def _context_limit(self, requested: int) -> int:
-        """max_context, capped by the model's positions and attention window."""
-        config = self.model.config
-        limit = requested
-        max_pos = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
-        if max_pos:
-            limit = min(limit, int(max_pos))
-        layer_types = getattr(config, "layer_types", None) or []
-        windowed = any(t != "full_attention" for t in layer_types)
-        window = getattr(config, "sliding_window", None)
-        if (windowed or getattr(config, "use_sliding_window", False)) and window:
-            # The store's attention is plain causal attention.
-            limit = min(limit, int(window))
-        return limit
-
-    def _probe_kv_shape(self) -> KVShape:
-        """Read the KV geometry off a one-token forward (any architecture)."""
-        probe = DynamicCache(config=self.model.config)
-        with torch.inference_mode():
-            self.model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=self.device),
-                       past_key_values=probe, use_cache=True)
-        layers = probe.layers
-        keys, values = layers[0].keys, layers[0].values
-        return KVShape(
-            num_layers=len(layers),
-            kv_heads=keys.shape[1],
-            head_dim=keys.shape[3],
-            value_dim=values.shape[3],
-            dtype=keys.dtype,
-            device=keys.device,
-        )
-
-    def _choose_kernel(self, requested: str) -> str:
-        if requested == "auto":
-            requested = "triton" if self.device.type == "cuda" and _triton_available() else "sdpa"
-        if requested == "triton" and self.device.type != "cuda" and not _triton_interpreted():
-            raise ValueError("--attention triton needs a CUDA device")
-        if requested == "triton" and not _triton_available():
-            raise ValueError("--attention triton needs the triton package")
-        return requested
-
-    def _wants_graphs(self, setting: str) -> bool:
-        if self.device.type != "cuda" or setting == "off":
-            return False
-        if self.kernel != "triton":
-            if setting == "on":
-                raise ValueError("--cuda-graphs on needs the fused attention kernel (--attention triton)")
-            log.warning("CUDA graphs off: the fused attention kernel is unavailable (no triton package)")
-            return False
-        return True
 
     def use_static_steps(self, max_tokens: int) -> StaticSteps:
         """Run steps of up to max_tokens tokens at padded fixed shapes
@@ -227,16 +173,6 @@ class ModelEngine:
             replaced = quantize_linears(self.model)
         self.quantized = kind
         log.info("%d linear layers quantized to int8 (fbgemm)", replaced)
-
-    def _eos_ids(self) -> tuple[int, ...]:
-        ids: set[int] = set()
-        for source in (getattr(self.model, "generation_config", None), self.model.config):
-            value = getattr(source, "eos_token_id", None) if source is not None else None
-            if isinstance(value, int):
-                ids.add(value)
-            elif value:
-                ids.update(int(v) for v in value)
-        return tuple(sorted(i for i in ids if 0 <= i < self.vocab_size))
 
     def warmup(self) -> None:
         """Run the prefill, batched and single-token paths once, so the first
@@ -441,16 +377,3 @@ class ModelEngine:
             return logits[:0]
         return logits if self._keeps_logits else logits[torch.tensor(wanted, device=self.device)]
 
-
-def _triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def _triton_interpreted() -> bool:
-    """TRITON_INTERPRET=1 runs Triton kernels on the CPU (slowly): how the
-    fused kernel is tested without a GPU."""
-    return os.environ.get("TRITON_INTERPRET") == "1"

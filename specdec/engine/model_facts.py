@@ -1,0 +1,97 @@
+"""What the engine reads off a model and its device before it serves: the
+context it may hold, the KV geometry, the end-of-sequence ids, the attention
+kernel and whether to capture CUDA graphs (specdec/engine/engine.py)."""
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+from transformers import DynamicCache
+
+from specdec.engine.kv_store import KVShape
+
+log = logging.getLogger(__name__)
+
+
+def context_limit(config, requested: int) -> int:
+    """max_context, capped by the model's positions and attention window."""
+    limit = requested
+    max_pos = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if max_pos:
+        limit = min(limit, int(max_pos))
+    layer_types = getattr(config, "layer_types", None) or []
+    windowed = any(t != "full_attention" for t in layer_types)
+    window = getattr(config, "sliding_window", None)
+    if (windowed or getattr(config, "use_sliding_window", False)) and window:
+        # The store's attention is plain causal attention.
+        limit = min(limit, int(window))
+    return limit
+
+
+def probe_kv_shape(model, device: torch.device) -> KVShape:
+    """Read the KV geometry off a one-token forward (any architecture)."""
+    probe = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device), past_key_values=probe, use_cache=True)
+    layers = probe.layers
+    keys, values = layers[0].keys, layers[0].values
+    return KVShape(
+        num_layers=len(layers),
+        kv_heads=keys.shape[1],
+        head_dim=keys.shape[3],
+        value_dim=values.shape[3],
+        dtype=keys.dtype,
+        device=keys.device,
+    )
+
+
+def eos_ids(model, vocab_size: int | None = None) -> tuple[int, ...]:
+    """The model's end-of-sequence ids (generation_config and config), sorted;
+    with `vocab_size`, only those below it."""
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        if isinstance(value, int):
+            ids.add(value)
+        elif value:
+            ids.update(int(v) for v in value)
+    return tuple(sorted(i for i in ids if vocab_size is None or 0 <= i < vocab_size))
+
+
+def choose_kernel(requested: str, device: torch.device) -> str:
+    """The attention kernel: `auto` is the fused Triton kernel on CUDA (when
+    triton is installed), SDPA otherwise."""
+    if requested == "auto":
+        requested = "triton" if device.type == "cuda" and _triton_available() else "sdpa"
+    if requested == "triton" and device.type != "cuda" and not _triton_interpreted():
+        raise ValueError("--attention triton needs a CUDA device")
+    if requested == "triton" and not _triton_available():
+        raise ValueError("--attention triton needs the triton package")
+    return requested
+
+
+def wants_graphs(setting: str, device: torch.device, kernel: str) -> bool:
+    """Whether to run fixed-shape steps captured as CUDA graphs (`--cuda-graphs`)."""
+    if device.type != "cuda" or setting == "off":
+        return False
+    if kernel != "triton":
+        if setting == "on":
+            raise ValueError("--cuda-graphs on needs the fused attention kernel (--attention triton)")
+        log.warning("CUDA graphs off: the fused attention kernel is unavailable (no triton package)")
+        return False
+    return True
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _triton_interpreted() -> bool:
+    """TRITON_INTERPRET=1 runs Triton kernels on the CPU (slowly): how the
+    fused kernel is tested without a GPU."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
