@@ -1,8 +1,8 @@
 """One service of `specd overhead`'s stack in a process of its own, as the
 roles are deployed (one process per role): a target (or draft) service over
-`overhead_stack.tiny_engine(seed)`, on a free loopback port, which it prints
-on stdout. It stops when its stdin closes (the parent went away) or on
-SIGTERM.
+`overhead_stack.tiny_engine(seed)`, on a free loopback port, which it logs
+("listening on 127.0.0.1:PORT", as `specd serve` does). It stops when its
+stdin closes (the parent went away) or on SIGTERM.
 
     python -m specdec.bench.overhead_service --role target --seed 0 [--trace-file F] [--tls-cert C ...]
 """
@@ -36,7 +36,6 @@ async def _serve(args: argparse.Namespace) -> None:
     else:
         drafter = ModelDrafter(engine, limits.max_draft_tokens)
         service = await start_draft_service(cfg, limits, lambda: drafter, telemetry=telemetry, tls=tls)
-    print(service.port, flush=True)
     try:
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # returns when stdin closes
     finally:
@@ -45,6 +44,8 @@ async def _serve(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import logging
+
     import torch
 
     from specdec import eventloop
@@ -58,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tls-key", default="")
     p.add_argument("--tls-ca", default="")
     args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(args.threads)
     eventloop.run(_serve(args))
     return 0

@@ -5,10 +5,14 @@ plaintext or over mutual TLS; the services each in a process of their own,
 as deployed, or in this process."""
 from __future__ import annotations
 
+import itertools
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from specdec import eventloop
+from specdec.processes import Service, read_port
 
 DEADLINE_S = 60.0
 START_S = 600.0  # for a service process to import torch and build its engine, many starting at once
@@ -46,12 +50,13 @@ def BackgroundLoop() -> eventloop.BackgroundLoop:
 
 
 class ChildService:
-    """A service of the stack in a process of its own (specdec/bench/overhead_service.py)."""
+    """A service of the stack in a process of its own
+    (specdec/bench/overhead_service.py), its output in LOG_DIR/ROLE-N.log,
+    its port read off its "listening on" line (`processes.read_port`)."""
 
-    def __init__(self, role: str, seed: int, threads: int, trace_file: str = "", tls_files=None):
-        import subprocess
-        import sys
+    _numbers = itertools.count()
 
+    def __init__(self, role: str, seed: int, threads: int, log_dir: Path, trace_file: str = "", tls_files=None):
         command = [sys.executable, "-m", "specdec.bench.overhead_service", "--role", role, "--seed", str(seed),
                    "--threads", str(threads)]
         if trace_file:
@@ -59,28 +64,20 @@ class ChildService:
         if tls_files is not None:
             command += ["--tls-cert", str(tls_files.cert), "--tls-key", str(tls_files.key),
                         "--tls-ca", str(tls_files.ca)]
-        self.role = role
-        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self._port: int | None = None
+        log_path = log_dir / f"{role}-{next(self._numbers)}.log"
+        with open(log_path, "w") as log:  # the child holds its own descriptor
+            process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT)
+        self.service = Service(role, process, log_path, command)
+        self.process = process
 
     @property
     def port(self) -> int:
-        """The service's port, once it has printed it (waits up to START_S)."""
-        import select
-
-        if self._port is None:
-            ready, _, _ = select.select([self.process.stdout], [], [], START_S)
-            line = self.process.stdout.readline() if ready else ""
-            if not line.strip().isdigit():
-                self.process.kill()
-                raise RuntimeError(f"the {self.role} service's process did not start "
-                                   f"(exit status {self.process.poll()})")
-            self._port = int(line)
-        return self._port
+        """The service's port, once it has logged it (waits up to START_S)."""
+        if not self.service.port:
+            self.service.port = read_port(self.service, START_S)
+        return self.service.port
 
     async def stop(self, grace_s: float = 0.0) -> None:
-        import subprocess
-
         if self.process.poll() is None:
             self.process.stdin.close()  # it stops itself when its stdin closes
             try:
@@ -147,8 +144,8 @@ def start_stacks(bg: eventloop.BackgroundLoop, specs: list[StackSpec], trace_dir
                                                tls=_service_tls(spec.tls, "draft")))
         else:
             files = (lambda role: spec.tls.files[role]) if spec.tls is not None else (lambda role: None)
-            target = ChildService("target", 0, threads, trace_file if spec.tracing else "", files("target"))
-            draft = ChildService("draft", 1, threads, trace_file if spec.tracing else "", files("draft"))
+            target = ChildService("target", 0, threads, trace_dir, trace_file if spec.tracing else "", files("target"))
+            draft = ChildService("draft", 1, threads, trace_dir, trace_file if spec.tracing else "", files("draft"))
         built.append((spec, target, draft, verifier, drafter))
     return [_stack(spec, target, draft, verifier, drafter, trace_file)
             for spec, target, draft, verifier, drafter in built]
