@@ -134,16 +134,11 @@ class _CurrentSpan:
         context_api.detach(self._token)
         # Like the SDK: only Exceptions (a GeneratorExit or a cancellation is not an error).
         if isinstance(exc, Exception) and self.span.is_recording():
-            self.span.record_exception(exc)
-            self.span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
+            _record_error(self.span, exc)
         # Ending a span is about half its SDK cost (the processors, the export
         # queue): stamp the end now, do the rest on the loop's next turn, when
         # the work that follows (the next call sent) is on its way.
-        end = time.time_ns()
-        try:
-            asyncio.get_running_loop().call_soon(self.span.end, end)
-        except RuntimeError:  # no event loop in this thread
-            self.span.end(end)
+        _on_next_turn(self.span.end, time.time_ns())
         return False
 
 
@@ -181,12 +176,8 @@ class _LeafSpan:
         self._attributes.update(attributes)
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        end = time.time_ns()
         error = exc if isinstance(exc, Exception) else None  # as _CurrentSpan: not a cancellation
-        try:
-            asyncio.get_running_loop().call_soon(self._build, end, error)
-        except RuntimeError:  # no event loop in this thread
-            self._build(end, error)
+        _on_next_turn(self._build, time.time_ns(), error)
         return False
 
     def _build(self, end: int, error: Exception | None) -> None:
@@ -194,9 +185,21 @@ class _LeafSpan:
         span = self._tracer.start_span(self._name, context=parent, kind=self._kind, attributes=self._attributes,
                                        start_time=self._start)
         if error is not None:
-            span.record_exception(error, timestamp=end)
-            span.set_status(Status(StatusCode.ERROR, f"{type(error).__name__}: {error}"))
+            _record_error(span, error, timestamp=end)
         span.end(end_time=end)
+
+
+def _record_error(span, exc: Exception, timestamp: int | None = None) -> None:
+    span.record_exception(exc, timestamp=timestamp)
+    span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
+
+
+def _on_next_turn(fn, *args) -> None:
+    """`fn(*args)` on the running event loop's next turn; at once where no loop runs."""
+    try:
+        asyncio.get_running_loop().call_soon(fn, *args)
+    except RuntimeError:  # no event loop in this thread
+        fn(*args)
 
 
 # ---------------------------------------------------------------- settings
