@@ -73,11 +73,28 @@ class HFBaselines:
             from specdec.engine.quantize import quantize_linears
 
             quantize_linears(self.draft)  # the same int8 draft as the draft service's (engine/quantize.py)
+        self.packed = self._pack(target_cfg)
         self.eos_ids = _eos_ids(self.target, self.tokenizer)
         pad = getattr(self.target.config, "pad_token_id", None)
         self.pad_id = pad if pad is not None else (self.eos_ids[0] if self.eos_ids else 0)
         self.device = self.target.device
         self.dtype = str(self.target.dtype).removeprefix("torch.")
+
+    def _pack(self, cfg) -> bool:
+        """`specd bench --hf-packed-linears auto`: the baselines' bf16 linears
+        on pre-packed weights like the services' (engine/packed_linear.py), a
+        what-if; by default (off) transformers runs as it comes, F.linear."""
+        import torch
+
+        from specdec.engine.packed_linear import pack_linears, wants_packing
+
+        if not wants_packing(getattr(cfg, "packed_linears", "off"), self.target.device, self.target.dtype):
+            return False
+        with torch.no_grad():
+            for model in (self.target, self.draft):
+                if model is not None:
+                    pack_linears(model)
+        return True
 
     def generate(self, prompt_ids: list[int], *, max_tokens: int, temperature: float, seed: int,
                  kind: str = "hf") -> dict:

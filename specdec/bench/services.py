@@ -79,6 +79,8 @@ class ServiceOptions:
     draft_vocabs: tuple[int, ...] = (0,)
     # Every draft service's linear layers as int8 ("int8", CPU) or as loaded ("none").
     draft_quantize: str = "none"
+    # Both services' bf16 linears pre-packed for oneDNN: auto, on or off (engine/packed_linear.py).
+    packed_linears: str = "auto"
 
 
 def draft_name(vocab: int, first: bool) -> str:
@@ -117,7 +119,8 @@ class ServiceSet:
         """Spawn target and draft (they load in parallel); returns once both
         have bound their ports. Call wait_models() before using them."""
         o = self.opts
-        common = ["--dtype", o.dtype, "--threads", str(o.threads), "--max-context", str(o.max_context)]
+        common = ["--dtype", o.dtype, "--threads", str(o.threads), "--max-context", str(o.max_context),
+                  "--packed-linears", o.packed_linears]
         self.services["target"] = spawn_role("target", ["--model", o.target, "--device", o.target_device, *common],
                                          self.log_dir, self.env)
         for i, vocab in enumerate(o.draft_vocabs):

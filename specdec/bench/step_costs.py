@@ -62,8 +62,14 @@ def copy_bandwidth(device: torch.device, megabytes: int = 512, repeat: int = 5) 
 
 def weight_bytes(model) -> int:
     """Bytes of the weights a forward reads: parameters, tied ones once, and
-    the packed int8 weights of quantized layers (engine/quantize.py)."""
+    the weights of replaced linears (int8: engine/quantize.py; packed bf16:
+    engine/packed_linear.py). A step reads one row of the input embedding:
+    when the output head no longer shares its matrix, it is not counted."""
     seen, total = set(), 0
+    embedding = getattr(model.get_input_embeddings(), "weight", None)
+    head = getattr(model.get_output_embeddings(), "weight", None)
+    if embedding is not None and (head is None or head.data_ptr() != embedding.data_ptr()):
+        seen.add(embedding.data_ptr())
     for p in model.parameters():
         if p.data_ptr() not in seen:  # tied embeddings count once
             seen.add(p.data_ptr())

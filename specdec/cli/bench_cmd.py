@@ -51,6 +51,13 @@ def register(sub) -> None:
     g.add_argument("--draft-quantize", default="none", choices=("none", "int8"),
                    help="the draft's linear layers as int8 (CPU only; engine/quantize.py), in the draft "
                         "service and in HF assisted generation alike, so both speculate with the same draft")
+    g.add_argument("--packed-linears", default="auto", choices=("auto", "on", "off"),
+                   help="the model services' bf16 linears with weights pre-packed for oneDNN (CPU; "
+                        "engine/packed_linear.py; the same products, bit for bit). The HF baselines run "
+                        "transformers as it comes, F.linear (default auto)")
+    g.add_argument("--hf-packed-linears", default="off", choices=("auto", "off"),
+                   help="auto: the HF baselines' bf16 linears on pre-packed weights too, a what-if that shows how "
+                        "much of a lead over HF is the kernel (default off: transformers as it comes)")
     g.add_argument("--batcher", nargs="+", choices=("on", "off"), default=["on"],
                    help="the orchestrator's verify batcher. 'on off': the service configs that run at "
                         "concurrency > 1 also run there with it off (one more orchestrator), named NAME/batcher-off")
@@ -205,7 +212,8 @@ def _service_set(args, o: dict, out_dir: Path):
     return ServiceSet(ServiceOptions(draft=o["draft_dir"], target=o["target_dir"], draft_device=o["draft_device"],
                                      target_device=o["target_device"], dtype=args.dtype, threads=args.threads,
                                      tokenizer=o["target_dir"], startup_timeout_s=args.startup_timeout,
-                                     draft_vocabs=tuple(o["draft_vocabs"]), draft_quantize=args.draft_quantize),
+                                     draft_vocabs=tuple(o["draft_vocabs"]), draft_quantize=args.draft_quantize,
+                                     packed_linears=args.packed_linears),
                       out_dir / "logs")
 
 
@@ -266,7 +274,8 @@ def _load_hf_baselines(args, o: dict):
     from specdec.engine.config import EngineConfig
 
     _log("specd bench: loading the HF baselines in this process...")
-    target_cfg = EngineConfig(model=o["target_dir"], device=o["target_device"], dtype=args.dtype, threads=args.threads)
+    target_cfg = EngineConfig(model=o["target_dir"], device=o["target_device"], dtype=args.dtype, threads=args.threads,
+                              packed_linears=args.hf_packed_linears)
     draft_cfg = (EngineConfig(model=o["draft_dir"], device=o["draft_device"], dtype=args.dtype, threads=args.threads,
                               quantize=args.draft_quantize)
                  if HF_ASSISTED in hf_kinds else None)
@@ -299,6 +308,7 @@ def _write_results(args, o: dict, prompts: list, runner, interrupted: bool, mach
     extra = {"machine": machine, "command": command, "models": {"draft": o["draft"], "target": o["target"],
              "draft_device": o["draft_device"], "target_device": o["target_device"], "dtype": dtypes,
              "draft_vocabs": o["draft_vocabs"], "draft_quantize": args.draft_quantize,
+             "packed_linears": args.packed_linears, "hf_packed_linears": args.hf_packed_linears,
              "threads": args.threads}, "started_utc": dt.datetime.fromtimestamp(started, dt.timezone.utc).isoformat()}
     runs = build_runs(records, extra)
     report.write_jsonl(out_dir / "runs.jsonl", runs)
@@ -337,6 +347,7 @@ def _models(args, o: dict, dtypes: dict) -> dict:
     return {"draft": f"{o['draft']} on {o['draft_device']}, {dtypes['draft']}",
             "draft heads": _heads_label(o["draft_vocabs"]), "draft weights": _draft_weights(args, dtypes),
             "verify batcher": _batcher_label(o["batching"]),
+            "bf16 linears packed for oneDNN": f"services {args.packed_linears}, HF baselines {args.hf_packed_linears}",
             "target": f"{o['target']} on {o['target_device']}, {dtypes['target']}",
             "threads per service": args.threads or "torch default"}
 

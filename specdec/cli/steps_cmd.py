@@ -40,6 +40,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quantize", nargs="+", default=["none"], choices=("none", "int8"),
                    help="weights to measure: none (the dtype's) and/or int8 (CPU; engine/quantize.py), "
                    "interleaved per step shape when several are given")
+    p.add_argument("--packed-linears", nargs="+", default=["auto"], choices=("auto", "on", "off"),
+                   help="bf16 linears pre-packed for oneDNN (CPU; engine/packed_linear.py): auto, on and/or off, "
+                   "interleaved like --quantize (default auto)")
     life = p.add_argument_group("--lifecycle: the engine's costs around the steps")
     life.add_argument("--lifecycle", action="store_true",
                       help="also measure load time, prefill of a --context-token prompt, rollback at "
@@ -73,11 +76,11 @@ def run(args: argparse.Namespace) -> int:
     for model in args.models:
         for head in args.draft_vocab:
             engines, load_times = [], []
-            for quantize in args.quantize:
+            for quantize, packed in [(q, pk) for q in args.quantize for pk in args.packed_linears]:
                 try:
                     cfg = EngineConfig(model=model, device=args.device, dtype=args.dtype, threads=args.threads,
                                        max_context=max_context, max_sessions=max(args.batches), draft_vocab=head,
-                                       quantize=quantize)
+                                       quantize=quantize, packed_linears=packed)
                     start = time.perf_counter()
                     engine = ModelEngine.load(cfg)
                     load_times.append(time.perf_counter() - start)
@@ -86,7 +89,8 @@ def run(args: argparse.Namespace) -> int:
                     return EXIT_ERROR
                 engine.warmup()
                 engine.name = engine.name + (f" (head {head})" if head else "") + \
-                    (f" ({quantize})" if quantize != "none" else "")
+                    (f" ({quantize})" if quantize != "none" else "") + \
+                    (f" (packed {packed})" if len(args.packed_linears) > 1 else "")
                 engines.append(engine)
             bandwidth = bandwidth or copy_bandwidth(engines[0].device)
             costs += measure_interleaved(engines, ks=args.num_draft_tokens, batches=args.batches, context=args.context,

@@ -52,6 +52,11 @@ class EngineConfig:
     # them as fbgemm int8 (CPU only; the draft only: the target refuses it).
     quantize: str = opt("none", "draft on CPU: int8 weights and activations for the linear layers",
                         choices=("none", "int8"))
+    # bf16 linear layers on the CPU with weights blocked once for oneDNN
+    # (engine/packed_linear.py): the same products, bit for bit, read faster.
+    # "auto" packs where a start-up check shows them identical to F.linear's.
+    packed_linears: str = opt("auto", "CPU bf16: linear weights pre-packed for oneDNN (same results, faster)",
+                              choices=("auto", "on", "off"))
     # Prompt tokens per forward pass during prefill (bounds activation memory).
     prefill_chunk: int = opt(512, "prompt tokens per prefill forward pass")
 
@@ -64,6 +69,10 @@ class EngineConfig:
             raise ValueError(f"attention must be auto, sdpa or triton, not {self.attention!r}")
         if self.cuda_graphs not in ("auto", "on", "off"):
             raise ValueError(f"cuda_graphs must be auto, on or off, not {self.cuda_graphs!r}")
+        if self.packed_linears not in ("auto", "on", "off"):
+            raise ValueError(f"packed_linears must be auto, on or off, not {self.packed_linears!r}")
+        if self.packed_linears == "on" and self.device != "cpu":
+            raise ValueError("--packed-linears on runs on the CPU only; use auto or off")
         if self.quantize not in ("none", "int8"):
             raise ValueError(f"quantize must be none or int8, not {self.quantize!r}")
         if self.quantize != "none" and self.device != "cpu":

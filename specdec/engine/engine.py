@@ -35,6 +35,7 @@ from specdec.engine.kv_store import (
 )
 from specdec.engine.loading import free_device_memory, load_model, tokenizer_fingerprint
 from specdec.engine.model_facts import choose_kernel, context_limit, eos_ids, probe_kv_shape, wants_graphs
+from specdec.engine.packed_linear import is_packed, pack_linears, wants_packing
 from specdec.engine.quantize import is_quantized, quantize_linears
 from specdec.engine.sessions import ContextRules, Session, SessionTable, new_session_id
 from specdec.engine.static_steps import CaptureReport, StaticSteps
@@ -132,6 +133,8 @@ class ModelEngine:
             engine.restrict_output(engine._ranked_subset(cfg.draft_vocab))
         if cfg.quantize != "none":
             engine.quantize_weights(cfg.quantize)
+        if wants_packing(cfg.packed_linears, engine.device, engine.dtype):
+            engine.pack_weights()
         return engine
 
     def _ranked_subset(self, size: int) -> torch.Tensor:
@@ -154,8 +157,8 @@ class ModelEngine:
         trimmed draft vocabulary, draft_vocab.py). Before warmup: a captured
         graph keeps the head it was captured with."""
         assert self.steps is None or not self.steps.captured, "restrict the head before capturing graphs"
-        if is_quantized(self.model):
-            raise ValueError("restrict the output head before quantizing the model")
+        if is_quantized(self.model) or is_packed(self.model):
+            raise ValueError("restrict the output head before quantizing or packing the model")
         restrict_head(self.model, ids)
         self.output_ids = int(ids.numel())
         log.info("output head restricted to %d of %d token ids", self.output_ids, self.vocab_size)
@@ -169,10 +172,21 @@ class ModelEngine:
         if self.device.type != "cpu":
             raise ValueError("--quantize int8 runs on the CPU only (fbgemm has no CUDA kernel)")
         assert self.steps is None or not self.steps.captured, "quantize before capturing graphs"
+        if is_packed(self.model):
+            raise ValueError("quantize the model before packing its linears")
         with torch.inference_mode(False), torch.no_grad():
             replaced = quantize_linears(self.model)
         self.quantized = kind
         log.info("%d linear layers quantized to int8 (fbgemm)", replaced)
+
+    def pack_weights(self) -> None:
+        """Run the bf16 linear layers on weights blocked once for oneDNN
+        (packed_linear.py): the same products, bit for bit, read faster."""
+        if self.device.type != "cpu" or self.dtype != torch.bfloat16:
+            raise ValueError("packed linears are for bf16 models on the CPU")
+        with torch.inference_mode(False), torch.no_grad():
+            replaced = pack_linears(self.model)
+        log.info("%d bf16 linear layers packed for oneDNN", replaced)
 
     def warmup(self) -> None:
         """Run the prefill, batched and single-token paths once, so the first
