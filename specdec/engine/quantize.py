@@ -14,7 +14,11 @@ one, `SubsetHead.proj`), becomes an `Int8Linear`:
   maximum first, a sentinel row holding 1 and -1 fixes the range at
   [-1, 1], and each output row is multiplied back: a token's logits then do
   not depend on which other tokens share its step;
-- the bias is added in the model's dtype after the product.
+- the bias is added in the model's dtype after the product;
+- sibling projections of one input (q, k and v; gate and up) are stacked into
+  one Int8Linear and share its product (fused_linears.py): per output channel
+  and per row nothing changes, so the results are the same bit for bit, and
+  a step pays the fixed cost of a product 97 times instead of 169 (0.5B).
 
 Exact by construction, like the trimmed head: the draft's q is the quantized
 model's own distribution, the one its tokens are sampled from, and rejection
@@ -30,6 +34,8 @@ import warnings
 
 import torch
 from torch import nn
+
+from specdec.engine.fused_linears import fuse_siblings
 
 QUANTIZE_CHOICES = ("none", "int8")
 
@@ -86,9 +92,12 @@ class Int8Linear(nn.Module):
 
 
 def quantize_linears(model: nn.Module) -> int:
-    """Replace every nn.Linear in `model` by an Int8Linear (in place);
-    returns how many were replaced."""
-    replaced = 0
+    """Replace every nn.Linear in `model` by an Int8Linear (in place), sibling
+    projections of one input as one product (fused_linears.py, the same
+    results bit for bit); returns how many linears were replaced."""
+    before = sum(isinstance(m, nn.Linear) for m in model.modules())
+    fuse_siblings(model, Int8Linear)
+    replaced = before - sum(isinstance(m, nn.Linear) for m in model.modules())
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
