@@ -1,11 +1,11 @@
 """One product for sibling linear layers that read the same input.
 
 A transformer layer projects the same hidden states three times (q, k and v)
-and its MLP twice (gate and up). On a CPU, a small model's int8 step is
-mostly the fixed cost of each product (quantizing the activations, the call,
-the casts around it) rather than the weights: the three attention
-projections of the 0.5B cost 245 us one by one and 93 us as one product
-(docs/benchmarks.md "An int8 draft"). `fuse_siblings` stacks such siblings'
+and its MLP twice (gate and up). On a CPU, a good part of a small model's
+int8 step is the fixed cost of each product (quantizing the activations, the
+call, the casts around it): the three attention projections of the 0.5B cost
+245 us one by one and 93 us as one product (docs/benchmarks.md "Packed bf16
+linears and fused int8 projections"). `fuse_siblings` stacks such siblings'
 weights into one `nn.Linear` before it is converted (to int8), and each
 sibling becomes a `FusedPart` that returns its columns of the one product.
 
