@@ -169,7 +169,7 @@ def test_the_hf_baselines_pack_only_when_asked_and_generate_the_same_tokens(tmp_
     tiny_model("llama", seed=3, init_range=0.2, layers=1).save_pretrained(tmp_path / "draft")
     runs = {}
     for packed in ("off", "auto"):
-        cfgs = [EngineConfig(model=str(tmp_path / role), dtype="bfloat16", threads=1, packed_linears=packed)
+        cfgs = [EngineConfig(model=str(tmp_path / role), dtype="bfloat16", packed_linears=packed)
                 for role in ("target", "draft")]
         hf = HFBaselines(*cfgs)
         assert hf.packed == (packed == "auto" and packing_is_exact()) == is_packed(hf.target) == is_packed(hf.draft)
