@@ -9,17 +9,14 @@ import pytest
 import torch
 from torch import nn
 
-from specdec.engine.fused_linears import FusedPart, SharedProduct, fuse_siblings, is_fused
+from specdec.engine.fused_linears import FusedPart, SharedProduct, fuse_siblings, is_fused, replace_linears
 from specdec.engine.quantize import Int8Linear, quantize_linears
 from tests.conftest import tiny_model
 
 
 def int8_unfused(model):
     """Every nn.Linear as its own Int8Linear, nothing fused."""
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear):
-                setattr(module, name, Int8Linear(child))
+    replace_linears(model, Int8Linear)
     return model
 
 

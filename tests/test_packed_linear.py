@@ -169,9 +169,8 @@ def test_the_hf_baselines_pack_only_when_asked_and_generate_the_same_tokens(tmp_
     tiny_model("llama", seed=3, init_range=0.2, layers=1).save_pretrained(tmp_path / "draft")
     runs = {}
     for packed in ("off", "auto"):
-        cfgs = [EngineConfig(model=str(tmp_path / role), dtype="bfloat16", packed_linears=packed)
-                for role in ("target", "draft")]
-        hf = HFBaselines(*cfgs)
+        cfgs = [EngineConfig(model=str(tmp_path / role), dtype="bfloat16") for role in ("target", "draft")]
+        hf = HFBaselines(*cfgs, packed_linears=packed)
         assert hf.packed == (packed == "auto" and packing_is_exact()) == is_packed(hf.target) == is_packed(hf.draft)
         runs[packed] = [hf.generate([5, 9, 17, 30], max_tokens=10, temperature=0, seed=0, kind=kind)["token_ids"]
                         for kind in ("hf", "hf-assisted")]

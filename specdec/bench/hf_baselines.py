@@ -57,7 +57,7 @@ def _make_streamer():
 class HFBaselines:
     """The target (and, for assisted generation, the draft) loaded in this process."""
 
-    def __init__(self, target_cfg, draft_cfg=None):
+    def __init__(self, target_cfg, draft_cfg=None, packed_linears: str = "off"):
         from transformers.utils import logging as hf_logging
 
         from specdec.engine.loading import load_model
@@ -73,14 +73,14 @@ class HFBaselines:
             from specdec.engine.quantize import quantize_linears
 
             quantize_linears(self.draft)  # the same int8 draft as the draft service's (engine/quantize.py)
-        self.packed = self._pack(target_cfg)
+        self.packed = self._pack(packed_linears)
         self.eos_ids = _eos_ids(self.target, self.tokenizer)
         pad = getattr(self.target.config, "pad_token_id", None)
         self.pad_id = pad if pad is not None else (self.eos_ids[0] if self.eos_ids else 0)
         self.device = self.target.device
         self.dtype = str(self.target.dtype).removeprefix("torch.")
 
-    def _pack(self, cfg) -> bool:
+    def _pack(self, setting: str) -> bool:
         """`specd bench --hf-packed-linears auto`: the baselines' bf16 linears
         on pre-packed weights like the services' (engine/packed_linear.py), a
         what-if; by default (off) transformers runs as it comes, F.linear."""
@@ -88,7 +88,7 @@ class HFBaselines:
 
         from specdec.engine.packed_linear import pack_linears, wants_packing
 
-        if not wants_packing(getattr(cfg, "packed_linears", "off"), self.target.device, self.target.dtype):
+        if not wants_packing(setting, self.target.device, self.target.dtype):
             return False
         with torch.no_grad():
             for model in (self.target, self.draft):

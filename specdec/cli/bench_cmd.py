@@ -274,12 +274,11 @@ def _load_hf_baselines(args, o: dict):
     from specdec.engine.config import EngineConfig
 
     _log("specd bench: loading the HF baselines in this process...")
-    target_cfg = EngineConfig(model=o["target_dir"], device=o["target_device"], dtype=args.dtype, threads=args.threads,
-                              packed_linears=args.hf_packed_linears)
+    target_cfg = EngineConfig(model=o["target_dir"], device=o["target_device"], dtype=args.dtype, threads=args.threads)
     draft_cfg = (EngineConfig(model=o["draft_dir"], device=o["draft_device"], dtype=args.dtype, threads=args.threads,
                               quantize=args.draft_quantize)
                  if HF_ASSISTED in hf_kinds else None)
-    return HFBaselines(target_cfg, draft_cfg)
+    return HFBaselines(target_cfg, draft_cfg, packed_linears=args.hf_packed_linears)
 
 
 def _warm_up_and_run(runner, plan, warmup: bool) -> None:

@@ -35,7 +35,7 @@ from specdec.engine.kv_store import (
 )
 from specdec.engine.loading import free_device_memory, load_model, tokenizer_fingerprint
 from specdec.engine.model_facts import choose_kernel, context_limit, eos_ids, probe_kv_shape, wants_graphs
-from specdec.engine.packed_linear import is_packed, pack_linears, wants_packing
+from specdec.engine.packed_linear import is_packed, pack_linears, packable, wants_packing
 from specdec.engine.quantize import is_quantized, quantize_linears
 from specdec.engine.sessions import ContextRules, Session, SessionTable, new_session_id
 from specdec.engine.static_steps import CaptureReport, StaticSteps
@@ -182,7 +182,7 @@ class ModelEngine:
     def pack_weights(self) -> None:
         """Run the bf16 linear layers on weights blocked once for oneDNN
         (packed_linear.py): the same products, bit for bit, read faster."""
-        if self.device.type != "cpu" or self.dtype != torch.bfloat16:
+        if not packable(self.device, self.dtype):
             raise ValueError("packed linears are for bf16 models on the CPU")
         with torch.inference_mode(False), torch.no_grad():
             replaced = pack_linears(self.model)

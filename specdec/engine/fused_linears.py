@@ -1,4 +1,6 @@
-"""One product for sibling linear layers that read the same input.
+"""Replacing a model's linear layers: each on its own (`replace_linears`, what
+int8 and packed layers use) or siblings that read the same input as one
+product (`fuse_siblings`).
 
 A transformer layer projects the same hidden states three times (q, k and v)
 and its MLP twice (gate and up). On a CPU, a good part of a small model's
@@ -44,7 +46,7 @@ class SharedProduct(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         version = _version(x)
-        if x is not self._input or version != self._version or self._output is None:
+        if x is not self._input or version != self._version:
             self._output = self.layer(x)
             self._input, self._version, self._served = x, version, 0
         output = self._output
@@ -111,6 +113,19 @@ def fuse_siblings(model: nn.Module, convert: Callable[[nn.Linear], nn.Module]) -
                 start += linear.out_features
             groups += 1
     return groups
+
+
+def replace_linears(model: nn.Module, convert: Callable[[nn.Linear], nn.Module],
+                    where: Callable[[nn.Linear], bool] = lambda linear: True) -> int:
+    """Replace every nn.Linear of `model` for which `where` holds by
+    `convert(linear)` (in place); returns how many were replaced."""
+    replaced = 0
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear) and where(child):
+                setattr(module, name, convert(child))
+                replaced += 1
+    return replaced
 
 
 def is_fused(model: nn.Module) -> bool:

@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdec.engine.fused_linears import replace_linears
+
 log = logging.getLogger(__name__)
 
 PACKED_LINEARS_CHOICES = ("auto", "on", "off")
@@ -89,12 +91,17 @@ def packing_is_exact() -> bool:
     return True
 
 
+def packable(device: torch.device, dtype: torch.dtype) -> bool:
+    """Packing is for bf16 models on the CPU (see the module docstring)."""
+    return device.type == "cpu" and dtype == torch.bfloat16
+
+
 def wants_packing(setting: str, device: torch.device, dtype: torch.dtype) -> bool:
     """`--packed-linears`: auto packs bf16 CPU models where packing is exact;
     on insists (and fails loudly where it cannot run); off never packs."""
     if setting == "off":
         return False
-    applicable = device.type == "cpu" and dtype == torch.bfloat16
+    applicable = packable(device, dtype)
     if setting == "on":
         if not applicable:
             raise ValueError("--packed-linears on runs bf16 models on the CPU only "
@@ -109,13 +116,7 @@ def wants_packing(setting: str, device: torch.device, dtype: torch.dtype) -> boo
 def pack_linears(model: nn.Module) -> int:
     """Replace every bf16 nn.Linear of `model` by a PackedLinear (in place);
     returns how many were replaced. Other layers (int8 ones) stay."""
-    replaced = 0
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear) and child.weight.dtype == torch.bfloat16:
-                setattr(module, name, PackedLinear(child))
-                replaced += 1
-    return replaced
+    return replace_linears(model, PackedLinear, where=lambda linear: linear.weight.dtype == torch.bfloat16)
 
 
 def is_packed(model: nn.Module) -> bool:

@@ -35,7 +35,7 @@ import warnings
 import torch
 from torch import nn
 
-from specdec.engine.fused_linears import fuse_siblings
+from specdec.engine.fused_linears import fuse_siblings, replace_linears
 
 QUANTIZE_CHOICES = ("none", "int8")
 
@@ -97,13 +97,8 @@ def quantize_linears(model: nn.Module) -> int:
     results bit for bit); returns how many linears were replaced."""
     before = sum(isinstance(m, nn.Linear) for m in model.modules())
     fuse_siblings(model, Int8Linear)
-    replaced = before - sum(isinstance(m, nn.Linear) for m in model.modules())
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear):
-                setattr(module, name, Int8Linear(child))
-                replaced += 1
-    return replaced
+    replace_linears(model, Int8Linear)
+    return before
 
 
 def is_quantized(model: nn.Module) -> bool:
