@@ -434,8 +434,12 @@ def test_drain_lets_in_flight_decode_finish_and_refuses_new_calls():
         gate = threading.Event()
         blocker = asyncio.run_coroutine_threadsafe(service.worker.run(gate.wait, 10), loop.loop)
         in_flight = stub.Decode.future(target_pb2.DecodeRequest(session_id=sid, num_tokens=500), timeout=T)
-        time.sleep(0.5)  # let the Decode reach the server (it then waits for the engine thread)
-        assert not in_flight.done()
+        # The Decode is in flight once its job is queued behind the blocker
+        # (on a loaded machine that can take a while: wait for it, not a fixed time).
+        deadline = time.monotonic() + T
+        while service.worker.pending < 2 and not in_flight.done() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert service.worker.pending == 2 and not in_flight.done()
         draining = asyncio.run_coroutine_threadsafe(service.running.drain(8.0), loop.loop)
         assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING
         watch.cancel()

@@ -70,9 +70,14 @@ class EngineWorker:
         self._last_s: dict[object, float] = {}  # the last duration of each kind of short job
 
     @property
+    def pending(self) -> int:
+        """Jobs queued or running on the engine thread."""
+        return self._submitted - self._finished - self._cancelled
+
+    @property
     def idle(self) -> bool:
         """No job is queued or running on the engine thread."""
-        return self._submitted == self._finished + self._cancelled
+        return self.pending == 0
 
     def _job(self, fn: Callable, args, kwargs):
         try:
