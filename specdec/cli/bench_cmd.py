@@ -27,6 +27,7 @@ from pathlib import Path
 from specdec.bench.runner import BASELINES, HF, HF_ASSISTED, HF_STATIC, SERVICE, routes
 from specdec.cli.bench_options import SYNTH_PAIRS, UsageError, build_prompts, resolve, use_tiny_pair
 from specdec.cli.model_flags import add_device, add_dtype, add_role_devices, add_threads
+from specdec.engine.config import AUTO_ON_OFF, QUANTIZE_CHOICES
 from specdec.models.catalog import DEFAULT_PAIR
 
 
@@ -48,10 +49,10 @@ def register(sub) -> None:
                    help="the draft service's output head over its N most frequent ids (specd models rank-vocab; "
                         "0: the full head). Several sizes: one draft service each, and every specdec config runs "
                         "against each head, named NAME/vN (NAME alone: the full head)")
-    g.add_argument("--draft-quantize", default="none", choices=("none", "int8"),
+    g.add_argument("--draft-quantize", default="none", choices=QUANTIZE_CHOICES,
                    help="the draft's linear layers as int8 (CPU only; engine/quantize.py), in the draft "
                         "service and in HF assisted generation alike, so both speculate with the same draft")
-    g.add_argument("--packed-linears", default="auto", choices=("auto", "on", "off"),
+    g.add_argument("--packed-linears", default="auto", choices=AUTO_ON_OFF,
                    help="the model services' bf16 linears with weights pre-packed for oneDNN (CPU; "
                         "engine/packed_linear.py; the same products, bit for bit). The HF baselines run "
                         "transformers as it comes, F.linear (default auto)")

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from specdec.cli.exits import EXIT_ERROR, EXIT_OK
 from specdec.cli.model_flags import add_device, add_dtype, add_threads
+from specdec.engine.config import AUTO_ON_OFF, QUANTIZE_CHOICES
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -37,10 +38,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repeat", type=int, default=10, help="timed runs per shape; the median is reported")
     p.add_argument("--draft-vocab", type=int, nargs="+", default=[0],
                    help="output head sizes to measure (0: full; needs `specd models rank-vocab`)")
-    p.add_argument("--quantize", nargs="+", default=["none"], choices=("none", "int8"),
+    p.add_argument("--quantize", nargs="+", default=["none"], choices=QUANTIZE_CHOICES,
                    help="weights to measure: none (the dtype's) and/or int8 (CPU; engine/quantize.py), "
                    "interleaved per step shape when several are given")
-    p.add_argument("--packed-linears", nargs="+", default=["auto"], choices=("auto", "on", "off"),
+    p.add_argument("--packed-linears", nargs="+", default=["auto"], choices=AUTO_ON_OFF,
                    help="bf16 linears pre-packed for oneDNN (CPU; engine/packed_linear.py): auto, on and/or off, "
                    "interleaved like --quantize (default auto)")
     life = p.add_argument_group("--lifecycle: the engine's costs around the steps")

@@ -25,6 +25,7 @@ import tempfile
 import time
 
 from specdec.cli.model_flags import add_device, add_dtype, add_role_devices, add_threads
+from specdec.engine.config import QUANTIZE_CHOICES
 from specdec.models.catalog import DEFAULT_PAIR
 from specdec.processes import Backoff, Supervisor, wait_serving
 from specdec.trace_file import TRACE_FILE_ENV, default_trace_file
@@ -39,7 +40,7 @@ def register(sub) -> None:
     add_role_devices(p)
     add_dtype(p)
     add_threads(p, applies_to="per model service")
-    p.add_argument("--draft-quantize", default="none", choices=("none", "int8"),
+    p.add_argument("--draft-quantize", default="none", choices=QUANTIZE_CHOICES,
                    help="the draft's linear layers as int8 (CPU only; see docs/benchmarks.md \"An int8 draft\")")
     p.add_argument("--port", type=int, default=50051, help="orchestrator port")
     p.add_argument("--http-port", type=int, default=8000,

@@ -1,10 +1,13 @@
 """Settings of one model engine (shared by the draft and target services)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from specdec.config import opt
 from specdec.limits import DEFAULT_MAX_DRAFT_TOKENS
+
+AUTO_ON_OFF = ("auto", "on", "off")
+QUANTIZE_CHOICES = ("none", "int8")
 
 
 @dataclass
@@ -39,7 +42,7 @@ class EngineConfig:
     # Decode and verify steps at fixed shapes captured as CUDA graphs
     # (static_steps.py): "auto" = on for CUDA, off elsewhere; "off" keeps the
     # eager path, the reference.
-    cuda_graphs: str = opt("auto", "capture decode/verify steps as CUDA graphs", choices=("auto", "on", "off"))
+    cuda_graphs: str = opt("auto", "capture decode/verify steps as CUDA graphs", choices=AUTO_ON_OFF)
     # The largest step (tokens over all sessions of one forward) that runs
     # as a captured graph; larger ones (prefill chunks) run eagerly. The
     # default covers a verify of 16 sessions at the largest k (limits.py).
@@ -51,30 +54,25 @@ class EngineConfig:
     # Weights of the model's linear layers (engine/quantize.py): "int8" runs
     # them as fbgemm int8 (CPU only; the draft only: the target refuses it).
     quantize: str = opt("none", "draft on CPU: int8 weights and activations for the linear layers",
-                        choices=("none", "int8"))
+                        choices=QUANTIZE_CHOICES)
     # bf16 linear layers on the CPU with weights blocked once for oneDNN
     # (engine/packed_linear.py): the same products, bit for bit, read faster.
     # "auto" packs where a start-up check shows them identical to F.linear's.
     packed_linears: str = opt("auto", "CPU bf16: linear weights pre-packed for oneDNN (same results, faster)",
-                              choices=("auto", "on", "off"))
+                              choices=AUTO_ON_OFF)
     # Prompt tokens per forward pass during prefill (bounds activation memory).
     prefill_chunk: int = opt(512, "prompt tokens per prefill forward pass")
 
     def validate(self) -> None:
-        if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
-            raise ValueError(f"dtype must be auto, bfloat16, float16 or float32, not {self.dtype!r}")
+        for f in fields(self):  # every field with a fixed set of values declares it (opt's choices)
+            choices = f.metadata.get("choices")
+            if choices and getattr(self, f.name) not in choices:
+                raise ValueError(f"{f.name} must be {', '.join(choices[:-1])} or {choices[-1]}, "
+                                 f"not {getattr(self, f.name)!r}")
         if not (self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:")):
             raise ValueError(f"device must be cpu, cuda or cuda:N, not {self.device!r}")
-        if self.attention not in ("auto", "sdpa", "triton"):
-            raise ValueError(f"attention must be auto, sdpa or triton, not {self.attention!r}")
-        if self.cuda_graphs not in ("auto", "on", "off"):
-            raise ValueError(f"cuda_graphs must be auto, on or off, not {self.cuda_graphs!r}")
-        if self.packed_linears not in ("auto", "on", "off"):
-            raise ValueError(f"packed_linears must be auto, on or off, not {self.packed_linears!r}")
         if self.packed_linears == "on" and self.device != "cpu":
             raise ValueError("--packed-linears on runs on the CPU only; use auto or off")
-        if self.quantize not in ("none", "int8"):
-            raise ValueError(f"quantize must be none or int8, not {self.quantize!r}")
         if self.quantize != "none" and self.device != "cpu":
             raise ValueError(f"--quantize {self.quantize} runs on the CPU only (fbgemm has no CUDA kernel); "
                              "use --device cpu or --quantize none")

@@ -30,7 +30,6 @@ from specdec.engine.fused_linears import replace_linears
 
 log = logging.getLogger(__name__)
 
-PACKED_LINEARS_CHOICES = ("auto", "on", "off")
 PACK_ROWS = 8  # the number of rows the weights' blocking is chosen for (see PackedLinear)
 
 

@@ -37,8 +37,6 @@ from torch import nn
 
 from specdec.engine.fused_linears import fuse_siblings, replace_linears
 
-QUANTIZE_CHOICES = ("none", "int8")
-
 
 def _cpu_has_vnni() -> bool:
     try:
