@@ -16,6 +16,10 @@ Tracing: a batch serves several requests, hence several traces. Its RPC span
 (`verify.batch`) is a child of the FIRST item's `target.verify` span (so the
 target's `verify` span lands in that request's trace) and links to the other
 items' spans; each other item's `target.verify` span links back to the batch.
+
+The batcher also holds its replica's speculation gate
+(`orchestrator/speculation_gate.py`): whether the requests it batches
+speculate at all is a choice for the batch, not for one request.
 """
 from __future__ import annotations
 
@@ -30,6 +34,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Link, SpanKind
 
 from orchestrator.downstream import TargetClient, unavailable
+from orchestrator.speculation_gate import GateSettings, SpeculationGate
 from specdec.errors import NotFound, SpecdecError
 from specdec.telemetry import A_BATCH_ITEMS, A_BATCH_SESSIONS, A_PEER, NOOP, SPAN_VERIFY_BATCH, Telemetry
 from specdec.v1 import target_pb2
@@ -48,8 +53,10 @@ class VerifyReply:
 class VerifyBatcher:
     def __init__(self, target: TargetClient, max_batch: int = 16, window_s: float = 0.002,
                  rpc_timeout_s: float = 120.0, enabled: bool = True, telemetry: Telemetry = NOOP,
-                 max_in_flight: int = 1):
+                 max_in_flight: int = 1, gate: SpeculationGate | None = None):
         self.target = target
+        # Whether the requests batched here speculate at all (off: they always do).
+        self.gate = gate or SpeculationGate(GateSettings(enabled=False))
         self.max_batch = max_batch if enabled else 1
         # Unbatched: every item goes at once, as before batching existed.
         self.max_in_flight = max(1, max_in_flight) if enabled else 1 << 30
@@ -62,6 +69,11 @@ class VerifyBatcher:
         self._timer: asyncio.TimerHandle | None = None
         self._active = 0  # requests currently generating
         self.batches_sent = 0
+
+    @property
+    def active(self) -> int:
+        """Requests generating on this target replica now."""
+        return self._active
 
     def request_started(self) -> None:
         self._active += 1

@@ -28,6 +28,15 @@ class OrchestratorConfig:
     call_streams: bool = opt(True, "send each round's ProposeAll and Verify as a message on one long-lived stream "
                                    "per service instead of as a unary call (unary against a service without them)")
     batching: bool = opt(True, "batch verification across concurrent requests")
+    speculation_gate: bool = opt(True, "at --gate-min-streams or more concurrent requests on a target replica, "
+                                       "measure the aggregate tok/s with speculation and with plain decoding and "
+                                       "run the faster (re-measuring the other now and then); off: always speculate")
+    gate_min_streams: int = opt(2, "the speculation gate: fewest concurrent requests it decides for (below, every "
+                                   "request speculates)")
+    gate_epoch_ms: float = opt(250.0, "the speculation gate: shortest measuring epoch (it also counts 3 rounds per "
+                                      "request), ms")
+    gate_probe_ratio: float = opt(8.0, "the speculation gate: re-measure the slower mode for one epoch once the "
+                                       "faster has run this many times as long as that epoch takes")
     max_batch: int = opt(16, "verify items per Verify RPC at most")
     max_batches_in_flight: int = opt(1, "Verify batches on their way to one target replica at once; more wait and "
                                          "merge (raise it when the network round trip is long next to the forward pass)")

@@ -34,6 +34,7 @@ class RequestStats:
     accepted: int = 0
     completion_tokens: int = 0
     fallback_rounds: int = 0
+    plain_rounds: int = 0  # rounds the speculation gate had decode plainly (the draft was there)
     k_histogram: list[int] = field(default_factory=list)  # rounds per k used
     accepted_per_position: list[int] = field(default_factory=list)
     prefill_time_s: float = 0.0  # time the request waited for session opens (prefills), re-opens included

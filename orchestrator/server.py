@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import grpc
 
 from orchestrator.batcher import VerifyBatcher
+from orchestrator.speculation_gate import GateSettings, SpeculationGate
 from orchestrator.config import OrchestratorConfig
 from orchestrator.downstream import DraftClient, TargetClient
 from orchestrator.gamma_policy import make_policy
@@ -116,6 +117,18 @@ def check_defaults(cfg: OrchestratorConfig, max_draft_tokens: int) -> None:
                                  f"smallest of --max-draft-tokens and the services' limits): {exc}") from None
 
 
+def gate_settings(cfg: OrchestratorConfig) -> GateSettings:
+    """The speculation gate's settings from the flags; refuses values it cannot run with."""
+    if cfg.gate_min_streams < 1:
+        raise FailedPrecondition(f"--gate-min-streams must be >= 1, not {cfg.gate_min_streams}")
+    if not cfg.gate_probe_ratio >= 0:
+        raise FailedPrecondition(f"--gate-probe-ratio must be >= 0, not {cfg.gate_probe_ratio}")
+    if not cfg.gate_epoch_ms >= 0:
+        raise FailedPrecondition(f"--gate-epoch-ms must be >= 0, not {cfg.gate_epoch_ms}")
+    return GateSettings(enabled=cfg.speculation_gate, min_streams=cfg.gate_min_streams,
+                        min_epoch_s=cfg.gate_epoch_ms / 1000, probe_ratio=cfg.gate_probe_ratio)
+
+
 def load_tokenizer(name: str):
     """A tokenizer from a catalog name or directory; None when there is none."""
     if not name:
@@ -142,6 +155,7 @@ async def build_backends(cfg: OrchestratorConfig, tokenizer=None, telemetry: Tel
     `dial`: plaintext by default), check that they fit together, and load the
     tokenizer."""
     dial = dial or Dialer()
+    gate = gate_settings(cfg)
     # The clients put the trace context on each call themselves (no interceptors: they cost a call's worth).
 
     async def make_target(address: str) -> Replica:
@@ -150,7 +164,7 @@ async def build_backends(cfg: OrchestratorConfig, tokenizer=None, telemetry: Tel
         batcher = VerifyBatcher(client, max_batch=min(cfg.max_batch, client.info.max_verify_batch or cfg.max_batch),
                                 window_s=cfg.batch_window_ms / 1000, rpc_timeout_s=cfg.rpc_timeout_s,
                                 enabled=cfg.batching, telemetry=telemetry,
-                                max_in_flight=cfg.max_batches_in_flight)
+                                max_in_flight=cfg.max_batches_in_flight, gate=SpeculationGate(gate))
         return Replica(address, client, batcher)
 
     async def make_draft(address: str) -> Replica:

@@ -208,6 +208,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
             seed=loop.spec.seed,
             accepted_per_position=s.accepted_per_position,
             fallback_rounds=s.fallback_rounds,
+            plain_rounds=s.plain_rounds,
             draft_time_s=s.draft_time_s,
             draft_compute_time_s=s.draft_compute_s,
             round_trips=s.round_trips,

@@ -12,6 +12,15 @@ request's `RequestSessions` (`orchestrator/sessions.py`) tracks the length of
 the prefix its context shares with `history`; each call sends keep_length =
 that prefix and appends the rest of `history`.
 
+Whether a round drafts at all is decided above the request: under
+concurrency the requests on one target replica speculate or decode plainly
+together, whichever that replica's speculation gate measured faster
+(`orchestrator/speculation_gate.py`, held by the replica's verify batcher).
+A plain round is the k = 0 round below; the draft catches up on its next
+Propose. Only requests whose tokens cannot change with it follow the gate
+(greedy ones, and goodput's, whose k already follows timings); a sampled
+request under fixed or adaptive always drafts, so that its seed reproduces it.
+
 Pipelined drafting (`RequestSpec.pipeline`): while the target verifies round
 r, the draft already proposes round r+1 as if round r will be fully accepted;
 `orchestrator/pipelining.py` holds it and the decision whether it pays.
@@ -48,7 +57,7 @@ from specdec.errors import DeadlineExceeded, NotFound, Unavailable
 from specdec.limits import DEFAULT_MAX_DRAFT_TOKENS
 from specdec.sampling.rejection import RoundResult, VerifyOutcome, accept_greedy, accept_sampled
 from specdec.sampling.sparse import prob_of
-from specdec.telemetry import (A_ACCEPTED, A_BATCH_ITEMS, A_BATCH_SESSIONS, A_EMITTED, A_FALLBACK, A_K, A_RETURNED,
+from specdec.telemetry import (A_ACCEPTED, A_BATCH_ITEMS, A_BATCH_SESSIONS, A_EMITTED, A_FALLBACK, A_K, A_PLAIN, A_RETURNED,
                                A_ROUND, NOOP, SPAN_ACCEPT, SPAN_DRAFT_PROPOSE, SPAN_ROUND, SPAN_TARGET_VERIFY,
                                Telemetry)
 from specdec.v1 import target_pb2
@@ -84,6 +93,12 @@ class SpeculativeRequest:
         self._ahead_decision = AheadDecision(settings.pipeline_call_cost_s, settings.pipeline_always)
         self._last_obs: RoundObservation | None = None  # the last speculative round
         self._last_round_end: float | None = None  # when the previous round was observed
+        # Whether the replica's speculation gate may have this request decode
+        # plainly: only where that cannot change its tokens. A seeded sampled
+        # request under fixed or adaptive reproduces its tokens, and which
+        # positions are drafted changes them; under goodput k already follows
+        # timings, and greedy tokens do not depend on k.
+        self._gated = spec.speculate and (spec.greedy or policy.name == "goodput")
 
     @property
     def target(self) -> TargetClient:
@@ -152,7 +167,11 @@ class SpeculativeRequest:
         with self.telemetry.span(SPAN_ROUND, {A_ROUND: self.stats.rounds}) as span:
             await self.sessions.reopen_draft_if_due()
             fallbacks = self.stats.fallback_rounds
-            k = self._choose_k() if self.sessions.draft_id is not None else 0
+            batcher = self.sessions.batcher
+            # Whether this round drafts at all is the replica's choice (orchestrator/speculation_gate.py).
+            speculating = self.spec.speculate and (not self._gated or batcher.gate.speculate(batcher.active))
+            self.stats.plain_rounds += self._gated and not speculating
+            k = self._choose_k() if self.sessions.draft_id is not None and speculating else 0
             drafts = self._pipeline.take(k)
             if drafts is not None:  # made during the previous round; their time was counted then
                 self.stats.pipelined_rounds += 1
@@ -174,9 +193,11 @@ class SpeculativeRequest:
             self._advance_prefixes(len(drafts), result.num_accepted)
             await self._settle_ahead(len(drafts), result)
             self._observe(k, len(drafts), result.num_accepted, draft_time, draft_compute, reply)
+            batcher = self.sessions.batcher  # (a recovery may have moved the request)
+            batcher.gate.record(batcher.active, speculating if self._gated else None, len(result.emitted_ids))
             span.set_attributes({A_K: k, A_RETURNED: len(drafts), A_ACCEPTED: result.num_accepted,
                                  A_EMITTED: len(result.emitted_ids),
-                                 A_FALLBACK: self.stats.fallback_rounds > fallbacks})
+                                 A_FALLBACK: self.stats.fallback_rounds > fallbacks, A_PLAIN: not speculating})
         return result.emitted_ids
 
     async def _propose(self, k: int) -> tuple[list, float, float]:

@@ -100,6 +100,7 @@ A_EMITTED = "specdec.emitted"  # tokens the round emitted (accepted + 1)
 A_RECOVERED_ON = "specdec.recovered_on"  # target.recover: the replica the session was re-opened on
 A_FAILED_REPLICA = "specdec.failed_replica"  # target.recover: the replica that failed
 A_FALLBACK = "specdec.fallback"  # the round ran without the draft (it failed)
+A_PLAIN = "specdec.plain"  # the speculation gate had the round decode plainly (orchestrator/speculation_gate.py)
 A_BATCH_ITEMS = "specdec.batch.items"  # verify items (requests) in one Verify RPC
 A_BATCH_SESSIONS = "specdec.batch.sessions"  # sessions in the target's forward pass
 A_FORWARD_S = "specdec.forward_s"  # target: compute time of the call, seconds

@@ -110,6 +110,15 @@ def test_variants_per_draft_head_and_batcher_setting():
     for heads, batching in (([0, 0], [True]), ([0], [True, True]), ([], [True])):
         with pytest.raises(ValueError):
             with_variants(base, heads, batching)
+    # speculation gate on and off: the specdec configs also with it off, only in waves; target-only once
+    gated = with_variants(base, [0], [True], [True, False])
+    assert [c.name for c in gated if c.waves_only] == ["fixed-k2/gate-off", "goodput/gate-off"]
+    assert [c.name for c in gated if c.kind == "service" and not c.waves_only] == ["target-only", "fixed-k2",
+                                                                                   "goodput"]
+    assert routes(gated) == [Route(0, True, True), Route(0, True, False)]
+    assert Route(0, True, False).name == "full-nogate"
+    with pytest.raises(ValueError):
+        with_variants(base, [0], [True], [True, True])
 
 
 def test_schedule_runs_batcher_off_variants_only_in_waves():
@@ -137,7 +146,7 @@ def test_draft_vocab_and_batcher_flags_are_checked():
               "temperatures": [0.0], "concurrency": [1, 2], "repeats": 1, "concurrency_configs": None, "threads": 1,
               "rtt_ms": None, "draft_rtt_ms": None, "target_rtt_ms": None, "jitter_ms": 0.0, "device": "cpu",
               "draft_device": None, "target_device": None, "pair": "tiny", "draft": None, "target": None,
-              "draft_vocab": [0], "batcher": ["on"]}
+              "draft_vocab": [0], "batcher": ["on"], "speculation_gate": ["on"]}
         kw.update(over)
         return argparse.Namespace(**kw)
 
@@ -147,6 +156,8 @@ def test_draft_vocab_and_batcher_flags_are_checked():
     for bad, match in (({"draft_vocab": [-1]}, ">= 0"), ({"draft_vocab": [64, 64]}, "twice"),
                        ({"batcher": ["off", "off"]}, "twice"),
                        ({"batcher": ["on", "off"], "concurrency": [1]}, "concurrency"),
+                       ({"speculation_gate": ["on", "on"]}, "twice"),
+                       ({"speculation_gate": ["on", "off"], "concurrency": [1]}, "concurrency"),
                        ({"concurrency_configs": ["fixed-k2/v64"]}, "no service config"),
                        ({"draft_vocab": [0, 64], "policies": ["none"]}, "--policies"),
                        ({"draft_quantize": "int8", "draft_device": "cuda"}, "CPU only")):
@@ -317,6 +328,7 @@ def test_bench_end_to_end_on_a_tiny_pair(tiny_pair_dirs, tmp_path, capsys):
                "--token-prompts", "2", "--token-prompt-len", "8", "--max-tokens", "8", "--num-draft-tokens", "2", "3",
                "--policies", "fixed", "adaptive", "--temperatures", "0", "0.7", "--concurrency", "1", "2",
                "--repeats", "1", "--draft-vocab", "0", "64", "--batcher", "on", "off",
+               "--speculation-gate", "on", "off",
                "--concurrency-configs", "target-only", "fixed-k2", *network, "--out", str(out),
                "--no-progress"])
     printed = capsys.readouterr().out
@@ -326,16 +338,19 @@ def test_bench_end_to_end_on_a_tiny_pair(tiny_pair_dirs, tmp_path, capsys):
     runs = report.read_jsonl(out / "runs.jsonl")
     keys = {(r["config"], r["temperature"], r["concurrency"], r["network"]) for r in runs}
     nets = ["rtt 0 ms", "rtt 4 ms"] if network else ["direct"]
-    # each specdec config on both draft heads; the configs that run in waves also with the batcher off, only there
+    # each specdec config on both draft heads; the configs that run in waves also with the batcher off, and
+    # the specdec ones with the speculation gate off, only there
     service = ["target-only", "fixed-k2", "fixed-k3", "adaptive", "fixed-k2/v64", "fixed-k3/v64", "adaptive/v64"]
     waves = ["target-only", "fixed-k2", "fixed-k2/v64"]
     expected = {(c, t, 1, net) for c in service for t in (0.0, 0.7) for net in nets}
-    expected |= {(c + off, t, 2, net) for c in waves for off in ("", "/batcher-off") for t in (0.0, 0.7) for net in nets}
+    expected |= {(c + off + gate, t, 2, net) for c in waves for off in ("", "/batcher-off")
+                 for gate in (("", "/gate-off") if c != "target-only" else ("",)) for t in (0.0, 0.7) for net in nets}
     expected |= {(c, t, 1, nets[0]) for c in ("hf", "hf-assisted") for t in (0.0, 0.7)}
     assert keys == expected
-    heads = {r["config"]: (r["draft_vocab"], r["batching"]) for r in runs}
-    assert heads["fixed-k2"] == (0, True) and heads["fixed-k2/v64/batcher-off"] == (64, False)
-    assert heads["target-only"] == (None, True) and heads["hf"] == (None, None)
+    heads = {r["config"]: (r["draft_vocab"], r["batching"], r["gate"]) for r in runs}
+    assert heads["fixed-k2"] == (0, True, True) and heads["fixed-k2/v64/batcher-off"] == (64, False, True)
+    assert heads["fixed-k2/v64/batcher-off/gate-off"] == (64, False, False)
+    assert heads["target-only"] == (None, True, None) and heads["hf"] == (None, None, None)
     assert all(r["errors"] == 0 for r in runs)
     assert all(r["machine"]["cores"] and r["models"]["target"] == target for r in runs)
     by = {(r["config"], r["temperature"], r["concurrency"], r["network"]): r for r in runs}
@@ -368,11 +383,14 @@ def test_bench_end_to_end_on_a_tiny_pair(tiny_pair_dirs, tmp_path, capsys):
 
     services = json.loads((out / "services.json").read_text())
     by_role = {s["role"]: s["command"] for s in services}
-    assert set(by_role) == {"target", "draft", "draft-v64", "orchestrator", "orchestrator-v64",
-                            "orchestrator-full-nobatch", "orchestrator-v64-nobatch"}
+    routes = [f"orchestrator-{head}{batch}{gate}" for head in ("full", "v64") for batch in ("", "-nobatch")
+              for gate in ("", "-nogate")]
+    assert set(by_role) == {"target", "draft", "draft-v64", "orchestrator", *routes[1:]}
     assert "--draft-vocab" not in by_role["draft"] and by_role["draft-v64"][-2:] == ["--draft-vocab", "64"]
-    assert [r for r, cmd in by_role.items() if "--no-batching" in cmd] == ["orchestrator-full-nobatch",
-                                                                           "orchestrator-v64-nobatch"]
+    assert sorted(r for r, cmd in by_role.items() if "--no-batching" in cmd) == sorted(r for r in routes
+                                                                                       if "nobatch" in r)
+    assert sorted(r for r, cmd in by_role.items() if "--no-speculation-gate" in cmd) == sorted(r for r in routes
+                                                                                               if "nogate" in r)
     for s in services:
         assert not os.path.exists(f"/proc/{s['pid']}"), f"{s['role']} still running"
     assert _children_serving() == []

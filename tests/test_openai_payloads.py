@@ -43,6 +43,7 @@ GOLDEN_METRICS = {
         "rounds": 4,
         "k_per_round": [4, 3, 3, 0],
         "fallback_rounds": 1,
+        "plain_rounds": 0,
         "recoveries": 3,
         "pipelined_rounds": 0,
         "accepted_per_position": [2, 1, 1],
@@ -57,6 +58,7 @@ GOLDEN_METRICS = {
         "wire_bytes": 2048, "draft_model": "draft-m", "target_model": "target-m", "policy": "adaptive",
         "round_trips": 9, "pipelined_rounds": 0, "draft_compute_time_s": 0.0625, "rejected_rounds": 3, "target_recoveries": 0,
         "acceptance_histogram": [1, 1, 0, 1, 0], "k_per_round": [4, 3, 3, 0], "prefill_time_s": 0.03125,
+        "plain_rounds": 0,
     },
 }
 USAGE = {"prompt_tokens": 5, "completion_tokens": 8, "total_tokens": 13}

@@ -20,9 +20,9 @@ from round to round (adaptive and goodput policies):
 - `num_spec_tokens`: the largest k used (vLLM's fixed k).
 
 Ours, beside them: `policy`, `rounds`, `k_per_round` (drafted tokens verified
-in each round, 0 for a round without drafts), `fallback_rounds`, `recoveries`
-(steps that ended in a rejection, hence in the target's recovered token),
-`pipelined_rounds`, `accepted_per_position`. `metrics.specdec` carries the
+in each round, 0 for a round without drafts), `fallback_rounds`, `plain_rounds`
+(rounds the speculation gate decoded plainly), `recoveries` (steps that ended
+in a rejection, hence in the target's recovered token), `pipelined_rounds`, `accepted_per_position`. `metrics.specdec` carries the
 whole GenerateStats of the gRPC stream.
 """
 from __future__ import annotations
@@ -187,6 +187,7 @@ def speculative_decoding(stats: pb.GenerateStats) -> dict:
         "rounds": stats.rounds,
         "k_per_round": list(stats.k_per_round),
         "fallback_rounds": stats.fallback_rounds,
+        "plain_rounds": stats.plain_rounds,
         "recoveries": stats.rejected_rounds,
         "pipelined_rounds": stats.pipelined_rounds,
         "accepted_per_position": list(stats.accepted_per_position),

@@ -61,6 +61,7 @@ def summarize_run(records: list[dict]) -> dict:
     run = {
         "config": first["config"], "kind": first["kind"], "policy": first["policy"], "k": first["k"],
         "pipeline": first["pipeline"], "draft_vocab": first.get("draft_vocab"), "batching": first.get("batching"),
+        "gate": first.get("gate"),
         "temperature": first["temperature"], "concurrency": first["concurrency"],
         "network": first["network"], "draft_rtt_ms": first["draft_rtt_ms"], "target_rtt_ms": first["target_rtt_ms"],
         "jitter_ms": first["jitter_ms"], "max_tokens": first["max_tokens"],
@@ -98,6 +99,7 @@ def summarize_run(records: list[dict]) -> dict:
             "round_trips_per_token": A.ratio(pooled["round_trips"], tokens) if pooled["round_trips"] else None,
             "pipelined_rounds": pooled["pipelined_rounds"],
             "fallback_rounds": pooled["fallback_rounds"],
+            "plain_rounds": pooled["plain_rounds"],
             "server_ttft_s": A.median(s["time_to_first_token_s"] for s in stats),
             "pooled_stats": pooled,
         })

@@ -249,7 +249,7 @@ def efficiency(measured_speedup: float | None, expected_speedup: float | None) -
 SUMMED_STATS = ("completion_tokens", "prompt_tokens", "rounds", "proposed_tokens", "accepted_tokens",
                 "fallback_rounds", "draft_time_s", "verify_time_s", "target_compute_time_s",
                 "draft_compute_time_s", "wire_bytes", "round_trips", "pipelined_rounds", "duration_s",
-                "prefill_time_s")
+                "prefill_time_s", "plain_rounds")
 
 
 def _add_lists(total: list[int], more: Sequence[int]) -> None:

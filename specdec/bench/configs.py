@@ -1,10 +1,12 @@
 """The configs `specd bench` runs: ways of decoding, and for the service
-configs the route they take (which draft head, verify batcher on or off).
+configs the route they take (which draft head, verify batcher on or off,
+speculation gate on or off).
 
 A *config* is one way of decoding (target-only through the services, plain
 HF generate, HF assisted generation, specdec with a policy). `build_configs`
 names them from the flags; `with_variants` multiplies the speculative ones by
-draft head and the service ones by batcher setting; `routes` lists the
+draft head and speculation gate setting and the service ones by batcher
+setting; `routes` lists the
 orchestrators those need (the bench starts one per route, see services.py).
 """
 from __future__ import annotations
@@ -27,10 +29,12 @@ class BenchConfig:
     policy: str = ""
     k: int | None = None
     pipeline: bool = False
-    # Service configs: the draft head (0: full) and the orchestrator's verify
-    # batcher they run against (a `Route`); waves_only: not at concurrency 1.
+    # Service configs: the draft head (0: full), the orchestrator's verify
+    # batcher and speculation gate they run against (a `Route`); waves_only:
+    # not at concurrency 1.
     draft_vocab: int = 0
     batching: bool = True
+    gate: bool = True
     waves_only: bool = False
 
     @property
@@ -39,11 +43,11 @@ class BenchConfig:
 
     @property
     def route(self) -> "Route":
-        return Route(self.draft_vocab, self.batching)
+        return Route(self.draft_vocab, self.batching, self.gate)
 
     @property
     def base(self) -> str:
-        """The name without the head and batcher suffixes."""
+        """The name without the head, batcher and gate suffixes."""
         return self.name.split("/", 1)[0]
 
     def request_kwargs(self) -> dict:
@@ -91,33 +95,38 @@ def build_configs(baselines: Sequence[str], ks: Sequence[int], policies: Sequenc
 @dataclasses.dataclass(frozen=True)
 class Route:
     """Which orchestrator a service config talks to: the one whose draft
-    service has this head (0: full), with its verify batcher on or off."""
+    service has this head (0: full), with its verify batcher and its
+    speculation gate on or off."""
 
     draft_vocab: int = 0
     batching: bool = True
+    gate: bool = True
 
     @property
     def name(self) -> str:
-        return (f"v{self.draft_vocab}" if self.draft_vocab else "full") + ("" if self.batching else "-nobatch")
+        return ((f"v{self.draft_vocab}" if self.draft_vocab else "full") + ("" if self.batching else "-nobatch")
+                + ("" if self.gate else "-nogate"))
 
 
 def with_variants(configs: Sequence[BenchConfig], draft_vocabs: Sequence[int],
-                  batching: Sequence[bool]) -> list[BenchConfig]:
-    """Each speculative config once per draft head, and each service config
-    also with the verify batcher off when both settings are asked for.
+                  batching: Sequence[bool], gates: Sequence[bool] = (True,)) -> list[BenchConfig]:
+    """Each speculative config once per draft head, each service config also
+    with the verify batcher off when both settings are asked for, and each
+    speculative one also with the speculation gate off when both are.
 
-    With one head and one batcher setting, nothing changes but the route
-    fields (single-size runs keep today's names). Otherwise a config on a
-    trimmed head is named NAME/vN (NAME alone: the full head, 0), and one
-    with the batcher off NAME/batcher-off; those run only at concurrency > 1
-    (the batcher only matters there). Target-only uses no draft: it runs
-    once per batcher setting, against the first head's orchestrator."""
-    if not draft_vocabs or not batching:
-        raise ValueError("give at least one draft head and one batcher setting")
-    for what, values in (("--draft-vocab", draft_vocabs), ("--batcher", batching)):
+    With one head, one batcher and one gate setting, nothing changes but the
+    route fields (single-size runs keep today's names). Otherwise a config on
+    a trimmed head is named NAME/vN (NAME alone: the full head, 0), one with
+    the batcher off NAME/batcher-off, and one with the gate off NAME/gate-off;
+    the last two run only at concurrency > 1 (the batcher and the gate only
+    matter there). Target-only uses no draft: it runs once per batcher
+    setting, against the first head's orchestrator with the first gate setting."""
+    if not draft_vocabs or not batching or not gates:
+        raise ValueError("give at least one draft head, one batcher and one gate setting")
+    for what, values in (("--draft-vocab", draft_vocabs), ("--batcher", batching), ("--speculation-gate", gates)):
         if len(set(values)) != len(values):
             raise ValueError(f"{what}: a value is listed twice")
-    several_heads, both = len(draft_vocabs) > 1, len(batching) > 1
+    several_heads, both, both_gates = len(draft_vocabs) > 1, len(batching) > 1, len(gates) > 1
     out: list[BenchConfig] = []
     for cfg in configs:
         if cfg.kind != SERVICE:
@@ -125,11 +134,13 @@ def with_variants(configs: Sequence[BenchConfig], draft_vocabs: Sequence[int],
             continue
         for vocab in draft_vocabs if cfg.speculative else draft_vocabs[:1]:
             for on in sorted(batching, reverse=True):  # on first
-                name = cfg.name + (f"/v{vocab}" if several_heads and vocab and cfg.speculative else "")
-                off_variant = both and not on
-                name += "/batcher-off" if off_variant else ""
-                out.append(dataclasses.replace(cfg, name=name, draft_vocab=vocab, batching=on,
-                                               waves_only=off_variant))
+                for gate in sorted(gates, reverse=True) if cfg.speculative else gates[:1]:
+                    name = cfg.name + (f"/v{vocab}" if several_heads and vocab and cfg.speculative else "")
+                    off_variant = both and not on
+                    gate_off = both_gates and not gate
+                    name += ("/batcher-off" if off_variant else "") + ("/gate-off" if gate_off else "")
+                    out.append(dataclasses.replace(cfg, name=name, draft_vocab=vocab, batching=on, gate=gate,
+                                                   waves_only=off_variant or gate_off))
     return out
 
 

@@ -69,14 +69,14 @@ def _peak(run: dict) -> str:
 
 def _route_services(run: dict, peaks: dict) -> tuple[str, str]:
     """The names of the draft and orchestrator services a run used: with
-    several heads or batcher settings the bench starts several (services.py
+    several heads, batcher or gate settings the bench starts several (services.py
     names them; the first of each is named plainly)."""
     from specdec.bench.configs import Route
     from specdec.bench.services import draft_name
 
-    head, batching = run.get("draft_vocab"), run.get("batching")
+    head, batching, gate = run.get("draft_vocab"), run.get("batching"), run.get("gate")
     draft = draft_name(head, first=False) if head is not None else "draft"
-    orch = "orchestrator-" + Route(head or 0, batching is not False).name
+    orch = "orchestrator-" + Route(head or 0, batching is not False, gate is not False).name
     return (draft if draft in peaks else "draft"), (orch if orch in peaks else "orchestrator")
 
 

@@ -328,7 +328,8 @@ class Runner:
             records.append({
                 "unit": unit.id, "config": cfg.name, "kind": cfg.kind, "policy": cfg.policy or None, "k": cfg.k,
                 "pipeline": cfg.pipeline, "draft_vocab": cfg.draft_vocab if cfg.speculative else None,
-                "batching": cfg.batching if cfg.kind == SERVICE else None, "temperature": unit.temperature, "concurrency": unit.concurrency,
+                "batching": cfg.batching if cfg.kind == SERVICE else None,
+                "gate": cfg.gate if cfg.speculative else None, "temperature": unit.temperature, "concurrency": unit.concurrency,
                 **cond.to_json(), "repeat": unit.repeat, "prompt_index": prompt.index, "prompt_kind": prompt.kind,
                 "prompt_tokens": len(prompt.token_ids), "seed": prompt.seed, "max_tokens": self.plan.max_tokens,
                 "ok": res["ok"], "error": res["error"], "error_code": res["error_code"],

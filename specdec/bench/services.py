@@ -111,7 +111,7 @@ class ServiceSet:
         self.env = role_env(env)
         self.services: dict[str, Service] = {}
         self.proxies: dict[str, object] = {}
-        self.orchestrators: dict[tuple[int, bool], str] = {}  # (draft head, batching) -> service name
+        self.orchestrators: dict[Route, str] = {}  # route -> service name
 
     # ---------------------------------------------------------- lifecycle
 
@@ -163,9 +163,9 @@ class ServiceSet:
 
     def start_orchestrator(self, extra: list[str] | tuple[str, ...] = (), routes: list[Route] | None = None) -> None:
         """One orchestrator per route (the draft head it talks to, its verify
-        batcher on or off; default: the first head, batcher on). The first is named
+        batcher and speculation gate on or off; default: the first head, both on). The first is named
         "orchestrator". extra: more `specd serve orchestrator` flags."""
-        routes = list(routes) if routes else [Route(self.opts.draft_vocabs[0], True)]
+        routes = list(routes) if routes else [Route(self.opts.draft_vocabs[0])]
         heads = {v: draft_name(v, i == 0) for i, v in enumerate(self.opts.draft_vocabs)}
 
         def upstream(role: str) -> str:
@@ -182,11 +182,13 @@ class ServiceSet:
                 args += ["--tokenizer", self.opts.tokenizer]
             if not route.batching:
                 args.append("--no-batching")
+            if not route.gate:
+                args.append("--no-speculation-gate")
             args += list(extra)
             name = "orchestrator" if i == 0 else f"orchestrator-{route.name}"
             orch = spawn_role("orchestrator", args, self.log_dir, self.env, name=name)
             self.services[name] = orch
-            self.orchestrators[(route.draft_vocab, route.batching)] = name
+            self.orchestrators[route] = name
             started.append(orch)
         for orch in started:
             read_ports([orch])
@@ -199,7 +201,7 @@ class ServiceSet:
 
     def address_of(self, route: Route) -> str:
         """The address of the orchestrator started for `route`."""
-        return self.services[self.orchestrators[(route.draft_vocab, route.batching)]].address
+        return self.services[self.orchestrators[route]].address
 
     def stop(self) -> None:
         """Stop every process this set started (orchestrators first) and the proxies."""

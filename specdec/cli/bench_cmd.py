@@ -62,6 +62,10 @@ def register(sub) -> None:
     g.add_argument("--batcher", nargs="+", choices=("on", "off"), default=["on"],
                    help="the orchestrator's verify batcher. 'on off': the service configs that run at "
                         "concurrency > 1 also run there with it off (one more orchestrator), named NAME/batcher-off")
+    g.add_argument("--speculation-gate", nargs="+", choices=("on", "off"), default=["on"],
+                   help="the orchestrator's speculation gate (orchestrator/speculation_gate.py: under concurrency, "
+                        "speculate or decode plainly, whichever it measures faster). 'on off': the specdec configs "
+                        "that run at concurrency > 1 also run there with it off, named NAME/gate-off")
     add_threads(g, applies_to="per model service and for the HF baselines")
     g = p.add_argument_group("what to run (--quick sets small defaults; explicit flags win)")
     g.add_argument("--quick", action="store_true", help="a few minutes on a CPU: few prompts, short outputs, "
@@ -347,6 +351,7 @@ def _models(args, o: dict, dtypes: dict) -> dict:
     return {"draft": f"{o['draft']} on {o['draft_device']}, {dtypes['draft']}",
             "draft heads": _heads_label(o["draft_vocabs"]), "draft weights": _draft_weights(args, dtypes),
             "verify batcher": _batcher_label(o["batching"]),
+            "speculation gate": _gate_label(o["gates"]),
             "bf16 linears packed for oneDNN": f"services {args.packed_linears}, HF baselines {args.hf_packed_linears}",
             "target": f"{o['target']} on {o['target_device']}, {dtypes['target']}",
             "threads per service": args.threads or "torch default"}
@@ -367,6 +372,12 @@ def _batcher_label(settings: list[bool]) -> str:
     if len(settings) == 1:
         return "on" if settings[0] else "off"
     return "on (NAME), and off at concurrency > 1 (NAME/batcher-off)"
+
+
+def _gate_label(settings: list[bool]) -> str:
+    if len(settings) == 1:
+        return "on" if settings[0] else "off"
+    return "on (NAME), and off at concurrency > 1 (NAME/gate-off)"
 
 
 def _notes(runs: list) -> list[str]:

@@ -112,9 +112,10 @@ def resolve(args: argparse.Namespace) -> dict:
     from specdec.bench.runner import build_configs, network_conditions, with_variants
 
     o["draft_vocabs"], o["batching"] = _draft_heads(args), _batcher_settings(args)
+    o["gates"] = _on_off(args.speculation_gate, "--speculation-gate")
     try:
         o["configs"] = with_variants(build_configs(o["baselines"], o["num_draft_tokens"], o["policies"]),
-                                     o["draft_vocabs"], o["batching"])
+                                     o["draft_vocabs"], o["batching"], o["gates"])
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     if not o["configs"]:
@@ -133,6 +134,9 @@ def resolve(args: argparse.Namespace) -> dict:
         raise UsageError("several --draft-vocab sizes compare specdec configs: add --policies")
     if len(o["batching"]) > 1 and max(o["concurrency"]) < 2:
         raise UsageError("--batcher on off compares the batcher under concurrency: add a --concurrency value above 1")
+    if len(o["gates"]) > 1 and max(o["concurrency"]) < 2:
+        raise UsageError("--speculation-gate on off compares the gate under concurrency: add a --concurrency value "
+                         "above 1")
     o["conditions"] = network_conditions(args.rtt_ms, args.draft_rtt_ms, args.target_rtt_ms, args.jitter_ms)
     o["uses_services"] = any(c.kind == SERVICE for c in o["configs"])
     if any(c.proxied for c in o["conditions"]):
@@ -158,9 +162,14 @@ def _draft_heads(args) -> list[int]:
 def _batcher_settings(args) -> list[bool]:
     """--batcher on/off: the orchestrator's verify batcher; both: the service
     configs also run at concurrency > 1 with it off."""
-    if len(set(args.batcher)) != len(args.batcher):
-        raise UsageError("--batcher: a setting is listed twice")
-    return [b == "on" for b in args.batcher]
+    return _on_off(args.batcher, "--batcher")
+
+
+def _on_off(values: list[str], flag: str) -> list[bool]:
+    """An on/off flag that may take both (compare the two)."""
+    if len(set(values)) != len(values):
+        raise UsageError(f"{flag}: a setting is listed twice")
+    return [v == "on" for v in values]
 
 
 # Random-weight pairs of real architectures (specdec/models/synth.py), built

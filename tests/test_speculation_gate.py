@@ -1,0 +1,211 @@
+"""The speculation gate on its own, against a simulated replica: requests in
+lock-step waves, each wave costing what its mode costs. The gate must find the
+faster mode, keep re-measuring the other, skip rounds from before a switch,
+and stand aside below its threshold."""
+from __future__ import annotations
+
+import pytest
+
+from orchestrator.speculation_gate import GateSettings, SpeculationGate, bucket
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def simulate(gate: SpeculationGate, clock: Clock, active: int, waves: int, cost: dict, tokens: dict,
+             exempt: int = 0) -> list[bool]:
+    """`waves` waves of `active` requests (the last `exempt` of them never
+    follow the gate); a wave in mode m takes cost[m] seconds and each request
+    emits tokens[m]. Returns the mode of each wave (that of its first request)."""
+    modes = []
+    for _ in range(waves):
+        asked = [gate.speculate(active) if i < active - exempt else None for i in range(active)]
+        gated = [m for m in asked if m is not None]
+        wave_mode = gated[0] if gated else True
+        modes.append(wave_mode)
+        clock.now += cost[wave_mode]
+        for mode in asked:
+            gate.record(active, mode, tokens[True if mode is None else mode])
+    return modes
+
+
+def make(**kwargs) -> tuple[SpeculationGate, Clock]:
+    clock = Clock()
+    settings = GateSettings(**{"min_epoch_s": 0.0, "probe_ratio": 4.0, **kwargs})
+    return SpeculationGate(settings, clock), clock
+
+
+def test_buckets_are_powers_of_two():
+    assert [bucket(n) for n in (1, 2, 3, 4, 5, 8, 9, 16, 17)] == [1, 2, 4, 4, 8, 8, 16, 16, 32]
+
+
+def test_plain_decoding_wins_when_it_is_faster_and_speculation_is_still_re_measured():
+    gate, clock = make()
+    # Speculation: 2.5 tokens per request per wave of 1.0 s; plain: 1 token per 0.25 s (4 / s).
+    modes = simulate(gate, clock, active=8, waves=200, cost={True: 1.0, False: 0.25}, tokens={True: 2.5, False: 1})
+    assert modes[0] is True, "speculation is the starting mode"
+    late = modes[100:]
+    assert late.count(False) > 0.75 * len(late), "plain decoding should lead"
+    assert late.count(True) > 0, "speculation must be re-measured now and then"
+    rates = gate.buckets[8].rate
+    assert rates[False] == pytest.approx(8 * 4.0) and rates[True] == pytest.approx(8 * 2.5)
+
+
+def test_speculation_keeps_the_lead_when_it_is_faster():
+    gate, clock = make()
+    cost = {True: 0.5, False: 0.25}
+    modes = simulate(gate, clock, active=4, waves=200, cost=cost, tokens={True: 3.0, False: 1})
+    late = modes[100:]
+    assert sum(cost[m] for m in late if m) > 0.75 * sum(cost[m] for m in late), "speculation should lead"
+    assert late.count(False) > 0, "plain decoding must be re-measured now and then"
+
+
+def test_re_measuring_a_slow_mode_costs_a_bounded_share_of_the_time():
+    gate, clock = make(probe_ratio=4.0)
+    # Speculation's waves are 16x longer than plain decoding's (and slower per token): each probe of it is long.
+    cost = {True: 4.0, False: 0.25}
+    modes = simulate(gate, clock, active=8, waves=3000, cost=cost, tokens={True: 3.0, False: 1})
+    late = modes[200:]
+    spent = sum(cost[m] for m in late if m)
+    assert 0 < spent / sum(cost[m] for m in late) < 1 / (4 + 1) + 0.05
+
+
+def test_the_first_wave_after_a_switch_is_not_counted():
+    gate, clock = make()
+    simulate(gate, clock, active=2, waves=4, cost={True: 1.0, False: 1.0}, tokens={True: 2, False: 1})
+    # Epoch 1 (speculation): 1 settling wave, then 3 counted; the gate switches to plain at its end.
+    assert gate.mode is False and gate.epochs == 1
+    # A switch-wave whose rounds would double the rate if they counted: far slower than the rest.
+    simulate(gate, clock, active=2, waves=1, cost={True: 1.0, False: 100.0}, tokens={True: 2, False: 1})
+    simulate(gate, clock, active=2, waves=3, cost={True: 1.0, False: 1.0}, tokens={True: 2, False: 1})
+    assert gate.epochs == 2
+    assert gate.buckets[2].rate == {True: pytest.approx(4.0), False: pytest.approx(2.0)}
+
+
+def test_rounds_started_before_a_switch_are_not_counted_in_the_new_mode():
+    gate, clock = make()
+    simulate(gate, clock, active=2, waves=4, cost={True: 1.0, False: 1.0}, tokens={True: 2, False: 1})
+    assert gate.mode is False
+    # Rounds reported in the old mode after the switch are ignored.
+    for _ in range(10):
+        clock.now += 1.0
+        gate.record(2, True, 1000)
+    assert gate.epochs == 1 and False not in gate.buckets[2].rate
+
+
+def test_a_new_concurrency_bucket_starts_from_its_own_best_mode():
+    gate, clock = make()
+    simulate(gate, clock, active=8, waves=60, cost={True: 1.0, False: 0.25}, tokens={True: 2.5, False: 1})
+    assert gate.buckets[8].best() is False
+    # Two requests: nothing known there, so speculation, with its own measurements.
+    assert gate.speculate(2) is True
+    simulate(gate, clock, active=2, waves=60, cost={True: 0.5, False: 0.4}, tokens={True: 2.5, False: 1})
+    assert gate.buckets[2].best() is True
+    # Back at 8: straight to plain decoding, its known best.
+    assert gate.speculate(8) is False
+
+
+def test_below_the_threshold_and_when_off_the_gate_stands_aside():
+    gate, clock = make(min_streams=3)
+    simulate(gate, clock, active=2, waves=50, cost={True: 1.0, False: 0.1}, tokens={True: 1, False: 1})
+    assert gate.epochs == 0 and gate.speculate(2) is True and gate.speculate(1) is True
+    off, clock = make(enabled=False)
+    assert simulate(off, clock, active=8, waves=50, cost={True: 1.0, False: 0.1}, tokens={True: 1, False: 1}) \
+        == [True] * 50
+    assert off.epochs == 0
+
+
+def test_requests_outside_the_gate_count_in_every_epoch():
+    gate, clock = make()
+    # Two of four requests always speculate (seeded sampled ones): their tokens count in both modes' rates.
+    simulate(gate, clock, active=4, waves=80, cost={True: 1.0, False: 0.5}, tokens={True: 2, False: 1}, exempt=2)
+    assert set(gate.buckets[4].rate) == {True, False}
+    # (Only a gated round ends an epoch, and here the others always report
+    # last in a wave, so an epoch may count some of a wave's rounds late.)
+    assert gate.buckets[4].rate[True] == pytest.approx(4 * 2.0, rel=0.15)
+    assert gate.buckets[4].rate[False] == pytest.approx((2 * 1 + 2 * 2) / 0.5, rel=0.15)
+
+
+def test_without_a_request_that_follows_the_gate_nothing_is_measured():
+    gate, clock = make()
+    simulate(gate, clock, active=8, waves=50, cost={True: 1.0, False: 0.5}, tokens={True: 1, False: 1}, exempt=8)
+    assert gate.epochs == 0 and gate.buckets == {}
+
+
+def test_an_epoch_no_gated_request_reported_on_for_long_starts_afresh():
+    gate, clock = make(stale_s=5.0)
+    simulate(gate, clock, active=2, waves=3, cost={True: 1.0, False: 1.0}, tokens={True: 1, False: 1})
+    assert gate.epochs == 0
+    # 20 s of target-only traffic only, at a rate no mode has.
+    simulate(gate, clock, active=2, waves=20, cost={True: 1.0, False: 1.0}, tokens={True: 50, False: 50}, exempt=2)
+    simulate(gate, clock, active=2, waves=5, cost={True: 1.0, False: 1.0}, tokens={True: 1, False: 1})
+    assert gate.epochs == 1 and gate.buckets[2].rate[True] == pytest.approx(2.0)
+
+
+def test_an_epoch_lasts_at_least_its_minimum_time():
+    gate, clock = make(min_epoch_s=10.0)
+    simulate(gate, clock, active=2, waves=9, cost={True: 1.0, False: 1.0}, tokens={True: 1, False: 1})
+    assert gate.epochs == 0, "1 settling wave + 8 counted waves = 8 s < 10 s"
+    simulate(gate, clock, active=2, waves=2, cost={True: 1.0, False: 1.0}, tokens={True: 1, False: 1})
+    assert gate.epochs == 1
+
+
+# ------------------------------------------------------------ through the system
+
+def test_gated_rounds_decode_plainly_with_identical_tokens_and_seeded_requests_keep_theirs():
+    """Three services in-process, a gate that re-measures the slower mode
+    after every epoch of the faster, with no minimum time: greedy requests under concurrency decode some
+    rounds plainly and still emit target-only's tokens; a seeded sampled
+    request under fixed k never follows the gate and reproduces its tokens."""
+    import concurrent.futures
+
+    from orchestrator.client import Client
+    from tests.conftest import tiny_engine, tiny_model
+    from tests.harness import running_system
+    from tests.test_orchestrator import GREEDY_PROMPTS, greedy_reference, perturbed
+
+    target = tiny_model(seed=0, init_range=0.3)
+    n = 40
+    with running_system(tiny_engine(model=target), tiny_engine(model=perturbed(target, 0.15, seed=1)),
+                        gate_epoch_ms=0.0, gate_probe_ratio=0.0) as s:
+        seeded = dict(max_tokens=20, temperature=0.8, top_p=0.95, seed=1234, num_draft_tokens=3)
+        alone = s.client.complete(GREEDY_PROMPTS[1], **seeded)
+        assert alone.stats.plain_rounds == 0
+
+        def run(i):
+            with Client(f"127.0.0.1:{s.orchestrator.port}", timeout_s=120) as client:
+                if i == 0:
+                    return client.complete(GREEDY_PROMPTS[1], **seeded)
+                return client.complete(GREEDY_PROMPTS[i], max_tokens=n, temperature=0, num_draft_tokens=2,
+                                       policy="goodput" if i % 2 else "fixed")
+
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            results = list(pool.map(run, range(6)))
+        gate = s.orchestrator.backends.targets.any().batcher.gate
+    assert results[0].token_ids == alone.token_ids and results[0].stats.plain_rounds == 0
+    for i, result in enumerate(results[1:], start=1):
+        ref = greedy_reference(target, GREEDY_PROMPTS[i], n)
+        assert result.token_ids == ref[: len(result.token_ids)], f"prompt {i}"
+        st = result.stats
+        assert st.plain_rounds <= st.k.histogram[0] and st.rounds == sum(st.k.histogram)
+    assert gate.epochs >= 2 and gate.switches >= 2, gate.describe()
+    assert sum(r.stats.plain_rounds for r in results[1:]) > 0, gate.describe()
+    assert sum(r.stats.accepted_tokens for r in results[1:]) > 0
+
+
+def test_the_gates_flags_are_checked_before_anything_starts():
+    import asyncio
+
+    from orchestrator.config import OrchestratorConfig
+    from orchestrator.server import build_backends
+    from specdec.errors import FailedPrecondition
+
+    for bad in ({"gate_min_streams": 0}, {"gate_probe_ratio": -1.0}, {"gate_epoch_ms": -1.0}):
+        cfg = OrchestratorConfig(target="127.0.0.1:1", draft="", connect_timeout_s=0.1, **bad)
+        with pytest.raises(FailedPrecondition, match=next(iter(bad)).replace("_", "-")):
+            asyncio.run(build_backends(cfg))
