@@ -35,9 +35,12 @@ up on the next Propose through its keep_length.
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Callable
+
+log = logging.getLogger(__name__)
 
 RATE_WEIGHT = 0.5  # EWMA weight of the newest epoch's rate
 
@@ -167,6 +170,9 @@ class SpeculationGate:
         rates.rate[self.mode] = rate if old is None else old + RATE_WEIGHT * (rate - old)
         rates.epoch_s[self.mode] = now - self._began  # its settling wave included: what a probe costs
         best = rates.best()
+        log.info("speculation gate, %d requests (bucket %d): %s epoch %.2f tok/s over %.2f s (%d rounds); "
+                 "means: %s", active, self._bucket, _name(self.mode), rate, now - self._start, self._rounds,
+                 ", ".join(f"{_name(m)} {r:.2f}" for m, r in sorted(rates.rate.items(), reverse=True)))
         if best is None:  # the other mode was never measured here
             rates.led_s = 0.0
             self._start_epoch(not self.mode, active, now)
@@ -184,5 +190,9 @@ class SpeculationGate:
     def describe(self) -> dict:
         """For logs and tests: the mode and each bucket's rates."""
         return {"speculate": self.mode, "bucket": self._bucket, "epochs": self.epochs, "switches": self.switches,
-                "rates": {b: {("speculate" if m else "plain"): round(r, 3) for m, r in br.rate.items()}
+                "rates": {b: {_name(m): round(r, 3) for m, r in br.rate.items()}
                           for b, br in sorted(self.buckets.items())}}
+
+
+def _name(mode: bool) -> str:
+    return "speculate" if mode else "plain"
