@@ -20,7 +20,8 @@ emitted per second by all requests on the replica, with speculation and with
 plain decoding. An epoch runs one mode: it skips the first wave of rounds
 after a switch (the draft catching up on the tokens decoded plainly, the
 batch settling), then counts the tokens of `waves` rounds per request, over
-at least `min_epoch_s`. At its end the epoch's rate updates its mode's mean,
+at least `min_epoch_s` and a quarter of the other mode's last epoch (so a
+mode of short rounds is not judged on a far shorter, noisier window). At its end the epoch's rate updates its mode's mean,
 and the next mode is the better one; the other is re-measured for one epoch
 once the better has run `probe_ratio` times as long as that epoch took (so
 re-measuring costs about 1 / (probe_ratio + 1) of the time at most, however
@@ -43,6 +44,7 @@ from typing import Callable
 log = logging.getLogger(__name__)
 
 RATE_WEIGHT = 0.5  # EWMA weight of the newest epoch's rate
+COMPARABLE_SHARE = 0.25  # an epoch lasts at least this share of the other mode's last one
 
 
 def bucket(active: int) -> int:
@@ -134,7 +136,7 @@ class SpeculationGate:
         # Only a round of a request that follows the gate ends an epoch: rounds
         # of the others alone (they may outlast every gated request) measure nothing.
         if (speculated is not None and self._rounds >= self.settings.waves * active
-                and now - self._start >= self.settings.min_epoch_s):
+                and now - self._start >= self._min_epoch_s()):
             self._end_epoch(self._tokens / (now - self._start), active, now)
 
     def _applies(self, active: int) -> bool:
@@ -162,6 +164,13 @@ class SpeculationGate:
         self._warm = active if switched or settle else 0
         self._start = None if self._warm else now
         self._tokens = self._rounds = 0
+
+    def _min_epoch_s(self) -> float:
+        """An epoch's shortest length: the setting, and a share of the other
+        mode's last epoch, so that a mode of short rounds (plain decoding) is
+        not judged on a window much shorter, hence noisier, than the other's."""
+        other = self.buckets[self._bucket].epoch_s.get(not self.mode, 0.0)
+        return max(self.settings.min_epoch_s, COMPARABLE_SHARE * other)
 
     def _end_epoch(self, rate: float, active: int, now: float) -> None:
         self.epochs += 1
