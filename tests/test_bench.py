@@ -378,7 +378,8 @@ def test_bench_end_to_end_on_a_tiny_pair(tiny_pair_dirs, tmp_path, capsys):
     for name in pngs:
         assert (out / name).read_bytes().startswith(PNG_MAGIC), name
 
-    assert "| c=2 batcher off | batcher on / off |" in summary
+    assert "| c=2 / c=1 | c=2 vs target-only | c=2 batcher off | batcher on / off | c=2 gate off | gate on / off |" \
+        in summary
     assert "## Projected speedup (greedy, draft head v64)" in summary
 
     services = json.loads((out / "services.json").read_text())

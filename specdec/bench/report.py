@@ -129,29 +129,37 @@ def main_rows(runs: list[dict]) -> list[list[str]]:
 
 
 BATCHER_OFF = "/batcher-off"
+GATE_OFF = "/gate-off"
 
 
 def concurrency_table(runs: list[dict], conc: list[int], network: str) -> tuple[list[str], list[list[str]]]:
     """Aggregate tok/s per concurrency level for each service config that ran
-    at more than one; with `--batcher on off`, two more columns: the same
-    config at the highest level with the verify batcher off, and on / off."""
+    above one stream, and vs target-only at the highest level; with
+    `--batcher on off`, two more columns: the same config at the highest level
+    with the verify batcher off, and on / off; with `--speculation-gate on
+    off`, the same two for the speculation gate."""
     def tps(name: str, temp: float, c: int):
         return next((r["tokens_per_s"] for r in runs if r["config"] == name and r["temperature"] == temp
                      and r["concurrency"] == c and r["network"] == network), None)
 
-    off = any(r["config"].endswith(BATCHER_OFF) for r in runs)
+    variants = [(suffix, what) for suffix, what in ((BATCHER_OFF, "batcher"), (GATE_OFF, "gate"))
+                if any(r["config"].endswith(suffix) for r in runs)]
     top = conc[-1]
-    header = ["config", "temperature"] + [f"c={c}" for c in conc] + [f"c={top} / c=1"]
-    header += [f"c={top} batcher off", "batcher on / off"] if off else []
+    header = ["config", "temperature"] + [f"c={c}" for c in conc]
+    header += ([f"c={top} / c=1"] if 1 in conc else []) + [f"c={top} vs target-only"]
+    for _, what in variants:
+        header += [f"c={top} {what} off", f"{what} on / off"]
     rows = []
     for temp in dict.fromkeys(r["temperature"] for r in runs):
         for name in dict.fromkeys(r["config"] for r in runs if r["kind"] == SERVICE):
             by_c = {c: tps(name, temp, c) for c in conc}
-            if name.endswith(BATCHER_OFF) or sum(v is not None for v in by_c.values()) < 2:
+            if any(suffix in name for suffix, _ in variants) or not any(by_c[c] for c in conc if c > 1):
                 continue
-            row = [name, _temp_label(temp)] + [_f(by_c[c]) for c in conc] + [_ratio(by_c[top], by_c[1])]
-            if off:
-                without = tps(name + BATCHER_OFF, temp, top)
+            row = [name, _temp_label(temp)] + [_f(by_c[c]) for c in conc]
+            row += [_ratio(by_c[top], by_c[1])] if 1 in conc else []
+            row.append(_ratio(by_c[top], tps(TARGET_ONLY, temp, top)))
+            for suffix, _ in variants:
+                without = tps(name + suffix, temp, top)
                 row += [_f(without), _ratio(by_c[top], without)]
             rows.append(row)
     return header, rows
@@ -194,7 +202,7 @@ def summary_markdown(runs: list[dict], *, meta: dict) -> str:
         lines += _table(MAIN_HEADER, main_rows(sel)) + [""]
 
     conc = sorted({r["concurrency"] for r in runs})
-    if len(conc) > 1:
+    if max(conc) > 1:
         lines += ["## Concurrency (aggregate tok/s)", ""]
         lines += _table(*concurrency_table(runs, conc, first_net)) + [""]
 
