@@ -125,7 +125,9 @@ class RequestSessions:
         self._draft_down_since = None
 
     async def reopen_draft_if_due(self) -> None:
-        """Re-open a failed draft once `draft_retry_s` has passed since it failed."""
+        """Open the draft session where there is none: at once if it was
+        never opened (the request began decoding plainly), and `draft_retry_s`
+        after a failure."""
         if self.spec.speculate and self.draft_id is None:
             if self._draft_down_since is None or time.monotonic() - self._draft_down_since >= self.draft_retry_s:
                 start = time.perf_counter()

@@ -17,7 +17,9 @@ concurrency the requests on one target replica speculate or decode plainly
 together, whichever that replica's speculation gate measured faster
 (`orchestrator/speculation_gate.py`, held by the replica's verify batcher).
 A plain round is the k = 0 round below; the draft catches up on its next
-Propose. Only requests whose tokens cannot change with it follow the gate
+Propose. A request that starts while its replica decodes plainly opens its
+draft session only when it first speculates, so a load that stays plain costs
+the draft nothing. Only requests whose tokens cannot change with it follow the gate
 (greedy ones, and goodput's, whose k already follows timings); a sampled
 request under fixed or adaptive always drafts, so that its seed reproduces it.
 
@@ -127,8 +129,14 @@ class SpeculativeRequest:
         # Both prefills at once: the time to first token pays the slower one,
         # not their sum. A draft failure is absorbed by open_draft; a target
         # failure is raised once both calls have ended, so close() sees every
-        # session that was opened.
-        opens = [self.sessions.open_target()] + ([self.sessions.open_draft()] if self.spec.speculate else [])
+        # session that was opened. A request that the replica's gate has
+        # decoding plainly opens no draft session yet: it opens one at its
+        # first speculative round, if one comes (`reopen_draft_if_due`).
+        batcher = self.sessions.batcher
+        lazy_draft = self._gated and batcher.gate.plain_now(batcher.active)
+        opens = [self.sessions.open_target()]
+        if self.spec.speculate and not lazy_draft:
+            opens.append(self.sessions.open_draft())
         start = time.perf_counter()
         outcomes = await asyncio.gather(*opens, return_exceptions=True)
         self.stats.prefill_time_s += time.perf_counter() - start
@@ -165,13 +173,17 @@ class SpeculativeRequest:
 
     async def _round(self) -> list[int]:
         with self.telemetry.span(SPAN_ROUND, {A_ROUND: self.stats.rounds}) as span:
-            await self.sessions.reopen_draft_if_due()
-            fallbacks = self.stats.fallback_rounds
             batcher = self.sessions.batcher
             # Whether this round drafts at all is the replica's choice (orchestrator/speculation_gate.py).
             speculating = self.spec.speculate and (not self._gated or batcher.gate.speculate(batcher.active))
-            self.stats.plain_rounds += self._gated and not speculating
-            k = self._choose_k() if self.sessions.draft_id is not None and speculating else 0
+            plain = self._gated and not speculating
+            self.stats.plain_rounds += plain
+            if speculating:
+                await self.sessions.reopen_draft_if_due()
+            fallbacks = self.stats.fallback_rounds
+            fallback = speculating and self.sessions.draft_id is None  # the draft is down: decode plainly
+            self.stats.fallback_rounds += fallback
+            k = self._choose_k() if speculating and not fallback else 0
             drafts = self._pipeline.take(k)
             if drafts is not None:  # made during the previous round; their time was counted then
                 self.stats.pipelined_rounds += 1
@@ -197,14 +209,12 @@ class SpeculativeRequest:
             batcher.gate.record(batcher.active, speculating if self._gated else None, len(result.emitted_ids))
             span.set_attributes({A_K: k, A_RETURNED: len(drafts), A_ACCEPTED: result.num_accepted,
                                  A_EMITTED: len(result.emitted_ids),
-                                 A_FALLBACK: self.stats.fallback_rounds > fallbacks, A_PLAIN: not speculating})
+                                 A_FALLBACK: self.stats.fallback_rounds > fallbacks, A_PLAIN: plain})
         return result.emitted_ids
 
     async def _propose(self, k: int) -> tuple[list, float, float]:
         """(drafts, wall seconds, draft compute seconds)"""
         if k == 0:
-            if self.spec.speculate:
-                self.stats.fallback_rounds += self.sessions.draft_id is None
             return [], 0.0, 0.0
         keep = self.sessions.draft_prefix
         with self.sessions.client_span(SPAN_DRAFT_PROPOSE, "draft", {A_K: k}) as span:

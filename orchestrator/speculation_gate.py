@@ -108,6 +108,18 @@ class SpeculationGate:
         self._enter(bucket(active), active)
         return self.mode
 
+    def plain_now(self, active: int) -> bool:
+        """Whether `speculate(active)` would now say decode plainly; changes
+        nothing. A request asks this before opening its draft session, which
+        it then opens only once it is to speculate."""
+        if not (self.settings.enabled and active >= self.settings.min_streams):
+            return False
+        b = bucket(active)
+        if b == self._bucket and self.clock() - self._last_gated <= self.settings.stale_s:
+            return not self.mode
+        rates = self.buckets.get(b)
+        return rates is not None and rates.best() is False
+
     def record(self, active: int, speculated: bool | None, tokens: int) -> None:
         """A round ended, emitting `tokens`. `speculated`: the mode the round
         ran in (what `speculate` said at its start); None for a request that

@@ -167,7 +167,64 @@ def test_an_epoch_lasts_at_least_its_minimum_time():
     assert gate.epochs == 1
 
 
+def test_plain_now_peeks_without_starting_anything():
+    gate, clock = make()
+    assert gate.plain_now(8) is False, "nothing known: speculate first"
+    simulate(gate, clock, active=8, waves=40, cost={True: 1.0, False: 0.25}, tokens={True: 2.5, False: 1})
+    state = gate.describe()
+    assert gate.plain_now(8) is (not gate.mode)
+    assert gate.plain_now(1) is False, "below the threshold everyone speculates"
+    gate.mode = False
+    assert gate.plain_now(5) is True, "bucket 8's best, from the current epoch"
+    assert gate.plain_now(2) is False, "bucket 2: nothing known"
+    gate.mode = state["speculate"]
+    assert gate.describe() == state
+
+
 # ------------------------------------------------------------ through the system
+
+class ScriptedGate:
+    """Stands in for a replica's gate: decode plainly for the first `plain`
+    rounds a request asks about, then speculate."""
+
+    def __init__(self, plain: int):
+        self.plain = plain
+        self.asked = 0
+
+    def plain_now(self, active: int) -> bool:
+        return self.asked < self.plain
+
+    def speculate(self, active: int) -> bool:
+        self.asked += 1
+        return self.asked > self.plain
+
+    def record(self, active: int, speculated, tokens: int) -> None:
+        pass
+
+
+@pytest.mark.parametrize("plain", [1000, 3])
+def test_a_request_decoding_plainly_opens_its_draft_session_only_when_it_first_speculates(plain):
+    from tests.conftest import tiny_engine, tiny_model
+    from tests.harness import running_system
+    from tests.test_orchestrator import GREEDY_PROMPTS, greedy_reference, perturbed
+
+    target = tiny_model(seed=0, init_range=0.3)
+    n = 16
+    with running_system(tiny_engine(model=target), tiny_engine(model=perturbed(target, 0.15, seed=1))) as s:
+        s.orchestrator.backends.targets.any().batcher.gate = ScriptedGate(plain)
+        result = s.client.complete(GREEDY_PROMPTS[2], max_tokens=n, temperature=0, num_draft_tokens=2,
+                                   policy="goodput")
+    st = result.stats
+    assert result.token_ids == greedy_reference(target, GREEDY_PROMPTS[2], n)
+    assert st.fallback_rounds == 0 and st.rounds == sum(st.k.histogram)
+    if plain > st.rounds:
+        # The target's open and close and a Verify per round: the draft was never called.
+        assert st.plain_rounds == st.rounds == n and st.round_trips == 2 + st.rounds
+    else:
+        # Its session opened once, at the fourth round; a Propose per round that drafted.
+        assert st.plain_rounds == plain and st.rounds - st.k.histogram[0] > 0
+        assert st.round_trips == 4 + st.rounds + (st.rounds - st.k.histogram[0])
+
 
 def test_gated_rounds_decode_plainly_with_identical_tokens_and_seeded_requests_keep_theirs():
     """Three services in-process, a gate that re-measures the slower mode
