@@ -35,8 +35,9 @@ class OrchestratorConfig:
                                    "request speculates)")
     gate_epoch_ms: float = opt(250.0, "the speculation gate: shortest measuring epoch (it also counts 3 rounds per "
                                       "request), ms")
-    gate_probe_ratio: float = opt(8.0, "the speculation gate: re-measure the slower mode for one epoch once the "
-                                       "faster has run this many times as long as that epoch takes")
+    gate_probe_cost: float = opt(0.03, "the speculation gate: the share of throughput that re-measuring the "
+                                       "slower mode may cost (it is re-measured for one epoch once the faster has "
+                                       "led long enough), in (0, 1]")
     max_batch: int = opt(16, "verify items per Verify RPC at most")
     max_batches_in_flight: int = opt(1, "Verify batches on their way to one target replica at once; more wait and "
                                          "merge (raise it when the network round trip is long next to the forward pass)")

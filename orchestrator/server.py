@@ -121,12 +121,12 @@ def gate_settings(cfg: OrchestratorConfig) -> GateSettings:
     """The speculation gate's settings from the flags; refuses values it cannot run with."""
     if cfg.gate_min_streams < 1:
         raise FailedPrecondition(f"--gate-min-streams must be >= 1, not {cfg.gate_min_streams}")
-    if not cfg.gate_probe_ratio >= 0:
-        raise FailedPrecondition(f"--gate-probe-ratio must be >= 0, not {cfg.gate_probe_ratio}")
+    if not 0 < cfg.gate_probe_cost <= 1:
+        raise FailedPrecondition(f"--gate-probe-cost must be in (0, 1], not {cfg.gate_probe_cost}")
     if not cfg.gate_epoch_ms >= 0:
         raise FailedPrecondition(f"--gate-epoch-ms must be >= 0, not {cfg.gate_epoch_ms}")
     return GateSettings(enabled=cfg.speculation_gate, min_streams=cfg.gate_min_streams,
-                        min_epoch_s=cfg.gate_epoch_ms / 1000, probe_ratio=cfg.gate_probe_ratio)
+                        min_epoch_s=cfg.gate_epoch_ms / 1000, probe_cost=cfg.gate_probe_cost)
 
 
 def load_tokenizer(name: str):

@@ -23,12 +23,24 @@ batch settling), then counts the tokens of `waves` rounds per request, over
 at least `min_epoch_s` and a quarter of the other mode's last epoch (so a
 mode of short rounds is not judged on a far shorter, noisier window). At its end the epoch's rate updates its mode's mean,
 and the next mode is the better one; the other is re-measured for one epoch
-once the better has run `probe_ratio` times as long as that epoch took (so
-re-measuring costs about 1 / (probe_ratio + 1) of the time at most, however
-slow the slower mode's rounds are), and at once when it has no rate yet. A change of
+once the better has run long enough that re-measuring costs at most
+`probe_cost` of the throughput (below), and at once when it has no rate yet. A change of
 bucket ends the epoch unmeasured and starts the new bucket's best mode
 (speculation when nothing is known). Below `min_streams` requests the gate
 stands aside and every request speculates, with its own policy's k.
+
+What a re-measurement costs. An epoch of the slower mode, E seconds at a
+rate r_slow against the faster's r_fast, loses E * (1 - r_slow / r_fast)
+seconds' worth of the faster mode's tokens. Spread over the L seconds the
+faster mode led since the last one, plus E, that is a share of the
+throughput; the gate waits until it is at most `probe_cost`:
+
+    L >= E * ((1 - r_slow / r_fast) / probe_cost - 1)
+
+A mode far slower is re-measured rarely (plain decoding at a third of
+speculation's rate, probe_cost 0.03: after 21 of its epochs' lengths); two
+modes close in rate often, where a change of the lead is likeliest and
+measuring the other costs least.
 
 Exact either way: a plain round is a Verify with no drafts, which draws the
 token a plain decode would (`orchestrator/speculation.py`); the draft catches
@@ -61,6 +73,14 @@ class BucketRates:
     epoch_s: dict[bool, float] = field(default_factory=dict)  # speculate? -> how long its last epoch took
     led_s: float = 0.0  # time run in the leading mode since the other was last measured
 
+    def probe_after_s(self, probe_cost: float) -> float:
+        """How long the faster mode leads before the slower is re-measured, so
+        that re-measuring costs at most `probe_cost` of the throughput (module
+        docstring)."""
+        best = self.best()
+        loss = 1.0 - self.rate[not best] / self.rate[best] if self.rate[best] > 0 else 0.0
+        return self.epoch_s[not best] * max(0.0, loss / probe_cost - 1.0)
+
     def best(self) -> bool | None:
         """The faster mode (True: speculate); None before both are measured."""
         if len(self.rate) < 2:
@@ -74,7 +94,7 @@ class GateSettings:
     min_streams: int = 2  # below this many concurrent requests every request speculates
     waves: int = 3  # rounds per request an epoch counts
     min_epoch_s: float = 0.25  # and at least this long
-    probe_ratio: float = 8.0  # re-measure the slower mode once the faster ran this many times its epoch's length
+    probe_cost: float = 0.03  # re-measuring the slower mode costs at most this share of the throughput
     stale_s: float = 10.0  # an epoch no request following the gate reported on for this long starts afresh
 
 
@@ -199,10 +219,8 @@ class SpeculationGate:
             self._start_epoch(not self.mode, active, now)
             return
         if best == self.mode:
-            # Probing the slower mode costs its epoch's length at its rate: keep
-            # that to about 1 / (probe_ratio + 1) of the time.
             rates.led_s += now - self._began
-            if rates.led_s >= self.settings.probe_ratio * rates.epoch_s[not best]:
+            if rates.led_s >= rates.probe_after_s(self.settings.probe_cost):
                 rates.led_s = 0.0
                 self._start_epoch(not best, active, now)
                 return

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.speculation_gate import GateSettings, SpeculationGate, bucket
+from orchestrator.speculation_gate import BucketRates, GateSettings, SpeculationGate, bucket
 
 
 class Clock:
@@ -36,7 +36,7 @@ def simulate(gate: SpeculationGate, clock: Clock, active: int, waves: int, cost:
 
 def make(**kwargs) -> tuple[SpeculationGate, Clock]:
     clock = Clock()
-    settings = GateSettings(**{"min_epoch_s": 0.0, "probe_ratio": 4.0, **kwargs})
+    settings = GateSettings(**{"min_epoch_s": 0.0, "probe_cost": 0.1, **kwargs})
     return SpeculationGate(settings, clock), clock
 
 
@@ -65,14 +65,26 @@ def test_speculation_keeps_the_lead_when_it_is_faster():
     assert late.count(False) > 0, "plain decoding must be re-measured now and then"
 
 
-def test_re_measuring_a_slow_mode_costs_a_bounded_share_of_the_time():
-    gate, clock = make(probe_ratio=4.0)
-    # Speculation's waves are 16x longer than plain decoding's (and slower per token): each probe of it is long.
-    cost = {True: 4.0, False: 0.25}
-    modes = simulate(gate, clock, active=8, waves=3000, cost=cost, tokens={True: 3.0, False: 1})
-    late = modes[200:]
-    spent = sum(cost[m] for m in late if m)
-    assert 0 < spent / sum(cost[m] for m in late) < 1 / (4 + 1) + 0.05
+def test_re_measuring_a_slow_mode_costs_a_bounded_share_of_the_throughput():
+    gate, clock = make(probe_cost=0.1)
+    # Speculation's waves are 16x longer than plain decoding's, and far slower per token
+    # (8 * 3 tokens / 4 s = 6 tok/s against 32): each probe of it is long and costly.
+    cost, tokens = {True: 4.0, False: 0.25}, {True: 3.0, False: 1}
+    modes = simulate(gate, clock, active=8, waves=6000, cost=cost, tokens=tokens)
+    late = modes[300:]
+    assert late.count(True) > 0, "speculation must still be re-measured"
+    rate = sum(8 * tokens[m] for m in late) / sum(cost[m] for m in late)
+    assert 0.88 * 32 < rate < 32
+
+
+def test_modes_close_in_rate_are_re_measured_more_often_than_far_ones():
+    close = BucketRates(rate={True: 10.0, False: 9.5}, epoch_s={True: 1.0, False: 2.0})
+    far = BucketRates(rate={True: 10.0, False: 10 / 3}, epoch_s={True: 1.0, False: 2.0})
+    # Probing costs epoch * (1 - slow / fast) of the fast mode's time; at most 3% of it:
+    assert close.probe_after_s(0.03) == pytest.approx(2.0 * (0.05 / 0.03 - 1))
+    assert far.probe_after_s(0.03) == pytest.approx(2.0 * ((2 / 3) / 0.03 - 1))
+    assert close.probe_after_s(0.1) == 0.0, "within the allowed cost: re-measure at once"
+    assert BucketRates(rate={True: 0.0, False: 0.0}, epoch_s={True: 1.0, False: 1.0}).probe_after_s(0.03) == 0.0
 
 
 def test_a_mode_of_short_rounds_is_measured_over_a_comparable_window():
@@ -241,7 +253,7 @@ def test_gated_rounds_decode_plainly_with_identical_tokens_and_seeded_requests_k
     target = tiny_model(seed=0, init_range=0.3)
     n = 40
     with running_system(tiny_engine(model=target), tiny_engine(model=perturbed(target, 0.15, seed=1)),
-                        gate_epoch_ms=0.0, gate_probe_ratio=0.0) as s:
+                        gate_epoch_ms=0.0, gate_probe_cost=1.0) as s:
         seeded = dict(max_tokens=20, temperature=0.8, top_p=0.95, seed=1234, num_draft_tokens=3)
         alone = s.client.complete(GREEDY_PROMPTS[1], **seeded)
         assert alone.stats.plain_rounds == 0
@@ -274,7 +286,8 @@ def test_the_gates_flags_are_checked_before_anything_starts():
     from orchestrator.server import build_backends
     from specdec.errors import FailedPrecondition
 
-    for bad in ({"gate_min_streams": 0}, {"gate_probe_ratio": -1.0}, {"gate_epoch_ms": -1.0}):
+    for bad in ({"gate_min_streams": 0}, {"gate_probe_cost": 0.0}, {"gate_probe_cost": 1.5},
+                {"gate_epoch_ms": -1.0}):
         cfg = OrchestratorConfig(target="127.0.0.1:1", draft="", connect_timeout_s=0.1, **bad)
         with pytest.raises(FailedPrecondition, match=next(iter(bad)).replace("_", "-")):
             asyncio.run(build_backends(cfg))
