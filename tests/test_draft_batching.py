@@ -208,3 +208,41 @@ def test_a_lone_streams_short_steps_run_on_the_event_loop_one_at_a_time():
             worker.shutdown()
 
     asyncio.run(run())
+
+
+def test_a_new_propose_stops_a_running_multi_step_job_so_it_waits_at_most_a_step():
+    """A stream drafting alone runs its steps back to back in one engine job.
+    A Propose arriving meanwhile must not wait for all of them: its arrival
+    stops that job after the current step, its own start runs next, and the
+    two then share passes."""
+    import asyncio
+    import time as _time
+
+    from draft_service.step_batcher import DraftStepBatcher
+    from specdec.rpc.serving import EngineWorker
+
+    class Recording(_CountingDrafter):
+        def step_many(self, streams):
+            self.sids.append(tuple(sorted(st.session_id for st in streams if not st.done)))
+            return super().step_many(streams)
+
+    async def run():
+        worker = EngineWorker("eng")
+        drafter = Recording([0])
+        drafter.sids = []
+        drafter.on_step = lambda: _time.sleep(0.03)
+        batcher = DraftStepBatcher(worker, drafter)
+        try:
+            a = asyncio.ensure_future(batcher.start_and_collect(lambda: drafter.propose(10, "a"), "a"))
+            await asyncio.sleep(0.05)  # a's job is one or two steps in
+            b = await batcher.start_and_collect(lambda: drafter.propose(2, "b"), "b")
+            got_a = await a
+        finally:
+            worker.shutdown()
+        return got_a, b, drafter.sids
+
+    got_a, got_b, sids = asyncio.run(run())
+    assert [d.index for d, _ in got_a] == list(range(10)) and [d.index for d, _ in got_b] == [0, 1]
+    first_b = next(i for i, s in enumerate(sids) if "b" in s)
+    assert first_b <= 4, sids  # before the fix: after all ten of a's steps
+    assert sum(1 for s in sids if s == ("a", "b")) >= 1, "the two share passes"
