@@ -80,9 +80,9 @@ class DraftStepBatcher:
         drafting, and there are no passes to share).
 
         It also counts as an arrival: a job running several steps back to
-        back stops after its current step, so that the new call's start (the
-        catch-up forward of its appended tokens, a job of its own) runs next
-        and its stream joins the following pass. Counted only when the stream
+        back stops after its current step (unless one step is left), so that
+        the new call's start (the catch-up forward of its appended tokens, a
+        job of its own) runs next and its stream joins the following pass. Counted only when the stream
         registered, a call waited behind a whole multi-step job of the other
         streams (on the CPU pair at 4 streams under goodput, ~0.3 s a round
         beyond its own compute)."""
@@ -193,17 +193,20 @@ class DraftStepBatcher:
 
 
 def _timed_steps(step_many, streams: list[DraftStream], more) -> list[tuple[list, float]]:
-    """(results, seconds) of one step of `streams`, or of several while
-    `more()` says no stream has arrived since and every stream got a token
-    and is not done; each step's duration measured on the engine thread
-    itself (not the wait for the thread)."""
+    """(results, seconds) of one step of `streams`, or of several while every
+    stream got a token and is not done, and `more()` says no stream has
+    arrived since (or the job has at most one step left: a call arriving
+    then waits that step rather than split the job); each step's duration
+    measured on the engine thread itself (not the wait for the thread)."""
     steps = []
     while True:
         start = time.perf_counter()
         results = step_many(streams)
         steps.append((results, time.perf_counter() - start))
-        if (more is None or not more() or any(not isinstance(r, DraftToken) for r in results)
+        if (more is None or any(not isinstance(r, DraftToken) for r in results)
                 or all(s.done for s in streams)):
+            return steps
+        if not more() and min(s.k - s.produced for s in streams) > 1:
             return steps
 
 

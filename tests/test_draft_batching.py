@@ -235,14 +235,14 @@ def test_a_new_propose_stops_a_running_multi_step_job_so_it_waits_at_most_a_step
         try:
             a = asyncio.ensure_future(batcher.start_and_collect(lambda: drafter.propose(10, "a"), "a"))
             await asyncio.sleep(0.05)  # a's job is one or two steps in
-            b = await batcher.start_and_collect(lambda: drafter.propose(2, "b"), "b")
+            b = await batcher.start_and_collect(lambda: drafter.propose(4, "b"), "b")
             got_a = await a
         finally:
             worker.shutdown()
         return got_a, b, drafter.sids
 
     got_a, got_b, sids = asyncio.run(run())
-    assert [d.index for d, _ in got_a] == list(range(10)) and [d.index for d, _ in got_b] == [0, 1]
+    assert [d.index for d, _ in got_a] == list(range(10)) and [d.index for d, _ in got_b] == [0, 1, 2, 3]
     first_b = next(i for i, s in enumerate(sids) if "b" in s)
     assert first_b <= 4, sids  # before the fix: after all ten of a's steps
     assert sum(1 for s in sids if s == ("a", "b")) >= 1, "the two share passes"
