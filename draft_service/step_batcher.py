@@ -82,10 +82,10 @@ class DraftStepBatcher:
         It also counts as an arrival: a job running several steps back to
         back stops after its current step (unless one step is left), so that
         the new call's start (the catch-up forward of its appended tokens, a
-        job of its own) runs next and its stream joins the following pass. Counted only when the stream
-        registered, a call waited behind a whole multi-step job of the other
-        streams (on the CPU pair at 4 streams under goodput, ~0.3 s a round
-        beyond its own compute)."""
+        job of its own) runs next and its stream joins the following pass.
+        Counted only when the stream registered, a call waited behind a whole
+        multi-step job of the other streams (on the CPU pair at 4 streams
+        under goodput, ~0.3 s a round beyond its own compute)."""
         self._arrivals += 1
         now = time.monotonic()
         self._recent[session_id] = now

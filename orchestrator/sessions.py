@@ -124,7 +124,7 @@ class RequestSessions:
         self.draft_prefix = len(self.history)
         self._draft_down_since = None
 
-    async def reopen_draft_if_due(self) -> None:
+    async def open_draft_if_due(self) -> None:
         """Open the draft session where there is none: at once if it was
         never opened (the request began decoding plainly), and `draft_retry_s`
         after a failure."""

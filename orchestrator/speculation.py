@@ -131,7 +131,7 @@ class SpeculativeRequest:
         # failure is raised once both calls have ended, so close() sees every
         # session that was opened. A request that the replica's gate has
         # decoding plainly opens no draft session yet: it opens one at its
-        # first speculative round, if one comes (`reopen_draft_if_due`).
+        # first speculative round, if one comes (`open_draft_if_due`).
         batcher = self.sessions.batcher
         lazy_draft = self._gated and batcher.gate.plain_now(batcher.active)
         opens = [self.sessions.open_target()]
@@ -179,7 +179,7 @@ class SpeculativeRequest:
             plain = self._gated and not speculating
             self.stats.plain_rounds += plain
             if speculating:
-                await self.sessions.reopen_draft_if_due()
+                await self.sessions.open_draft_if_due()
             fallbacks = self.stats.fallback_rounds
             fallback = speculating and self.sessions.draft_id is None  # the draft is down: decode plainly
             self.stats.fallback_rounds += fallback

@@ -123,7 +123,7 @@ class SpeculationGate:
         starts now."""
         if not self._applies(active):
             return True
-        if self._bucket and self.clock() - self._last_gated > self.settings.stale_s:
+        if self._bucket and not self._fresh():
             self._bucket = 0  # no request followed the gate for a while: what was counted is stale
         self._enter(bucket(active), active)
         return self.mode
@@ -132,10 +132,10 @@ class SpeculationGate:
         """Whether `speculate(active)` would now say decode plainly; changes
         nothing. A request asks this before opening its draft session, which
         it then opens only once it is to speculate."""
-        if not (self.settings.enabled and active >= self.settings.min_streams):
+        if not self._decides(active):
             return False
         b = bucket(active)
-        if b == self._bucket and self.clock() - self._last_gated <= self.settings.stale_s:
+        if b == self._bucket and self._fresh():
             return not self.mode
         rates = self.buckets.get(b)
         return rates is not None and rates.best() is False
@@ -171,8 +171,17 @@ class SpeculationGate:
                 and now - self._start >= self._min_epoch_s()):
             self._end_epoch(self._tokens / (now - self._start), active, now)
 
+    def _decides(self, active: int) -> bool:
+        """Whether the gate decides for `active` requests (else every request speculates)."""
+        return self.settings.enabled and active >= self.settings.min_streams
+
+    def _fresh(self) -> bool:
+        """Whether a request that follows the gate reported on the epoch lately."""
+        return self.clock() - self._last_gated <= self.settings.stale_s
+
     def _applies(self, active: int) -> bool:
-        if self.settings.enabled and active >= self.settings.min_streams:
+        """`_decides`, dropping what was being measured when it does not."""
+        if self._decides(active):
             return True
         if self._bucket:  # standing aside from now on: what was being measured is dropped
             self._bucket, self.mode = 0, True
