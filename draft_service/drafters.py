@@ -16,6 +16,15 @@ model's distribution after the request's sampling transform, truncated to its
 top `max_q_tokens` tokens and renormalized. Rejection sampling is exact for
 any q sent exactly, so truncation costs acceptance, never correctness. Under
 greedy decoding no q is sent.
+
+A stream may end before its k tokens: once the product of its drafts'
+confidences (each the draft's probability of its token; the product, the
+draft's own estimate that every draft so far will be accepted) falls below
+the call's `min_confidence`, the drafts after would likely be rejected, so
+making them is wasted compute. (HF transformers' assisted generation stops
+on one token's confidence; the product stops later on long runs of fairly
+sure tokens and sooner after several unsure ones.) Which positions are
+drafted never changes the output distribution.
 """
 from __future__ import annotations
 
@@ -27,7 +36,7 @@ import torch
 from specdec.engine.engine import EngineInfo, ExtendItem, ModelEngine
 from specdec.engine.sessions import ContextRules, Session, SessionTable, new_session_id
 from specdec.errors import InvalidArgument, OutOfRange
-from specdec.limits import DEFAULT_MAX_DRAFT_TOKENS, check_num_draft_tokens
+from specdec.limits import DEFAULT_MAX_DRAFT_TOKENS, check_min_confidence, check_num_draft_tokens
 from specdec.rpc.model_service import EngineBackend, SessionMeta
 from specdec.sampling.draft_picks import DraftPick, DraftRow, pick_drafts
 from specdec.sampling.sparse import SparseDist
@@ -39,6 +48,7 @@ class DraftToken:
     token_id: int
     q: SparseDist | None  # None under greedy decoding
     length: int  # session context length after this token
+    confidence: float = 1.0  # the draft's probability of token_id (specdec.sampling.draft_picks)
 
 
 class DraftStream:
@@ -46,10 +56,12 @@ class DraftStream:
     drafter's `step_many` (alone or batched with other streams)."""
 
     def __init__(self, drafter: "Drafter", session_id: str, k: int, owner: object,
-                 first: ExtendItem | None = None, planned: Sequence[int] = ()):
+                 first: ExtendItem | None = None, planned: Sequence[int] = (), min_confidence: float = 0.0):
         self.drafter = drafter
         self.session_id = session_id
-        self.k = k
+        self.k = k  # the most it drafts; lowered to what it made when it stops early
+        self.min_confidence = min_confidence
+        self.belief = 1.0  # the product of its drafts' confidences
         self.owner = owner  # the StreamGuard token this stream holds
         self.first = first  # a model drafter's first step (cut + append), None once taken
         self.planned = list(planned)  # tokens decided up front (prompt lookup)
@@ -58,6 +70,15 @@ class DraftStream:
     @property
     def done(self) -> bool:
         return self.produced >= self.k
+
+    def made(self, token: DraftToken) -> DraftToken:
+        """Count a drafted token; the stream ends here once the draft's
+        belief that all its drafts will be accepted is below min_confidence."""
+        self.produced += 1
+        self.belief *= token.confidence
+        if self.belief < self.min_confidence:
+            self.k = self.produced
+        return token
 
     def __iter__(self) -> Iterator[DraftToken]:
         return self
@@ -75,7 +96,8 @@ class Drafter(Protocol):
     info: EngineInfo
 
     def open(self, prompt: list[int], meta: SessionMeta, max_new_tokens: int) -> tuple[str, int, int]: ...
-    def propose(self, session_id: str, keep_length: int, append: Sequence[int], k: int) -> DraftStream: ...
+    def propose(self, session_id: str, keep_length: int, append: Sequence[int], k: int,
+                min_confidence: float = 0.0) -> DraftStream: ...
     def step_many(self, streams: Sequence[DraftStream]) -> list[DraftToken | Exception | None]: ...
     def rollback(self, session_id: str, length: int) -> int: ...
     def close(self, session_id: str) -> bool: ...
@@ -120,10 +142,12 @@ class ModelDrafter(EngineBackend):
         self.max_q_tokens = max_q_tokens
         self._streams = StreamGuard()
 
-    def propose(self, session_id, keep_length, append, k):
+    def propose(self, session_id, keep_length, append, k, min_confidence=0.0):
         """Validate now; the returned stream makes the k drafts one step at a
-        time (`step_many`, or `next()` on it)."""
+        time (`step_many`, or `next()` on it), ending early once the product
+        of their confidences is below `min_confidence`."""
         check_num_draft_tokens(k, self.max_draft_tokens)
+        check_min_confidence(min_confidence)
         session = self.engine.session(session_id)
         kept = session.length if keep_length is None else keep_length
         first = ExtendItem(session_id, keep_length, list(append), num_logits=1)
@@ -131,7 +155,8 @@ class ModelDrafter(EngineBackend):
         if kept + len(append) + k > self.info.max_context:  # refuse now, not after streaming some drafts
             raise OutOfRange(f"drafting {k} tokens would take session {session_id!r} beyond the context "
                              f"limit of {self.info.max_context} tokens")
-        return DraftStream(self, session_id, k, self._streams.take(session_id), first)
+        return DraftStream(self, session_id, k, self._streams.take(session_id), first,
+                           min_confidence=min_confidence)
 
     def step_many(self, streams):
         """One draft token for each stream, from one batched forward pass.
@@ -187,8 +212,8 @@ class ModelDrafter(EngineBackend):
             raise pick
         self.engine.append_tokens(session.id, [pick.token_id])
         stream.first = None
-        stream.produced += 1
-        return DraftToken(index=stream.produced - 1, token_id=pick.token_id, q=pick.q, length=session.length)
+        return stream.made(DraftToken(index=stream.produced, token_id=pick.token_id, q=pick.q,
+                                      length=session.length, confidence=pick.confidence))
 
     def rollback(self, session_id, length):
         length = super().rollback(session_id, length)
@@ -239,8 +264,10 @@ class NgramDrafter:
         session = self._sessions.add(Session(id=new_session_id(), tokens=list(prompt), meta=meta))
         return session.id, session.length, 0
 
-    def propose(self, session_id, keep_length, append, k):
+    def propose(self, session_id, keep_length, append, k, min_confidence=0.0):
+        """A looked-up token is certain (confidence 1): `min_confidence` never ends it early."""
         check_num_draft_tokens(k, self.max_draft_tokens)
+        check_min_confidence(min_confidence)
         session = self._sessions.get(session_id)
         if keep_length is None:
             keep_length = session.length
@@ -264,9 +291,8 @@ class NgramDrafter:
                 continue
             token = st.planned[st.produced]
             session.tokens.append(token)
-            st.produced += 1
             q = None if session.meta.params.greedy else SparseDist.from_lists([token], [1.0])
-            results.append(DraftToken(index=st.produced - 1, token_id=token, q=q, length=len(session.tokens)))
+            results.append(st.made(DraftToken(index=st.produced, token_id=token, q=q, length=len(session.tokens))))
         return results
 
     def lookup(self, tokens: list[int], k: int) -> list[int]:

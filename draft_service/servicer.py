@@ -71,12 +71,12 @@ def _validate(backend, request):
     """The call's DraftStream (run on the engine thread; `backend` is taken on
     the event loop, which answers UNAVAILABLE while the model loads)."""
     return backend.propose(request.session_id, request.keep_length if request.HasField("keep_length") else None,
-                           list(request.append_token_ids), request.num_draft_tokens)
+                           list(request.append_token_ids), request.num_draft_tokens, request.min_confidence)
 
 
 def _to_wire(draft, seconds: float) -> draft_pb2.ProposeResponse:
     msg = draft_pb2.ProposeResponse(index=draft.index, token_id=draft.token_id, length=draft.length,
-                                    compute_micros=round(seconds * 1e6))
+                                    compute_micros=round(seconds * 1e6), confidence=draft.confidence)
     if draft.q is not None:
         ids, probs = draft.q.to_lists()
         msg.q.token_ids.extend(ids)

@@ -39,9 +39,10 @@ def build_request(prompt: str | Sequence[int] | Sequence[dict] | None = None, *,
                   temperature: float | None = None, top_k: int = 0, top_p: float | None = None,
                   seed: int | None = None, stop: Sequence[str] = (), policy: str = "",
                   num_draft_tokens: int = 0, speculate: bool = True, pipeline: bool | None = None,
-                  request_id: str = "") -> pb.GenerateRequest:
+                  draft_min_confidence: float | None = None, request_id: str = "") -> pb.GenerateRequest:
     """A GenerateRequest: prompt is text, token ids, or chat messages
-    ([{"role": "user", "content": "..."}]). pipeline None: the server's default."""
+    ([{"role": "user", "content": "..."}]). pipeline, draft_min_confidence
+    None: the server's default."""
     request = pb.GenerateRequest(max_tokens=max_tokens, top_k=top_k, stop=list(stop), request_id=request_id,
                                  speculation=pb.SpeculationOptions(policy=policy, num_draft_tokens=num_draft_tokens,
                                                                    disable=not speculate))
@@ -53,6 +54,8 @@ def build_request(prompt: str | Sequence[int] | Sequence[dict] | None = None, *,
         request.prompt_token_ids.CopyFrom(pb.TokenIds(token_ids=list(prompt)))
     if pipeline is not None:
         request.speculation.pipeline = pipeline
+    if draft_min_confidence is not None:
+        request.speculation.draft_min_confidence = draft_min_confidence
     if temperature is not None:
         request.temperature = temperature
     if top_p is not None:

@@ -115,6 +115,8 @@ def check_defaults(cfg: OrchestratorConfig, max_draft_tokens: int) -> None:
     except ValueError as exc:
         raise FailedPrecondition(f"the default policy does not fit max_draft_tokens = {max_draft_tokens} (the "
                                  f"smallest of --max-draft-tokens and the services' limits): {exc}") from None
+    if not 0 <= cfg.draft_min_confidence <= 1:
+        raise FailedPrecondition(f"--draft-min-confidence must be in [0, 1], not {cfg.draft_min_confidence}")
 
 
 def gate_settings(cfg: OrchestratorConfig) -> GateSettings:

@@ -1,7 +1,10 @@
 """One request's speculative loop: propose, verify (batched), accept, repeat.
 
 Per round, with k = num_draft_tokens chosen by the request's policy:
-  1. the draft proposes x_1..x_k (with their sparse q, unless greedy);
+  1. the draft proposes x_1..x_k (with their sparse q, unless greedy), or
+     fewer: it stops once it is unsure that all its drafts will be accepted
+     (`draft_min_confidence`), and the policy learns from the drafts the
+     round had;
   2. the target scores them in the request's slot of a batched Verify;
   3. the orchestrator decides acceptance (`specdec.sampling.rejection`);
   4. both services are cut back to the accepted prefix by the keep_length
@@ -220,7 +223,8 @@ class SpeculativeRequest:
         with self.sessions.client_span(SPAN_DRAFT_PROPOSE, "draft", {A_K: k}) as span:
             try:
                 drafts, cost = await self.sessions.draft.propose(self.sessions.draft_id, keep, self.history[keep:],
-                                                                 k, self.sessions.timeout())
+                                                                 k, self.sessions.timeout(),
+                                                                 min_confidence=self.spec.draft_min_confidence)
             except grpc.aio.AioRpcError as exc:
                 failed(span, exc)
                 self.sessions.draft_failed(exc)
@@ -258,7 +262,8 @@ class SpeculativeRequest:
         # The draft holds history + the k drafts; k_next + 1 more: a guess at
         # the bonus token, then round r+1's drafts.
         self.stats.round_trips += 1
-        self._pipeline.start(self.sessions.draft_id, len(self.history) + k, k_next, self.sessions.timeout())
+        self._pipeline.start(self.sessions.draft_id, len(self.history) + k, k_next, self.sessions.timeout(),
+                             self.spec.draft_min_confidence)
 
     async def _settle_ahead(self, k: int, result: RoundResult) -> None:
         """Account for the speculative Propose of round r (k drafts) and, when

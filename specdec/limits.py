@@ -26,3 +26,10 @@ def check_num_draft_tokens(k: int, limit: int = DEFAULT_MAX_DRAFT_TOKENS, lowest
     step)."""
     if not lowest <= k <= limit:
         raise InvalidArgument(f"num_draft_tokens must be in [{lowest}, {limit}], got {k}")
+
+
+def check_min_confidence(value: float) -> None:
+    """Raise InvalidArgument unless 0 <= value <= 1: the confidence below
+    which a round's drafting ends early (0: never), a probability."""
+    if not 0.0 <= value <= 1.0:  # NaN fails too
+        raise InvalidArgument(f"min_confidence must be in [0, 1], got {value}")

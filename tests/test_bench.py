@@ -121,6 +121,25 @@ def test_variants_per_draft_head_and_batcher_setting():
         with_variants(base, [0], [True], [True, True])
 
 
+def test_variants_per_draft_min_confidence():
+    from specdec.bench.configs import with_confidences
+
+    base = build_configs(["service", "hf-assisted"], [2], ["fixed", "goodput"])
+    assert with_confidences(base, []) == base  # the server's default: nothing sent
+    one = with_confidences(base, [0.5])
+    assert [c.name for c in one] == [c.name for c in base]
+    by = {c.name: c for c in one}
+    assert by["goodput"].request_kwargs()["draft_min_confidence"] == 0.5
+    assert "draft_min_confidence" not in by["target-only"].request_kwargs()
+    two = with_confidences(base, [0, 0.5])
+    assert [c.name for c in two] == ["target-only", "hf-assisted", "fixed-k2/c0", "fixed-k2/c0.5", "goodput/c0",
+                                     "goodput/c0.5"]
+    assert {c.name: c for c in two}["fixed-k2/c0"].request_kwargs()["draft_min_confidence"] == 0
+    for bad in ([0.5, 0.5], [1.5], [-0.1]):
+        with pytest.raises(ValueError, match="draft-min-confidence"):
+            with_confidences(base, bad)
+
+
 def test_schedule_runs_batcher_off_variants_only_in_waves():
     configs = with_variants(build_configs(["service"], [2], ["fixed"]), [0, 64], [True, False])
     units = schedule(_plan(configs=configs, repeats=1, conditions=[NetworkCondition("direct")]))
@@ -146,7 +165,7 @@ def test_draft_vocab_and_batcher_flags_are_checked():
               "temperatures": [0.0], "concurrency": [1, 2], "repeats": 1, "concurrency_configs": None, "threads": 1,
               "rtt_ms": None, "draft_rtt_ms": None, "target_rtt_ms": None, "jitter_ms": 0.0, "device": "cpu",
               "draft_device": None, "target_device": None, "pair": "tiny", "draft": None, "target": None,
-              "draft_vocab": [0], "batcher": ["on"], "speculation_gate": ["on"]}
+              "draft_vocab": [0], "batcher": ["on"], "speculation_gate": ["on"], "draft_min_confidence": []}
         kw.update(over)
         return argparse.Namespace(**kw)
 
@@ -160,7 +179,8 @@ def test_draft_vocab_and_batcher_flags_are_checked():
                        ({"speculation_gate": ["on", "off"], "concurrency": [1]}, "concurrency"),
                        ({"concurrency_configs": ["fixed-k2/v64"]}, "no service config"),
                        ({"draft_vocab": [0, 64], "policies": ["none"]}, "--policies"),
-                       ({"draft_quantize": "int8", "draft_device": "cuda"}, "CPU only")):
+                       ({"draft_quantize": "int8", "draft_device": "cuda"}, "CPU only"),
+                       ({"draft_min_confidence": [0.5, 2.0]}, r"\[0, 1\]")):
         with pytest.raises(UsageError, match=match):
             resolve(args(**bad))
 

@@ -32,6 +32,7 @@ class SpeculationOptions(_Strict):
     max_draft_tokens: int = Field(0, ge=0, le=INT32_MAX)
     disable: bool = False  # the target alone (the baseline)
     pipeline: bool | None = None  # pipelined drafting; null: the server's
+    draft_min_confidence: float | None = Field(None, ge=0, le=1)  # end drafting when unsure; null: the server's
 
 
 class StreamOptions(_Strict):

@@ -131,6 +131,8 @@ def _common(body: GenerationRequest, max_tokens: int, request_id: str) -> pb.Gen
             max_draft_tokens=s.max_draft_tokens, disable=s.disable))
         if s.pipeline is not None:
             request.speculation.pipeline = s.pipeline
+        if s.draft_min_confidence is not None:
+            request.speculation.draft_min_confidence = s.draft_min_confidence
     return request
 
 

@@ -6,7 +6,8 @@ A *config* is one way of decoding (target-only through the services, plain
 HF generate, HF assisted generation, specdec with a policy). `build_configs`
 names them from the flags; `with_variants` multiplies the speculative ones by
 draft head and speculation gate setting and the service ones by batcher
-setting; `routes` lists the
+setting, `with_confidences` the speculative ones by the draft's stopping
+threshold (a per-request option); `routes` lists the
 orchestrators those need (the bench starts one per route, see services.py).
 """
 from __future__ import annotations
@@ -36,6 +37,8 @@ class BenchConfig:
     batching: bool = True
     gate: bool = True
     waves_only: bool = False
+    # Speculative configs: the request's draft_min_confidence; None: the server's default.
+    min_confidence: float | None = None
 
     @property
     def speculative(self) -> bool:
@@ -57,6 +60,8 @@ class BenchConfig:
         kwargs = {"policy": self.policy, "pipeline": self.pipeline}
         if self.k:
             kwargs["num_draft_tokens"] = self.k
+        if self.min_confidence is not None:
+            kwargs["draft_min_confidence"] = self.min_confidence
         return kwargs
 
     def to_json(self) -> dict:
@@ -141,6 +146,27 @@ def with_variants(configs: Sequence[BenchConfig], draft_vocabs: Sequence[int],
                     name += ("/batcher-off" if off_variant else "") + ("/gate-off" if gate_off else "")
                     out.append(dataclasses.replace(cfg, name=name, draft_vocab=vocab, batching=on, gate=gate,
                                                    waves_only=off_variant or gate_off))
+    return out
+
+
+def with_confidences(configs: Sequence[BenchConfig], values: Sequence[float]) -> list[BenchConfig]:
+    """Each speculative config once per draft_min_confidence in `values`
+    (no values: the server's default). With one value nothing is renamed;
+    with several, a config is named NAME/cP (e.g. goodput/c0.5)."""
+    if len(set(values)) != len(values):
+        raise ValueError("--draft-min-confidence: a value is listed twice")
+    if any(not 0 <= v <= 1 for v in values):
+        raise ValueError("--draft-min-confidence values must be in [0, 1]")
+    if not values:
+        return list(configs)
+    out: list[BenchConfig] = []
+    for cfg in configs:
+        if not cfg.speculative:
+            out.append(cfg)
+            continue
+        for value in values:
+            name = cfg.name + (f"/c{value:g}" if len(values) > 1 else "")
+            out.append(dataclasses.replace(cfg, name=name, min_confidence=value))
     return out
 
 

@@ -49,6 +49,10 @@ def register(sub) -> None:
                    help="the draft service's output head over its N most frequent ids (specd models rank-vocab; "
                         "0: the full head). Several sizes: one draft service each, and every specdec config runs "
                         "against each head, named NAME/vN (NAME alone: the full head)")
+    g.add_argument("--draft-min-confidence", type=float, nargs="+", default=[], metavar="P",
+                   help="each round's drafting ends once the product of the draft's probabilities of its drafts "
+                        "is below P (a per-request option; 0: never). Several values: every specdec config runs "
+                        "with each, named NAME/cP (default: the orchestrator's default)")
     g.add_argument("--draft-quantize", default="none", choices=QUANTIZE_CHOICES,
                    help="the draft's linear layers as int8 (CPU only; engine/quantize.py), in the draft "
                         "service and in HF assisted generation alike, so both speculate with the same draft")
@@ -352,6 +356,7 @@ def _models(args, o: dict, dtypes: dict) -> dict:
             "draft heads": _heads_label(o["draft_vocabs"]), "draft weights": _draft_weights(args, dtypes),
             "verify batcher": _batcher_label(o["batching"]),
             "speculation gate": _gate_label(o["gates"]),
+            "draft min confidence": " ".join(f"{v:g}" for v in args.draft_min_confidence) or "the server's default",
             "bf16 linears packed for oneDNN": f"services {args.packed_linears}, HF baselines {args.hf_packed_linears}",
             "target": f"{o['target']} on {o['target_device']}, {dtypes['target']}",
             "threads per service": args.threads or "torch default"}

@@ -109,13 +109,16 @@ def resolve(args: argparse.Namespace) -> dict:
         if o["chat_prompts"] > len(CHAT_PROMPTS):
             raise UsageError(f"--chat-prompts: there are {len(CHAT_PROMPTS)} chat prompts")
 
+    from specdec.bench.configs import with_confidences
     from specdec.bench.runner import build_configs, network_conditions, with_variants
 
     o["draft_vocabs"], o["batching"] = _draft_heads(args), _batcher_settings(args)
     o["gates"] = _on_off(args.speculation_gate, "--speculation-gate")
     try:
-        o["configs"] = with_variants(build_configs(o["baselines"], o["num_draft_tokens"], o["policies"]),
-                                     o["draft_vocabs"], o["batching"], o["gates"])
+        o["configs"] = with_confidences(
+            with_variants(build_configs(o["baselines"], o["num_draft_tokens"], o["policies"]),
+                          o["draft_vocabs"], o["batching"], o["gates"]),
+            args.draft_min_confidence)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     if not o["configs"]:

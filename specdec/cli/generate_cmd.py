@@ -28,6 +28,9 @@ def register(sub) -> None:
     p.add_argument("--pipeline", action=argparse.BooleanOptionalAction, default=None,
                    help="pipelined drafting on/off for this request (default: the server's)")
     p.add_argument("--num-draft-tokens", type=int, default=0, help="tokens drafted per round (default: the server's)")
+    p.add_argument("--draft-min-confidence", type=float, default=None, metavar="P",
+                   help="end a round's drafting once the product of the draft's probabilities of its "
+                        "drafts is below P, in [0, 1] (0: never; default: the server's)")
     p.add_argument("--no-speculation", action="store_true", help="decode with the target alone")
     p.add_argument("--stats", action="store_true", help="print the request's statistics to stderr")
     p.add_argument("--json", action="store_true", help="print one JSON object with the text and statistics")
@@ -74,7 +77,8 @@ def run(args: argparse.Namespace) -> int:
         prompt = [{"role": "user", "content": prompt}]
     kwargs = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                   seed=args.seed, stop=args.stop, policy=args.policy, num_draft_tokens=args.num_draft_tokens,
-                  speculate=not args.no_speculation, pipeline=args.pipeline)
+                  speculate=not args.no_speculation, pipeline=args.pipeline,
+                  draft_min_confidence=args.draft_min_confidence)
     text, tokens = [], []
     timeout = args.timeout + args.wait
     tls = ClientTls(ca=args.ca_cert, cert=args.client_cert, key=args.client_key)

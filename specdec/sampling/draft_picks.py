@@ -13,6 +13,11 @@ take the argmax, sampled rows are grouped by their sampling parameters (one
 `logits_to_probs` per group), truncated by `truncate_rows` and drawn by
 `pick_rows`. The uniforms depend on (seed, position) only, so the host
 computes them before the step's result exists.
+
+Each pick also carries the draft's confidence in it, its probability of the
+token: q(x) for a sampled row, the model's softmax probability of the argmax
+for a greedy one. A Propose ends early once the product of its drafts'
+confidences falls below its `min_confidence` (draft_service/drafters.py).
 """
 from __future__ import annotations
 
@@ -40,6 +45,7 @@ class DraftRow:
 class DraftPick:
     token_id: int
     q: SparseDist | None  # None under greedy decoding
+    confidence: float = 1.0  # the draft's probability of token_id (see the module docstring)
 
 
 class NoMass(ValueError):
@@ -52,10 +58,15 @@ def pick_drafts(logits: torch.Tensor, rows: Sequence[DraftRow], max_q_tokens: in
     assert logits.dim() == 2 and logits.shape[0] == len(rows), (tuple(logits.shape), len(rows))
     batch = len(rows)
     tokens = torch.zeros(batch, dtype=torch.long, device=logits.device)
+    confidence = torch.ones(batch, dtype=torch.float64, device=logits.device)
     greedy = [i for i, r in enumerate(rows) if r.params.greedy]
     if greedy:
         index = _index(greedy, batch, logits.device)
-        tokens[index] = argmax_tokens(logits[index])
+        chosen = logits[index]
+        tokens[index] = argmax_tokens(chosen)
+        # softmax at the argmax: exp(max - logsumexp), in float32 whatever the logits' dtype
+        top = chosen.float()
+        confidence[index] = torch.exp(top.max(dim=-1).values - torch.logsumexp(top, dim=-1)).double()
     groups: dict[SamplingParams, list[int]] = {}
     for i, r in enumerate(rows):
         if not r.params.greedy:
@@ -66,13 +77,15 @@ def pick_drafts(logits: torch.Tensor, rows: Sequence[DraftRow], max_q_tokens: in
         ids, q = truncate_rows(logits_to_probs(logits[index], params), max_q_tokens)  # [g, n]
         picked, ok = pick_rows(q, [uniform(rows[i].seed, rows[i].position, Stream.DRAFT) for i in members])
         tokens[index] = ids.gather(1, picked[:, None])[:, 0]
+        confidence[index] = q.gather(1, picked[:, None])[:, 0].double()
         ok = ok * torch.isfinite(q[:, 0]).long() * (q[:, 0] > 0).long()
         sampled.append((members, ids.shape[1]))
         # float64 holds every token id (< 2**53) and every float32 exactly
         packed += [ids.double().flatten(), q.double().flatten(), ok.double()]
-    host = torch.cat([tokens.double(), *packed]).cpu()  # the one device-to-host transfer of the step
-    out: list[DraftPick | NoMass] = [DraftPick(int(t), None) for t in host[:batch].long().tolist()]
-    at = batch
+    host = torch.cat([tokens.double(), confidence, *packed]).cpu()  # the one device-to-host transfer of the step
+    out: list[DraftPick | NoMass] = [DraftPick(int(t), None, c) for t, c in
+                                     zip(host[:batch].long().tolist(), host[batch: 2 * batch].tolist())]
+    at = 2 * batch
     for members, n in sampled:
         g = len(members)
         ids = host[at: at + g * n].long().view(g, n)
@@ -80,7 +93,7 @@ def pick_drafts(logits: torch.Tensor, rows: Sequence[DraftRow], max_q_tokens: in
         ok = host[at + 2 * g * n: at + 2 * g * n + g].tolist()
         at += 2 * g * n + g
         for j, i in enumerate(members):
-            out[i] = DraftPick(out[i].token_id, kept(ids[j], q[j])) if ok[j] else NoMass(
+            out[i] = DraftPick(out[i].token_id, kept(ids[j], q[j]), out[i].confidence) if ok[j] else NoMass(
                 "the draft model's distribution has no finite mass at this position (NaN or inf logits)")
     return out
 
