@@ -20,7 +20,7 @@ class OrchestratorConfig:
     min_draft_tokens: int = opt(1, "adaptive, goodput: smallest num_draft_tokens")
     max_draft_tokens: int = opt(DEFAULT_MAX_DRAFT_TOKENS, "largest num_draft_tokens of one round (the services' own "
                                                           "limits cap it too); the adaptive policies' default bound")
-    draft_min_confidence: float = opt(0.0, "end a round's drafting once the product of the draft model's "
+    draft_min_confidence: float = opt(0.5, "end a round's drafting once the product of the draft model's "
                                            "probabilities of its drafts (its estimate that all will be accepted) "
                                            "is below this; num_draft_tokens is then the most a round drafts. "
                                            "0: never, in [0, 1]")

@@ -86,6 +86,10 @@ def running_system(target_engine, draft_engine=None, ngram: bool = False, tokeni
     from orchestrator.server import start_orchestrator
 
     tel = {"draft": NOOP, "target": NOOP, "orchestrator": NOOP, **(telemetry or {})}
+    # Rounds draft exactly their k unless a test asks for the early stop: a
+    # tiny random draft is unsure of nearly every token, so the server's
+    # default would cut almost every round to one draft.
+    orch_kwargs.setdefault("draft_min_confidence", 0.0)
     with running_target(target_engine, limits, telemetry=tel["target"]) as (target, _, _tl):
         draft_cm = (running_draft(limits=limits, ngram_vocab=target_engine.vocab_size, telemetry=tel["draft"])
                     if ngram else running_draft(draft_engine, limits, telemetry=tel["draft"])

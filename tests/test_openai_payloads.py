@@ -115,18 +115,22 @@ def test_no_speculative_step_gives_zero_rates_and_an_empty_histogram():
 
 def test_completion_request_translation():
     body = CompletionRequest(prompt="hi", max_tokens=7, temperature=0, top_p=0.5, top_k=-1, seed=3, stop="x",
-                             speculation={"policy": "goodput", "num_draft_tokens": 3, "pipeline": True})
+                             speculation={"policy": "goodput", "num_draft_tokens": 3, "pipeline": True,
+                                          "draft_min_confidence": 0.25})
     request = translate.completion_request(body, "rid")
     assert request.prompt == "hi" and request.max_tokens == 7 and request.request_id == "rid"
     assert request.HasField("temperature") and request.temperature == 0 and request.top_p == 0.5
     assert request.top_k == 0 and request.seed == 3 and list(request.stop) == ["x"]
     assert request.speculation.policy == "goodput" and request.speculation.num_draft_tokens == 3
     assert request.speculation.HasField("pipeline") and request.speculation.pipeline
+    assert request.speculation.HasField("draft_min_confidence") and request.speculation.draft_min_confidence == 0.25
     defaults = translate.completion_request(CompletionRequest(prompt=[[5, 6]]))
     assert list(defaults.prompt_token_ids.token_ids) == [5, 6]
     assert defaults.max_tokens == translate.COMPLETIONS_DEFAULT_MAX_TOKENS
     assert not defaults.HasField("temperature") and not defaults.HasField("seed")
-    assert not defaults.speculation.HasField("pipeline")
+    assert not defaults.speculation.HasField("pipeline") and not defaults.speculation.HasField("draft_min_confidence")
+    with pytest.raises(ValueError):  # pydantic's ValidationError: a 400 naming the field
+        CompletionRequest(prompt="hi", speculation={"draft_min_confidence": 1.5})
 
 
 def test_chat_request_translation():
