@@ -6,7 +6,7 @@ import functools
 from draft_service.step_batcher import DraftStepBatcher
 from specdec.rpc import grpc_errors
 from specdec.rpc.model_service import SessionServicer
-from specdec.telemetry import A_APPENDED, A_K, A_TOKENS, NOOP, SPAN_PROPOSE
+from specdec.telemetry import A_APPENDED, A_K, A_MIN_CONFIDENCE, A_TOKENS, NOOP, SPAN_PROPOSE
 from specdec.v1 import draft_pb2, draft_pb2_grpc
 
 
@@ -59,7 +59,8 @@ class DraftServicer(SessionServicer, draft_pb2_grpc.DraftServiceServicer):
         return draft_pb2.ProposeAllResponse(drafts=[_to_wire(draft, seconds) for draft, seconds in drafts])
 
     def _span(self, request, metadata):
-        attributes = {A_K: request.num_draft_tokens, A_APPENDED: len(request.append_token_ids)}
+        attributes = {A_K: request.num_draft_tokens, A_APPENDED: len(request.append_token_ids),
+                      A_MIN_CONFIDENCE: request.min_confidence}
         return self.telemetry.leaf_server_span(SPAN_PROPOSE, metadata, attributes)
 
     async def _start(self, request):

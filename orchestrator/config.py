@@ -22,8 +22,9 @@ class OrchestratorConfig:
                                                           "limits cap it too); the adaptive policies' default bound")
     draft_min_confidence: float = opt(0.5, "end a round's drafting once the product of the draft model's "
                                            "probabilities of its drafts (its estimate that all will be accepted) "
-                                           "is below this; num_draft_tokens is then the most a round drafts. "
-                                           "0: never, in [0, 1]")
+                                           "is below this; num_draft_tokens is then the most a round drafts "
+                                           "(goodput: its first round's threshold, then set from its timings, "
+                                           "with up to max_draft_tokens). 0: never, in [0, 1]")
     pipeline: bool = opt(False, "pipelined drafting: draft the next round while the target verifies this one")
     pipeline_call_cost_ms: float = opt(2.0, "pipelining: the cost of one speculative Propose call (CPU on both ends), ms; "
                                        "drafting ahead happens when its expected saving is larger")

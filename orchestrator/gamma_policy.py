@@ -7,6 +7,12 @@ may propose fewer (for example near ``max_tokens``), and reports what happened w
 ``observe(RoundObservation)`` after the round. Policies never see tokens or
 probabilities, only counts and timings, so any drafter fits behind them.
 
+Each policy also holds the request's early stop, ``min_confidence()``: the draft
+ends a round once the product of its drafts' confidences falls below it (0:
+never; `draft_service/drafters.py`). ``fixed`` and ``adaptive`` keep the
+request's value; ``goodput`` starts from it and then sets it from its timings
+(below), and with a stop its k is only a cap.
+
 Policies here:
 
 - ``fixed``: always the same k.
@@ -52,6 +58,18 @@ estimate under independence), with a prior of 0.7 worth two trials; timings
 are exponentially weighted (weight 0.4 for the newest round), so a jump in the
 RTT moves the choice within two or three rounds. Cold start: before the first
 round has been observed the policy proposes its starting k.
+
+With an early stop (a request's draft_min_confidence > 0) the stop decides
+each round's length and k is the cap, k_max; the policy sets the stop's
+threshold instead. After j drafts whose confidences multiply to B (the
+draft's estimate that all j will be accepted), one more draft costs t_draft
+plus the verify line's slope c1, and is accepted with probability about
+B * a, which saves the 1/R seconds a token takes at the request's measured
+rate R (emitted tokens over round time). So drafting on pays while
+B > (t_draft + c1) * R / a: that is the threshold, kept in [0.05, 0.95].
+Drafting cheaper, or a lower rate (a slower network), lowers it, and rounds
+draft longer. On the CPU pair it comes to about 0.5-0.6, near the best fixed
+threshold measured there (docs/benchmarks.md).
 """
 from __future__ import annotations
 
@@ -120,20 +138,29 @@ class GammaPolicy(Protocol):
         """Learn from the round just finished."""
         ...
 
+    def min_confidence(self) -> float:
+        """The next round's early stop: the draft ends the round once the
+        product of its drafts' confidences is below this (0: never)."""
+        ...
+
 
 class FixedPolicy:
     """Always proposes k drafts."""
 
     name = "fixed"
 
-    def __init__(self, k: int):
+    def __init__(self, k: int, min_confidence: float = 0.0):
         self._k = k
+        self._min_confidence = min_confidence
 
     def next_k(self) -> int:
         return self._k
 
     def observe(self, obs: RoundObservation) -> None:
         pass
+
+    def min_confidence(self) -> float:
+        return self._min_confidence
 
 
 class AdaptivePolicy:
@@ -154,12 +181,16 @@ class AdaptivePolicy:
     ALPHA = 0.3  # EWMA weight of the newest round
     INITIAL_ACCEPTANCE = 0.7  # prior before any round is observed
 
-    def __init__(self, k: int, k_min: int, k_max: int):
+    def __init__(self, k: int, k_min: int, k_max: int, min_confidence: float = 0.0):
         assert k_min <= k <= k_max, (k_min, k, k_max)
         self._k = k
         self._k_min = k_min
         self._k_max = k_max
+        self._min_confidence = min_confidence
         self._acceptance = self.INITIAL_ACCEPTANCE
+
+    def min_confidence(self) -> float:
+        return self._min_confidence
 
     @property
     def acceptance(self) -> float:
@@ -190,12 +221,16 @@ class GoodputPolicy:
     COUNT_DECAY = 0.85  # per round, for the acceptance counts
     ALPHA = 0.4  # EWMA weight of the newest round, for timings
     FIT_DECAY = 0.8  # per observation, for the t_verify(k) line
+    STOP_RANGE = (0.05, 0.95)  # the early stop's threshold is kept within
 
-    def __init__(self, k: int, k_min: int, k_max: int):
+    def __init__(self, k: int, k_min: int, k_max: int, min_confidence: float = 0.0):
         assert k_min <= k <= k_max, (k_min, k, k_max)
-        self._k = k
+        self._k = k_max if min_confidence > 0 else k  # with a stop, k is the cap
         self._k_min = k_min
         self._k_max = k_max
+        self._stop = min_confidence  # the request's value until timings set it; 0: no stop
+        self._round_tokens: float | None = None  # EWMA of tokens a round emits
+        self._round_s: float | None = None  # EWMA of a round's wall time
         self._accepted = 0.0  # decayed count of accepted drafts
         self._rejections = 0.0  # decayed count of rounds that ended in a rejection
         self.t_draft: float | None = None  # seconds per drafted token
@@ -233,6 +268,21 @@ class GoodputPolicy:
     def next_k(self) -> int:
         return self._k
 
+    def min_confidence(self) -> float:
+        return self._stop
+
+    def verify_slope(self) -> float:
+        """The fitted line's seconds per drafted token (0 until two k's are seen)."""
+        return max(0.0, self.verify_cost(1) - self.verify_cost(0)) if self._fit[0] else 0.0
+
+    def stop_threshold(self) -> float | None:
+        """Where one more draft stops paying (module docstring); None before a timed round."""
+        if self.t_draft is None or not self._round_s or not self._round_tokens:
+            return None
+        rate = self._round_tokens / self._round_s
+        low, high = self.STOP_RANGE
+        return min(high, max(low, (self.t_draft + self.verify_slope()) * rate / self.acceptance))
+
     def observe(self, obs: RoundObservation) -> None:
         if obs.k == 0:
             return
@@ -247,6 +297,11 @@ class GoodputPolicy:
             y = obs.verify_compute_s
             decayed = [self.FIT_DECAY * v for v in self._fit]
             self._fit = [a + b for a, b in zip(decayed, (1.0, obs.k, obs.k * obs.k, y, obs.k * y))]
+            self._round_tokens = ewma(self._round_tokens, obs.accepted + 1.0, self.ALPHA)
+            self._round_s = ewma(self._round_s, obs.draft_time_s + obs.verify_time_s + obs.overhead_s, self.ALPHA)
+        if self._stop > 0:  # the stop sets each round's length: k stays the cap
+            self._stop = self.stop_threshold() or self._stop
+            return
         if self.t_draft is None or self.round_cost(self._k_max) <= 0:
             return  # cold (no round timed yet), or nothing costs anything: keep k
         best = max(range(self._k_min, self._k_max + 1), key=lambda k: (self.goodput(k), -k))
@@ -266,19 +321,23 @@ def acceptance_estimate(accepted: float, rejections: float, prior: float = 0.7, 
     return (accepted + prior * prior_trials) / (accepted + rejections + prior_trials)
 
 
-def make_policy(name: str, k: int, k_min: int, k_max: int, limit: int = DEFAULT_MAX_DRAFT_TOKENS) -> GammaPolicy:
+def make_policy(name: str, k: int, k_min: int, k_max: int, limit: int = DEFAULT_MAX_DRAFT_TOKENS,
+                min_confidence: float = 0.0) -> GammaPolicy:
     """A fresh policy for one request: k is the fixed or starting
-    num_draft_tokens, [k_min, k_max] the bounds of an adaptive one. Raises
-    ValueError (InvalidArgument) for an unknown name or bounds outside
-    1 <= k_min <= k <= k_max <= limit (max_draft_tokens)."""
+    num_draft_tokens, [k_min, k_max] the bounds of an adaptive one,
+    min_confidence the early stop (goodput's first round's; 0: none). Raises
+    ValueError (InvalidArgument) for an unknown name, bounds outside
+    1 <= k_min <= k <= k_max <= limit (max_draft_tokens) or a stop outside [0, 1]."""
     if name not in POLICIES:
         raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}")
     _validate_bounds(k, k_min, k_max, limit)
+    if not 0 <= min_confidence <= 1:  # NaN fails too
+        raise ValueError(f"draft_min_confidence must be in [0, 1], got {min_confidence}")
     if name == "fixed":
-        return FixedPolicy(k)
+        return FixedPolicy(k, min_confidence)
     if name == "goodput":
-        return GoodputPolicy(k, k_min, k_max)
-    return AdaptivePolicy(k, k_min, k_max)
+        return GoodputPolicy(k, k_min, k_max, min_confidence)
+    return AdaptivePolicy(k, k_min, k_max, min_confidence)
 
 
 def k_after_full_acceptance(policy: GammaPolicy, obs: RoundObservation) -> int:

@@ -19,8 +19,6 @@ class RequestSpec:
     speculate: bool
     request_id: str = ""
     pipeline: bool = False  # pipelined drafting (orchestrator/pipelining.py)
-    # A round's drafting ends once the product of its drafts' confidences is below this (0: never).
-    draft_min_confidence: float = 0.0
     # time.monotonic() by which the request must end; None: no deadline.
     deadline: float | None = None
 

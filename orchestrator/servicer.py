@@ -168,22 +168,20 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
                                   "start the orchestrator with --tokenizer, or leave stop empty")
         opts = request.speculation
         limit = self.b.settings.max_draft_tokens  # the orchestrator's and both services' smallest
-        try:
-            policy = make_policy(opts.policy or cfg.policy, opts.num_draft_tokens or cfg.num_draft_tokens,
-                                 opts.min_draft_tokens or cfg.min_draft_tokens, opts.max_draft_tokens or limit, limit)
-        except ValueError as exc:
-            raise InvalidArgument(str(exc)) from None
         min_confidence = (opts.draft_min_confidence if opts.HasField("draft_min_confidence")
                           else cfg.draft_min_confidence)
-        if not 0 <= min_confidence <= 1:  # NaN fails too
-            raise InvalidArgument(f"draft_min_confidence must be in [0, 1], got {min_confidence}")
+        try:
+            policy = make_policy(opts.policy or cfg.policy, opts.num_draft_tokens or cfg.num_draft_tokens,
+                                 opts.min_draft_tokens or cfg.min_draft_tokens, opts.max_draft_tokens or limit, limit,
+                                 min_confidence)
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from None
         spec = RequestSpec(
             prompt=prompt, max_tokens=max_tokens, temperature=params.temperature, top_k=params.top_k,
             top_p=params.top_p, seed=request.seed if request.HasField("seed") else random_seed(),
             eos_ids=self.b.eos_ids, speculate=not opts.disable and self.b.drafts is not None,
             request_id=request.request_id,
             pipeline=opts.pipeline if opts.HasField("pipeline") else cfg.pipeline,
-            draft_min_confidence=min_confidence,
             deadline=None if time_remaining is None else time.monotonic() + time_remaining,
         )
         return spec, policy, stops

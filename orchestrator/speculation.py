@@ -3,8 +3,8 @@
 Per round, with k = num_draft_tokens chosen by the request's policy:
   1. the draft proposes x_1..x_k (with their sparse q, unless greedy), or
      fewer: it stops once it is unsure that all its drafts will be accepted
-     (`draft_min_confidence`), and the policy learns from the drafts the
-     round had;
+     (the policy's `min_confidence()`), and the policy learns from the
+     drafts the round had;
   2. the target scores them in the request's slot of a batched Verify;
   3. the orchestrator decides acceptance (`specdec.sampling.rejection`);
   4. both services are cut back to the accepted prefix by the keep_length
@@ -62,7 +62,8 @@ from specdec.errors import DeadlineExceeded, NotFound, Unavailable
 from specdec.limits import DEFAULT_MAX_DRAFT_TOKENS
 from specdec.sampling.rejection import RoundResult, VerifyOutcome, accept_greedy, accept_sampled
 from specdec.sampling.sparse import prob_of
-from specdec.telemetry import (A_ACCEPTED, A_BATCH_ITEMS, A_BATCH_SESSIONS, A_EMITTED, A_FALLBACK, A_K, A_PLAIN, A_RETURNED,
+from specdec.telemetry import (A_ACCEPTED, A_BATCH_ITEMS, A_BATCH_SESSIONS, A_EMITTED, A_FALLBACK, A_K, A_MIN_CONFIDENCE,
+                               A_PLAIN, A_RETURNED,
                                A_ROUND, NOOP, SPAN_ACCEPT, SPAN_DRAFT_PROPOSE, SPAN_ROUND, SPAN_TARGET_VERIFY,
                                Telemetry)
 from specdec.v1 import target_pb2
@@ -220,11 +221,12 @@ class SpeculativeRequest:
         if k == 0:
             return [], 0.0, 0.0
         keep = self.sessions.draft_prefix
-        with self.sessions.client_span(SPAN_DRAFT_PROPOSE, "draft", {A_K: k}) as span:
+        stop = self.policy.min_confidence()
+        with self.sessions.client_span(SPAN_DRAFT_PROPOSE, "draft", {A_K: k, A_MIN_CONFIDENCE: stop}) as span:
             try:
                 drafts, cost = await self.sessions.draft.propose(self.sessions.draft_id, keep, self.history[keep:],
                                                                  k, self.sessions.timeout(),
-                                                                 min_confidence=self.spec.draft_min_confidence)
+                                                                 min_confidence=stop)
             except grpc.aio.AioRpcError as exc:
                 failed(span, exc)
                 self.sessions.draft_failed(exc)
@@ -263,7 +265,7 @@ class SpeculativeRequest:
         # the bonus token, then round r+1's drafts.
         self.stats.round_trips += 1
         self._pipeline.start(self.sessions.draft_id, len(self.history) + k, k_next, self.sessions.timeout(),
-                             self.spec.draft_min_confidence)
+                             self.policy.min_confidence())
 
     async def _settle_ahead(self, k: int, result: RoundResult) -> None:
         """Account for the speculative Propose of round r (k drafts) and, when

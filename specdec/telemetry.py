@@ -95,6 +95,7 @@ A_PEER = "specdec.peer"  # draft | target: the service a client span calls
 A_ROUND = "specdec.round"  # 0-based index of the round in its request
 A_K = "specdec.k"  # k = num_draft_tokens asked for (the policy's choice after caps)
 A_RETURNED = "specdec.draft.returned"  # draft tokens actually proposed
+A_MIN_CONFIDENCE = "specdec.draft.min_confidence"  # the early stop asked of the draft (0: none)
 A_ACCEPTED = "specdec.accepted"  # draft tokens accepted in the round
 A_EMITTED = "specdec.emitted"  # tokens the round emitted (accepted + 1)
 A_RECOVERED_ON = "specdec.recovered_on"  # target.recover: the replica the session was re-opened on

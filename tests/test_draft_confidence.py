@@ -144,6 +144,23 @@ def test_greedy_output_is_identical_to_target_only_when_rounds_end_early():
         assert "draft_min_confidence" in err.value.details()
 
 
+def test_goodput_with_a_stop_drafts_up_to_the_cap_and_keeps_greedy_output_identical():
+    target = tiny_model(seed=0, init_range=1.0)  # peaked: a draft can be sure of several tokens in a row
+    draft = perturbed(target, 0.05, seed=1)
+    with running_system(tiny_engine(model=target), tiny_engine(model=draft)) as system:
+        ks, firsts = [], []
+        for prompt in PROMPTS[:4]:
+            result = system.client.complete(prompt, max_tokens=32, temperature=0.0, policy="goodput",
+                                            num_draft_tokens=2, draft_min_confidence=0.3)
+            reference, n = greedy_reference(target, prompt, 32), len(result.token_ids)
+            assert result.token_ids == reference[:n] and (n == 32 or reference[n] == 2)  # 2: the tiny models' EOS
+            ks += list(result.stats.k_per_round)
+            firsts.append(result.stats.k_per_round[0])
+        # Before any timing goodput would draft its starting k = 2; with a stop it drafts up to the cap.
+        assert max(firsts) > 2, firsts
+        assert min(k for k in ks if k) < max(ks), "rounds of different lengths: the stop ended some"
+
+
 @pytest.mark.slow
 def test_sampled_output_is_distributed_as_the_target_when_rounds_end_early():
     """Whether the second draft is made depends on the first draft's q(x),

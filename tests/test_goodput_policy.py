@@ -147,3 +147,52 @@ def test_a_per_round_overhead_outside_the_calls_pushes_k_up():
     assert policy.overhead == pytest.approx(overhead)
     assert policy.next_k() >= blind
     assert abs(policy.next_k() - true_best) <= 1
+
+
+# ------------------------------------------------------------ the early stop
+
+def test_with_an_early_stop_goodput_caps_k_and_sets_the_threshold_from_its_timings():
+    """k is the cap (k_max) and the threshold is where one more draft stops
+    paying: (t_draft + verify slope) * rate / acceptance."""
+    policy = make_policy("goodput", 3, 1, 8, min_confidence=0.5)
+    assert policy.next_k() == 8 and policy.min_confidence() == 0.5  # the request's value until a round is timed
+    # A round of 4 drafts, 3 accepted, 40 ms of draft compute, 200 ms of verify, 60 ms of the rest.
+    obs = RoundObservation(k=4, accepted=3, draft_time_s=0.040, verify_time_s=0.200, verify_compute_s=0.200,
+                           batch_size=1, draft_rtt_s=0.0, target_rtt_s=0.0, draft_compute_s=0.040, overhead_s=0.060)
+    policy.observe(obs)
+    rate = 4 / 0.300  # tokens a round over its seconds
+    assert policy.verify_slope() == 0.0  # one k seen: a flat line
+    assert policy.min_confidence() == pytest.approx(0.010 * rate / policy.acceptance)
+    assert policy.next_k() == 8, "with a stop the cap stays at k_max"
+    for _ in range(20):  # the same rounds: the estimates settle, the choice holds
+        policy.observe(obs)
+    assert policy.next_k() == 8 and policy.min_confidence() == pytest.approx(0.010 * rate / policy.acceptance)
+
+
+def test_the_threshold_falls_when_drafting_is_cheaper_or_rounds_slower_and_stays_in_range():
+    def threshold(t_draft, rest, accepted=3):
+        policy = GoodputPolicy(3, 1, 8, min_confidence=0.5)
+        for _ in range(10):
+            policy.observe(RoundObservation(k=4, accepted=accepted, draft_time_s=4 * t_draft, verify_time_s=0.2,
+                                            verify_compute_s=0.2, batch_size=1, draft_rtt_s=0, target_rtt_s=0,
+                                            draft_compute_s=4 * t_draft, overhead_s=rest))
+        return policy.min_confidence()
+
+    base = threshold(0.010, 0.060)
+    assert threshold(0.005, 0.060) < base, "a cheaper draft step: draft on with less certainty"
+    assert threshold(0.010, 0.300) < base, "a slower round (a far network): each token is worth more"
+    assert threshold(0.200, 0.0) == GoodputPolicy.STOP_RANGE[1]  # a dear draft: stop at almost any doubt
+    assert threshold(1e-6, 5.0, accepted=0) == GoodputPolicy.STOP_RANGE[0]
+
+
+def test_fixed_and_adaptive_keep_the_requests_stop_and_no_stop_is_the_default():
+    assert make_policy("fixed", 4, 1, 8, min_confidence=0.3).min_confidence() == 0.3
+    adaptive = make_policy("adaptive", 4, 1, 8, min_confidence=0.3)
+    adaptive.observe(Simulated(0.8).round(4))
+    assert adaptive.min_confidence() == 0.3
+    goodput = make_policy("goodput", 3, 1, 8)
+    run(goodput, Simulated(0.8), 10)
+    assert goodput.min_confidence() == 0.0
+    for bad in (-0.1, 1.1, float("nan")):
+        with pytest.raises(ValueError, match="draft_min_confidence"):
+            make_policy("fixed", 4, 1, 8, min_confidence=bad)
