@@ -11,6 +11,8 @@ limit also bounds the target's work per item.
 
 Pure: imports no grpc, so the core, the services and the orchestrator all
 check through `check_num_draft_tokens` and say the same thing when it fails.
+(`check_min_confidence` bounds the other number a Propose carries, the early
+stop's threshold: a probability.)
 """
 from __future__ import annotations
 
