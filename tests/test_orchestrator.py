@@ -211,9 +211,13 @@ def test_sampled_output_is_distributed_as_the_target(case):
 
 # ---------------------------------------------------------- reproducibility
 
-def test_seeded_request_reproduces_alone_and_under_concurrency():
+@pytest.mark.parametrize("stop", [0.0, 0.3], ids=["every-draft", "early-stop"])
+def test_seeded_request_reproduces_alone_and_under_concurrency(stop):
+    # With an early stop each round's length depends on the draft's own
+    # (seeded) samples only, so a seeded request still reproduces.
     target = tiny_model(seed=0, init_range=0.3)
-    with running_system(tiny_engine(model=target), tiny_engine(model=perturbed(target, 0.2, 3))) as s:
+    with running_system(tiny_engine(model=target), tiny_engine(model=perturbed(target, 0.2, 3)),
+                        draft_min_confidence=stop) as s:
         kwargs = dict(max_tokens=20, temperature=0.8, top_p=0.95, seed=1234, num_draft_tokens=3)
         alone = s.client.complete(GREEDY_PROMPTS[1], **kwargs).token_ids
         assert s.client.complete(GREEDY_PROMPTS[1], **kwargs).token_ids == alone
@@ -231,6 +235,9 @@ def test_seeded_request_reproduces_alone_and_under_concurrency():
             assert results[0] == alone
         other = s.client.complete(GREEDY_PROMPTS[1], **{**kwargs, "seed": 99}).token_ids
         assert other != alone
+        if stop:
+            ks = s.client.complete(GREEDY_PROMPTS[1], **kwargs).stats.k_per_round
+            assert any(0 < k < 3 for k in ks[:2]), "no round stopped early: the case tests nothing new"
 
 
 # ------------------------------------------------------ degradation, cleanup
