@@ -77,7 +77,7 @@ import copy
 from dataclasses import dataclass
 from typing import Protocol
 
-from specdec.limits import DEFAULT_MAX_DRAFT_TOKENS, check_num_draft_tokens
+from specdec.limits import DEFAULT_MAX_DRAFT_TOKENS, check_min_confidence, check_num_draft_tokens
 
 POLICIES = ("fixed", "adaptive", "goodput")
 
@@ -331,8 +331,7 @@ def make_policy(name: str, k: int, k_min: int, k_max: int, limit: int = DEFAULT_
     if name not in POLICIES:
         raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}")
     _validate_bounds(k, k_min, k_max, limit)
-    if not 0 <= min_confidence <= 1:  # NaN fails too
-        raise ValueError(f"draft_min_confidence must be in [0, 1], got {min_confidence}")
+    check_min_confidence(min_confidence, "draft_min_confidence")
     if name == "fixed":
         return FixedPolicy(k, min_confidence)
     if name == "goodput":

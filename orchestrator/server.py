@@ -21,7 +21,8 @@ from orchestrator.security import Dialer, downstream_dialer
 from orchestrator.servicer import Backends, OrchestratorServicer
 from orchestrator.speculation import LoopSettings
 from specdec.engine.vocab import usable_size_of
-from specdec.errors import FailedPrecondition, Unavailable
+from specdec.errors import FailedPrecondition, InvalidArgument, Unavailable
+from specdec.limits import check_min_confidence
 from specdec.rpc.auth import api_key_guard
 from specdec.rpc.serving import NOT_SERVING, SERVING, RunningServer, ServerConfig, start_server
 from specdec.security.api_keys import ApiKeyChecker, load_api_keys
@@ -115,8 +116,10 @@ def check_defaults(cfg: OrchestratorConfig, max_draft_tokens: int) -> None:
     except ValueError as exc:
         raise FailedPrecondition(f"the default policy does not fit max_draft_tokens = {max_draft_tokens} (the "
                                  f"smallest of --max-draft-tokens and the services' limits): {exc}") from None
-    if not 0 <= cfg.draft_min_confidence <= 1:
-        raise FailedPrecondition(f"--draft-min-confidence must be in [0, 1], not {cfg.draft_min_confidence}")
+    try:
+        check_min_confidence(cfg.draft_min_confidence, "--draft-min-confidence")
+    except InvalidArgument as exc:
+        raise FailedPrecondition(str(exc)) from None
 
 
 def gate_settings(cfg: OrchestratorConfig) -> GateSettings:

@@ -30,8 +30,10 @@ def check_num_draft_tokens(k: int, limit: int = DEFAULT_MAX_DRAFT_TOKENS, lowest
         raise InvalidArgument(f"num_draft_tokens must be in [{lowest}, {limit}], got {k}")
 
 
-def check_min_confidence(value: float) -> None:
+def check_min_confidence(value: float, name: str = "min_confidence") -> None:
     """Raise InvalidArgument unless 0 <= value <= 1: the confidence below
-    which a round's drafting ends early (0: never), a probability."""
+    which a round's drafting ends early (0: never), a probability. `name` is
+    the field as the caller sent it (draft_min_confidence on Generate, a
+    flag)."""
     if not 0.0 <= value <= 1.0:  # NaN fails too
-        raise InvalidArgument(f"min_confidence must be in [0, 1], got {value}")
+        raise InvalidArgument(f"{name} must be in [0, 1], got {value}")

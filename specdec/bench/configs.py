@@ -15,6 +15,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
+from specdec.limits import check_min_confidence
+
 SERVICE, HF, HF_STATIC, HF_ASSISTED = "service", "hf", "hf-static", "hf-assisted"
 BASELINES = (SERVICE, HF, HF_STATIC, HF_ASSISTED)
 TARGET_ONLY = "target-only"
@@ -155,8 +157,8 @@ def with_confidences(configs: Sequence[BenchConfig], values: Sequence[float]) ->
     with several, a config is named NAME/cP (e.g. goodput/c0.5)."""
     if len(set(values)) != len(values):
         raise ValueError("--draft-min-confidence: a value is listed twice")
-    if any(not 0 <= v <= 1 for v in values):
-        raise ValueError("--draft-min-confidence values must be in [0, 1]")
+    for value in values:
+        check_min_confidence(value, "--draft-min-confidence")
     if not values:
         return list(configs)
     out: list[BenchConfig] = []

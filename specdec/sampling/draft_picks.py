@@ -62,11 +62,11 @@ def pick_drafts(logits: torch.Tensor, rows: Sequence[DraftRow], max_q_tokens: in
     greedy = [i for i, r in enumerate(rows) if r.params.greedy]
     if greedy:
         index = _index(greedy, batch, logits.device)
-        chosen = logits[index]
-        tokens[index] = argmax_tokens(chosen)
-        # softmax at the argmax: exp(max - logsumexp), in float32 whatever the logits' dtype
-        top = chosen.float()
-        confidence[index] = torch.exp(top.max(dim=-1).values - torch.logsumexp(top, dim=-1)).double()
+        chosen = logits[index].float()  # float32 whatever the logits' dtype (the argmax is the same)
+        best = argmax_tokens(chosen)
+        tokens[index] = best
+        # softmax at the argmax: exp(logit there - logsumexp), reading the max already found
+        confidence[index] = torch.exp(chosen.gather(1, best[:, None])[:, 0] - torch.logsumexp(chosen, dim=-1)).double()
     groups: dict[SamplingParams, list[int]] = {}
     for i, r in enumerate(rows):
         if not r.params.greedy:
