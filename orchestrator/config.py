@@ -32,6 +32,8 @@ class OrchestratorConfig:
                                        "to pay (for measurements and tests)")
     call_streams: bool = opt(True, "send each round's ProposeAll and Verify as a message on one long-lived stream "
                                    "per service instead of as a unary call (unary against a service without them)")
+    lanes: bool = opt(True, "send each round's ProposeAll and Verify on the service's lane (a TCP connection, TLS "
+                            "when the channel is) when its ModelInfo advertises one, else by gRPC")
     batching: bool = opt(True, "batch verification across concurrent requests")
     speculation_gate: bool = opt(True, "at --gate-min-streams or more concurrent requests on a target replica, "
                                        "measure the aggregate tok/s with speculation and with plain decoding and "

@@ -3,6 +3,7 @@ them: every call has a deadline, and bytes on the wire are counted."""
 from __future__ import annotations
 
 import asyncio
+import ssl
 import time
 from dataclasses import dataclass
 
@@ -10,6 +11,7 @@ import grpc
 
 from specdec.errors import Unavailable
 from specdec.rpc.call_stream import CallStream
+from specdec.rpc.lane import LaneClient
 from specdec.rpc.grpc_tracing import trace_metadata
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
@@ -20,6 +22,15 @@ class CallCost:
 
     seconds: float = 0.0
     wire_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class LaneDialing:
+    """How a lane is dialed over TLS: the context (CA, client certificate)
+    and the name the service's certificate must carry."""
+
+    context: ssl.SSLContext
+    server_hostname: str
 
 
 def open_request(prompt: list[int], temperature: float, top_k: int, top_p: float, seed: int,
@@ -52,6 +63,20 @@ class ModelClient:
         self.info = reply.info
         return self.info
 
+    def use_lane(self, host: str, tls: LaneDialing | None = None) -> bool:
+        """Send the round's call on the service's lane at `host` (the
+        replica's address) when its ModelInfo advertises one; whether it does."""
+        if self.info is None or self.info.lane_port <= 0:
+            return False
+        calls, method, call_type, reply_type = self.lane_call()
+        calls.lane = LaneClient(host, self.info.lane_port, method, call_type, reply_type, self.name,
+                                ssl_context=tls.context if tls else None,
+                                server_hostname=tls.server_hostname if tls else "")
+        return True
+
+    def lane_call(self) -> tuple[CallStream, str, type, type]:
+        raise NotImplementedError
+
     async def open(self, request: common_pb2.OpenSessionRequest, timeout: float) -> tuple[str, CallCost]:
         start = time.perf_counter()
         reply = await self.stub.OpenSession(request, timeout=timeout, metadata=trace_metadata())
@@ -73,6 +98,10 @@ class DraftClient(ModelClient):
         self.propose_all = CallStream(self.stub.ProposeAllStream, self.stub.ProposeAll, draft_pb2.ProposeAllCall,
                                       "draft", enabled=call_streams)
         self.call_streams.append(self.propose_all)
+
+    def lane_call(self):
+        return (self.propose_all, "/specdec.v1.DraftService/ProposeAll", draft_pb2.ProposeAllCall,
+                draft_pb2.ProposeAllReply)
 
     async def propose(self, session_id: str, keep_length: int, append: list[int], k: int, timeout: float,
                       first: asyncio.Future | None = None,
@@ -110,6 +139,9 @@ class TargetClient(ModelClient):
         self.verify_calls = CallStream(self.stub.VerifyStream, self.stub.Verify, target_pb2.VerifyCall, "target",
                                        enabled=call_streams)
         self.call_streams.append(self.verify_calls)
+
+    def lane_call(self):
+        return self.verify_calls, "/specdec.v1.TargetService/Verify", target_pb2.VerifyCall, target_pb2.VerifyReply
 
     async def verify(self, items: list[target_pb2.VerifyItem],
                      timeout: float) -> tuple[target_pb2.VerifyResponse, int]:

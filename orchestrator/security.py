@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import grpc
 
 from orchestrator.config import OrchestratorConfig
-from orchestrator.downstream import channel_to
+from orchestrator.downstream import LaneDialing, channel_to
 from orchestrator.replicas import split_address
 from specdec.security.tls import ClientTls, refuse_plaintext
 
@@ -51,6 +51,13 @@ class Dialer:
             return channel_to(replica_address)
         return channel_to(replica_address, credentials=self.tls.channel_credentials(),
                           server_name=server_name_of(service_address))
+
+    def lane(self, service_address: str, replica_address: str) -> LaneDialing | None:
+        """How to dial the replica's lane: TLS as its channel, or None for plaintext."""
+        if self.tls is None:
+            return None
+        return LaneDialing(self.tls.ssl_context(),
+                           server_name_of(service_address) or split_address(replica_address)[0])
 
 
 def downstream_dialer(cfg: OrchestratorConfig, insecure: bool) -> Dialer:

@@ -16,7 +16,7 @@ from orchestrator.downstream import DraftClient, TargetClient
 from orchestrator.gamma_policy import make_policy
 from orchestrator.openai_api.config import HttpConfig
 from orchestrator.recovery import RecoverySettings, report_target_health
-from orchestrator.replicas import Replica, ReplicaPool
+from orchestrator.replicas import Replica, ReplicaPool, split_address
 from orchestrator.security import Dialer, downstream_dialer
 from orchestrator.servicer import Backends, OrchestratorServicer
 from orchestrator.speculation import LoopSettings
@@ -76,6 +76,14 @@ async def _wait_for_info(client, timeout_s: float):
             if time.monotonic() >= deadline:
                 raise Unavailable(f"the {client.name} service did not answer: {exc.code().name}: {exc.details()}") from None
             await asyncio.sleep(0.5)
+
+
+def _use_lane(cfg: OrchestratorConfig, dial: Dialer, client, service_address: str, address: str) -> None:
+    """The replica's lane for its round calls, when it has one and --lanes is on."""
+    host = split_address(address)[0]
+    if cfg.lanes and client.use_lane(host, dial.lane(service_address, address)):
+        log.info("the %s replica at %s: round calls on its lane, port %d", client.name, address,
+                 client.info.lane_port)
 
 
 def check_compatible(draft_info, target_info) -> None:
@@ -166,6 +174,7 @@ async def build_backends(cfg: OrchestratorConfig, tokenizer=None, telemetry: Tel
     async def make_target(address: str) -> Replica:
         client = TargetClient(dial.channel(cfg.target, address), call_streams=cfg.call_streams)
         await _wait_for_info(client, cfg.connect_timeout_s)
+        _use_lane(cfg, dial, client, cfg.target, address)
         batcher = VerifyBatcher(client, max_batch=min(cfg.max_batch, client.info.max_verify_batch or cfg.max_batch),
                                 window_s=cfg.batch_window_ms / 1000, rpc_timeout_s=cfg.rpc_timeout_s,
                                 enabled=cfg.batching, telemetry=telemetry,
@@ -175,6 +184,7 @@ async def build_backends(cfg: OrchestratorConfig, tokenizer=None, telemetry: Tel
     async def make_draft(address: str) -> Replica:
         client = DraftClient(dial.channel(cfg.draft, address), call_streams=cfg.call_streams)
         await _wait_for_info(client, cfg.connect_timeout_s)
+        _use_lane(cfg, dial, client, cfg.draft, address)
         return Replica(address, client)
 
     async def close(replica: Replica) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import time
 
 from specdec.rpc import grpc_errors
-from specdec.rpc.model_service import SessionServicer
+from specdec.rpc.model_service import LaneCall, SessionServicer
 from specdec.telemetry import (A_APPENDED, A_BATCH_ITEMS, A_BATCH_SESSIONS, A_FORWARD_S, A_K, A_TOKENS,
                                SPAN_DECODE, SPAN_VERIFY)
 from specdec.v1 import target_pb2, target_pb2_grpc
@@ -19,7 +19,12 @@ class TargetServicer(SessionServicer, target_pb2_grpc.TargetServiceServicer):
     @grpc_errors.unary
     async def VerifyStream(self, calls, context):
         """Verify calls as messages on one long-lived stream (specdec.rpc.call_stream)."""
-        await self.call_streams.serve(calls, context, self._verify, target_pb2.VerifyReply, "TargetServicer.Verify")
+        call = self.lane_call()
+        await self.call_streams.serve(calls, context, call.handle, call.reply_type, call.handler_name)
+
+    def lane_call(self) -> LaneCall:
+        return LaneCall("/specdec.v1.TargetService/Verify", self._verify, target_pb2.VerifyCall,
+                        target_pb2.VerifyReply, "TargetServicer.Verify")
 
     async def _verify(self, request, metadata):
         """One batched call serves several requests: its span is a child of

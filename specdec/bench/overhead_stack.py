@@ -90,7 +90,8 @@ class ChildService:
 @dataclass
 class Stack:
     """A target and a draft service over tiny engines, and the orchestrator's
-    clients of them; `telemetry` is the client side's (its spans, its trace
+    clients of them (on the services' lanes once `use_lanes` ran; beside them
+    the same on gRPC call streams, and as unary calls); `telemetry` is the client side's (its spans, its trace
     context on the calls). `verifier` and `drafter` are the same engines
     (the services' own when they run in this process, copies built from the
     same seeds when they run in their own processes), for the same compute
@@ -105,9 +106,28 @@ class Stack:
     telemetry: object
     unary_target_client: object  # the same calls as unary calls, not on call streams
     unary_draft_client: object
+    stream_target_client: object  # on the gRPC call streams, not on the services' lanes
+    stream_draft_client: object
+    tls: object = None  # the LocalTls the services speak, if any
+
+    async def use_lanes(self) -> None:
+        """Send `target_client`'s and `draft_client`'s round calls on the
+        services' lanes, as the orchestrator does (specdec/rpc/lane.py)."""
+        from orchestrator.downstream import LaneDialing
+        from specdec.security.tls import ClientTls
+
+        dialing = None
+        if self.tls is not None:
+            own = self.tls.files["orchestrator"]
+            dialing = LaneDialing(ClientTls(own.ca, own.cert, own.key).ssl_context(), "localhost")
+        for client in (self.target_client, self.draft_client):
+            await client.fetch_info(DEADLINE_S)
+            if not client.use_lane("127.0.0.1", dialing):
+                raise RuntimeError(f"the {client.name} service offers no lane")
 
     async def close_clients(self) -> None:
-        for client in (self.target_client, self.draft_client, self.unary_target_client, self.unary_draft_client):
+        for client in (self.target_client, self.draft_client, self.unary_target_client, self.unary_draft_client,
+                       self.stream_target_client, self.stream_draft_client):
             await client.aclose()
 
 
@@ -179,7 +199,8 @@ def _stack(spec: StackSpec, target, draft, verifier, drafter, trace_file: str) -
     return Stack(target, draft, verifier, drafter, TargetClient(channel(target_at)),
                  DraftClient(channel(draft_at)), _telemetry(spec, "orchestrator", trace_file),
                  TargetClient(channel(target_at), call_streams=False),
-                 DraftClient(channel(draft_at), call_streams=False))
+                 DraftClient(channel(draft_at), call_streams=False),
+                 TargetClient(channel(target_at)), DraftClient(channel(draft_at)), spec.tls)
 
 
 def _service_tls(tls, role: str):

@@ -48,7 +48,7 @@ def register(sub) -> None:
     target.set_defaults(func=_serve_target)
 
     orch = roles.add_parser("orchestrator", help="the orchestrator clients call")
-    add_arguments(orch, ServerConfig, defaults={"port": ORCH_PORT})
+    add_arguments(orch, ServerConfig, defaults={"port": ORCH_PORT}, skip=("lane_port",))
     add_arguments(orch, OrchestratorConfig)
     add_arguments(orch, HttpConfig)
     add_arguments(orch, TlsConfig, skip=("allowed_callers",))

@@ -39,6 +39,7 @@ import grpc
 from specdec.errors import InvalidArgument
 from specdec.rpc import grpc_errors
 from specdec.rpc.grpc_tracing import trace_metadata
+from specdec.rpc.lane import RETRY_S, LaneClient, LaneDown
 from specdec.rpc.malformed import Malformed
 
 log = logging.getLogger(__name__)
@@ -77,13 +78,7 @@ class ServedStreams:
         answering: set[asyncio.Task] = set()
 
         async def answer(call) -> None:
-            reply = reply_type(call_id=call.call_id)
-            try:
-                reply.response.CopyFrom(await handle(call.request, call.trace_context.items()))
-            except Exception as exc:  # noqa: BLE001 - the edge: everything becomes a status
-                code, message = grpc_errors.report(exc, method)
-                reply.error.code = code.value[0]
-                reply.error.message = message
+            reply = await grpc_errors.answer_call(call, handle, reply_type, method)
             async with writing:
                 await context.write(reply)
 
@@ -140,10 +135,18 @@ class CallStream:
         self._call_type = call_type
         self._service = service
         self.enabled = enabled
+        # The service's lane (specdec/rpc/lane.py), tried first when set.
+        self.lane: LaneClient | None = None
         self._stream: _OpenStream | None = None
         self._ids = itertools.count(1)
 
     async def __call__(self, request, timeout: float):
+        lane = self.lane
+        if lane is not None and lane.usable():
+            try:
+                return await lane(request, timeout)
+            except LaneDown as exc:  # nothing was sent: the call goes on the stream
+                log.warning("%s; calls go by gRPC, the lane is tried again in %.0f s", exc, RETRY_S)
         if not self.enabled:
             return await self._unary(request, timeout=timeout, metadata=trace_metadata())
         stream = self._stream if self._stream is not None else self._open()
@@ -156,7 +159,7 @@ class CallStream:
             async with asyncio.timeout(timeout):
                 reply = await reply_future
         except TimeoutError:
-            raise _rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+            raise grpc_errors.rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
         except grpc.aio.AioRpcError as exc:
             if exc.code() is grpc.StatusCode.UNIMPLEMENTED and self.enabled:
                 log.info("the %s service has no call streams: unary calls from now on", self._service)
@@ -166,7 +169,7 @@ class CallStream:
         finally:
             stream.waiting.pop(call_id, None)
         if reply.HasField("error"):
-            raise _rpc_error(grpc_errors.status_from_number(reply.error.code), reply.error.message)
+            raise grpc_errors.rpc_error(grpc_errors.status_from_number(reply.error.code), reply.error.message)
         return reply.response
 
     def _open(self) -> _OpenStream:
@@ -185,15 +188,15 @@ class CallStream:
                 waiting = stream.waiting.pop(reply.call_id, None)
                 if waiting is not None and not waiting.done():
                     waiting.set_result(reply)
-            error = _rpc_error(grpc.StatusCode.UNAVAILABLE, f"the {self._service} service ended the call stream")
+            error = grpc_errors.rpc_error(grpc.StatusCode.UNAVAILABLE, f"the {self._service} service ended the call stream")
         except grpc.aio.AioRpcError as exc:
             error = exc
             if exc.code() is grpc.StatusCode.INTERNAL and stream.writing:
-                error = _rpc_error(grpc.StatusCode.UNAVAILABLE,
+                error = grpc_errors.rpc_error(grpc.StatusCode.UNAVAILABLE,
                                    f"the {self._service} service's call stream broke while a call was sent: "
                                    f"{exc.details()}")
         except asyncio.CancelledError:
-            error = _rpc_error(grpc.StatusCode.CANCELLED, "the call stream was closed")
+            error = grpc_errors.rpc_error(grpc.StatusCode.CANCELLED, "the call stream was closed")
         if self._stream is stream:
             self._stream = None
         for waiting in stream.waiting.values():
@@ -205,7 +208,9 @@ class CallStream:
         await asyncio.gather(stream.writer, return_exceptions=True)
 
     async def close(self) -> None:
-        """End the open stream (its calls in flight fail with CANCELLED)."""
+        """End the open stream and the lane (their calls in flight fail with CANCELLED)."""
+        if self.lane is not None:
+            await self.lane.close()
         stream, self._stream = self._stream, None
         if stream is not None:
             stream.reader.cancel()
@@ -227,7 +232,3 @@ async def _write(stream: _OpenStream) -> None:
             stream.writing = False
     except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
         pass  # the stream broke: the reader fails the calls waiting on it
-
-
-def _rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)

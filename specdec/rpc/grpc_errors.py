@@ -101,3 +101,21 @@ def from_rpc_error(exc: grpc.aio.AioRpcError, service: str) -> errors.SpecdecErr
     if kind is None or kind is errors.NotFound:
         return errors.Unavailable(f"the {service} service failed: {exc.code().name}: {exc.details()}")
     return kind(f"{service} service: {exc.details()}")
+
+
+def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    """The error a call with this status raises on the client's side."""
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
+
+
+async def answer_call(call, handle, reply_type, method: str):
+    """The reply to one call: `handle`'s response, or the status its
+    exception maps to in the reply's `error` (logged when it is our bug)."""
+    reply = reply_type(call_id=call.call_id)
+    try:
+        reply.response.CopyFrom(await handle(call.request, call.trace_context.items()))
+    except Exception as exc:  # noqa: BLE001 - the edge: everything becomes a status
+        code, message = report(exc, method)
+        reply.error.code = code.value[0]
+        reply.error.message = message
+    return reply

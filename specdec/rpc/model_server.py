@@ -13,6 +13,7 @@ from typing import Callable
 import grpc
 
 from specdec.rpc.auth import caller_guard
+from specdec.rpc.lane import LaneServer, LaneTls
 from specdec.rpc.model_service import SessionLimits, SessionServicer
 from specdec.rpc.serving import EngineWorker, RunningServer, ServerConfig, install_drain_on_signals, start_server
 from specdec.security.tls import TlsConfig
@@ -25,6 +26,7 @@ class ModelService:
     running: RunningServer
     servicer: SessionServicer
     worker: EngineWorker
+    lane: LaneServer | None = None  # the round call's lane (specdec/rpc/lane.py), when it listens
 
     @property
     def port(self) -> int:
@@ -61,7 +63,11 @@ async def start_model_service(
     running = await start_server(server_cfg, lambda server: add_to_server(servicer, server),
                                  [service_name], interceptors=interceptors, credentials=tls.server_credentials())
     running.drain_hooks.append(servicer.call_streams.close)
+    lane = None
     try:
+        if server_cfg.lane_port >= 0:
+            lane = await start_lane(servicer, server_cfg, tls)
+            running.drain_hooks.append(lane.close)
         backend = await worker.run(build_backend)
     except BaseException:
         await running.drain(0)
@@ -69,7 +75,19 @@ async def start_model_service(
         raise
     servicer.attach(backend)
     await running.set_serving()
-    return ModelService(running=running, servicer=servicer, worker=worker)
+    return ModelService(running=running, servicer=servicer, worker=worker, lane=lane)
+
+
+async def start_lane(servicer: SessionServicer, server_cfg: ServerConfig, tls: TlsConfig) -> LaneServer:
+    """The service's lane (specdec/rpc/lane.py) on the gRPC port's host,
+    advertised in ModelInfo; under TLS it speaks mutual TLS with the same
+    certificates and serves the same callers."""
+    call = servicer.lane_call()
+    lane_tls = LaneTls(tls.tls_cert, tls.tls_key, tls.tls_ca, tls.callers()) if tls.enabled else None
+    lane = LaneServer(call.method, call.handle, call.call_type, call.reply_type, call.handler_name,
+                      server_cfg.max_message_bytes, lane_tls)
+    servicer.lane_port = await lane.start(server_cfg.host, server_cfg.lane_port)
+    return lane
 
 
 async def serve_until_drained(service: ModelService, grace_s: float) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
+from typing import Callable
 
 from specdec.config import opt
 from specdec.engine.engine import EngineInfo
@@ -21,6 +22,17 @@ from specdec.telemetry import (A_KV_BYTES, A_LENGTH, A_PROMPT_TOKENS, NOOP, SPAN
 from specdec.v1 import common_pb2
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LaneCall:
+    """The one call a service answers on its lane and on its call stream."""
+
+    method: str  # the unary method's full name, e.g. /specdec.v1.TargetService/Verify
+    handle: Callable  # (request, trace_context_items) -> response
+    call_type: type
+    reply_type: type
+    handler_name: str  # for the log of our bugs
 
 
 @dataclass
@@ -113,6 +125,11 @@ class SessionServicer:
         self.quota = SessionQuota(limits.max_sessions_per_caller)
         self.expired_sessions = 0  # closed by idle expiry since start: sessions a caller leaked
         self.call_streams = ServedStreams()  # the service's long-lived call streams, ended by a drain
+        self.lane_port = 0  # the lane's port once it listens (0: none)
+
+    def lane_call(self) -> LaneCall:
+        """The call this service's lane answers (the round's one call to it)."""
+        raise NotImplementedError
 
     def attach(self, backend) -> None:
         self._backend = backend
@@ -146,6 +163,7 @@ class SessionServicer:
     async def GetModelInfo(self, request, context):
         backend = self.backend
         info = info_to_wire(backend.info, self.limits, self.backend_kind)
+        info.lane_port = self.lane_port
         counts = common_pb2.SessionCounts(open=backend.usage()[0], expired=self.expired_sessions)
         return common_pb2.GetModelInfoResponse(info=info, sessions=counts)
 

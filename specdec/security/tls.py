@@ -180,6 +180,15 @@ class ClientTls:
                 read_pem(path, what)
         return self
 
+    def ssl_context(self):
+        """The same as an ssl context, for connections that are not gRPC's (a service's lane)."""
+        import ssl
+
+        context = ssl.create_default_context(cafile=self.ca or None)
+        if self.cert:
+            context.load_cert_chain(self.cert, self.key)
+        return context
+
     def channel_credentials(self):
         import grpc
 

@@ -1,0 +1,274 @@
+"""A service's lane (specdec/rpc/lane.py): the round's call as frames on a
+TCP connection, with the semantics of a call stream (the same replies and
+statuses, the caller's deadline, calls that overlap), a fallback to gRPC
+when the lane cannot be opened, calls in flight failed UNAVAILABLE when it
+breaks, malformed or oversized frames that end only their own connection, a
+drain, mutual TLS with the same callers as the gRPC port, and end to end:
+the orchestrator's rounds go on the lanes with the tokens unchanged."""
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+
+import grpc
+import pytest
+
+from orchestrator.downstream import DraftClient, LaneDialing, TargetClient, channel_to, open_request
+from specdec.errors import InvalidArgument
+from specdec.rpc import lane as lane_mod
+from specdec.rpc.call_stream import CallStream
+from specdec.rpc.lane import LaneClient, LaneDown, LaneServer, LaneTls
+from specdec.v1 import draft_pb2, draft_pb2_grpc
+from tests.conftest import tiny_engine, tiny_model
+from tests.harness import DEADLINE_S, BackgroundLoop, running_draft, running_system, running_target
+from tests.test_orchestrator import greedy_reference, perturbed
+
+METHOD = "/specdec.v1.DraftService/ProposeAll"
+
+
+async def _handle(request, trace_context):
+    """A fake ProposeAll: session "bad" is the caller's error, "bug" ours,
+    "slow-N" answers after N ms; otherwise drafts echo keep_length."""
+    sid = request.propose.session_id
+    if sid == "bad":
+        raise InvalidArgument("no such thing")
+    if sid == "bug":
+        raise RuntimeError("a bug")
+    if sid.startswith("slow-"):
+        await asyncio.sleep(int(sid[5:]) / 1000)
+    return draft_pb2.ProposeAllResponse(drafts=[draft_pb2.ProposeResponse(token_id=request.propose.keep_length)])
+
+
+def _request(session_id: str, keep: int = 7) -> draft_pb2.ProposeAllRequest:
+    return draft_pb2.ProposeAllRequest(propose=draft_pb2.ProposeRequest(session_id=session_id, keep_length=keep))
+
+
+async def _server(tls=None, limit: int = 1 << 20) -> LaneServer:
+    server = LaneServer(METHOD, _handle, draft_pb2.ProposeAllCall, draft_pb2.ProposeAllReply, "fake", limit, tls)
+    await server.start("127.0.0.1", 0)
+    return server
+
+
+def _client(port: int, **kwargs) -> LaneClient:
+    return LaneClient("127.0.0.1", port, METHOD, draft_pb2.ProposeAllCall, draft_pb2.ProposeAllReply, "draft",
+                      **kwargs)
+
+
+def _run(coro):
+    return asyncio.run(asyncio.wait_for(coro, DEADLINE_S))
+
+
+def test_replies_statuses_deadlines_and_overlapping_calls():
+    async def main():
+        server = await _server()
+        client = _client(server.port)
+        try:
+            reply = await client(_request("a", keep=11), 5)
+            assert [d.token_id for d in reply.drafts] == [11]
+            with pytest.raises(grpc.aio.AioRpcError) as bad:
+                await client(_request("bad"), 5)
+            assert bad.value.code() is grpc.StatusCode.INVALID_ARGUMENT and "no such thing" in bad.value.details()
+            with pytest.raises(grpc.aio.AioRpcError) as bug:
+                await client(_request("bug"), 5)
+            assert bug.value.code() is grpc.StatusCode.INTERNAL and "a bug" not in bug.value.details()
+            with pytest.raises(grpc.aio.AioRpcError) as late:
+                await client(_request("slow-500"), 0.05)
+            assert late.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+            # Calls of one connection overlap: the quick one is not held behind the slow one.
+            slow = asyncio.ensure_future(client(_request("slow-300", keep=1), 5))
+            quick = await client(_request("a", keep=2), 5)
+            assert not slow.done() and quick.drafts[0].token_id == 2
+            assert (await slow).drafts[0].token_id == 1
+            assert server.answered == 5  # the late call's handler still runs; its reply will be dropped
+        finally:
+            await client.close()
+            server.close()
+
+    _run(main())
+
+
+def test_a_lane_that_cannot_be_opened_is_left_for_a_while_and_the_call_goes_by_grpc():
+    async def main():
+        free = socket.socket()
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+        free.close()  # nothing listens there
+        now = [100.0]
+        client = _client(port, clock=lambda: now[0])
+        with pytest.raises(LaneDown, match="could not be opened"):
+            await client(_request("a"), 5)
+        assert not client.usable()
+        now[0] += lane_mod.RETRY_S
+        assert client.usable()
+
+        server = await _server()
+        wrong = LaneClient("127.0.0.1", server.port, "/specdec.v1.TargetService/Verify", draft_pb2.ProposeAllCall,
+                           draft_pb2.ProposeAllReply, "target")
+        with pytest.raises(LaneDown, match="answers /specdec.v1.DraftService/ProposeAll, not"):
+            await wrong(_request("a"), 5)
+        server.close()
+
+    _run(main())
+
+
+def test_calls_in_flight_fail_unavailable_when_the_lane_breaks_and_the_next_call_reconnects():
+    async def main():
+        server = await _server()
+        client = _client(server.port)
+        await client(_request("a"), 5)
+        in_flight = asyncio.ensure_future(client(_request("slow-2000"), 5))
+        await asyncio.sleep(0.1)
+        client._connection.writer.transport.abort()  # the connection breaks
+        with pytest.raises(grpc.aio.AioRpcError) as broke:
+            await in_flight
+        assert broke.value.code() is grpc.StatusCode.UNAVAILABLE and "lane" in broke.value.details()
+        reply = await client(_request("a", keep=3), 5)  # a new connection
+        assert reply.drafts[0].token_id == 3
+        await client.close()
+        server.close()
+
+    _run(main())
+
+
+@pytest.mark.parametrize("garbage", ["unparsable", "oversized"])
+def test_a_bad_frame_ends_only_its_own_connection(garbage):
+    async def main():
+        server = await _server(limit=1024)
+        client = _client(server.port)
+        await client(_request("a"), 5)
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        writer.write(lane_mod.frame(METHOD.encode()))
+        assert await lane_mod.read_frame(reader, 1024) == b""  # welcomed
+        if garbage == "unparsable":
+            writer.write(lane_mod.frame(b"\xff\xff\xff\xff not a call"))
+        else:
+            writer.write(struct.pack(">I", 1 << 20))
+        assert await reader.read() == b""  # the server ended it
+        writer.close()
+        assert (await client(_request("a", keep=5), 5)).drafts[0].token_id == 5  # the other connection serves on
+        await client.close()
+        server.close()
+
+    _run(main())
+
+
+def test_a_drain_answers_what_was_read_and_refuses_new_connections():
+    async def main():
+        server = await _server()
+        client = _client(server.port)
+        await client(_request("a"), 5)
+        in_flight = asyncio.ensure_future(client(_request("slow-200", keep=4), 5))
+        await asyncio.sleep(0.05)
+        server.close()
+        assert (await in_flight).drafts[0].token_id == 4
+        late = _client(server.port)
+        with pytest.raises(LaneDown):
+            await late(_request("a"), 5)
+        await client.close()
+
+    _run(main())
+
+
+def test_call_stream_uses_the_lane_then_grpc_when_the_lane_is_down():
+    target_engine, draft_engine = tiny_engine(seed=0), tiny_engine(seed=1)
+    with running_draft(draft_engine) as (draft, _, _):
+        assert draft.lane is not None and draft.servicer.lane_port == draft.lane.port > 0
+
+        async def main():
+            client = DraftClient(channel_to(f"127.0.0.1:{draft.port}"))
+            info = await client.fetch_info(DEADLINE_S)
+            assert info.lane_port == draft.lane.port
+            assert client.use_lane("127.0.0.1")
+            sid, _ = await client.open(open_request([5, 9, 14], 0.0, 0, 1.0, 1, 32, "lanes"), DEADLINE_S)
+            before = draft.lane.answered
+            on_lane, _ = await client.propose(sid, 3, [], 3, DEADLINE_S)
+            assert draft.lane.answered == before + 1
+            # The lane goes away (its port no longer answers): the call goes on the gRPC stream.
+            client.propose_all.lane.port = _closed_port()
+            await client.propose_all.lane.close()
+            by_grpc, _ = await client.propose(sid, 3, [], 3, DEADLINE_S)
+            assert draft.lane.answered == before + 1 and not client.propose_all.lane.usable()
+            assert [d.token_id for d in by_grpc] == [d.token_id for d in on_lane]
+            await client.aclose()
+
+        draft_loop = BackgroundLoop()
+        try:
+            draft_loop.run(main())
+        finally:
+            draft_loop.close()
+
+
+def _closed_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def test_mutual_tls_lane_serves_allowed_callers_only(tmp_path):
+    from specdec.security.local_ca import LocalCA, LocalTls
+    from specdec.security.tls import ClientTls
+
+    tls = LocalTls.create(tmp_path)
+    own = tls.files["draft"]
+    orchestrator = tls.files["orchestrator"]
+
+    async def main():
+        server = await _server(LaneTls(own.cert, own.key, own.ca, frozenset({"orchestrator"})))
+        good = ClientTls(orchestrator.ca, orchestrator.cert, orchestrator.key).ssl_context()
+        client = _client(server.port, ssl_context=good, server_hostname="localhost")
+        assert (await client(_request("a", keep=9), 5)).drafts[0].token_id == 9
+        # Signed by the CA but naming someone else: refused, as on the gRPC port.
+        stranger = LocalCA.create().write_role(tmp_path / "other", "stranger")  # another CA entirely
+        other = tls.files["target"]  # our CA, but not an allowed caller
+        refused = _client(server.port, ssl_context=ClientTls(other.ca, other.cert, other.key).ssl_context(),
+                          server_hostname="localhost")
+        with pytest.raises(LaneDown, match="names target"):
+            await refused(_request("a"), 5)
+        foreign = _client(server.port, ssl_context=ClientTls(orchestrator.ca, stranger.cert, stranger.key)
+                          .ssl_context(), server_hostname="localhost")
+        with pytest.raises(LaneDown):
+            await foreign(_request("a"), 5)
+        plain = _client(server.port)
+        with pytest.raises(LaneDown):
+            await plain(_request("a"), 2)
+        await client.close()
+        server.close()
+
+    _run(main())
+
+
+def test_rounds_go_on_the_lanes_and_greedy_tokens_equal_target_only():
+    target = tiny_model(seed=0, init_range=0.3)
+    draft = perturbed(target, 0.15, seed=1)
+    prompt = [5, 9, 14, 3, 22, 7]
+    reference = greedy_reference(target, prompt, 20)
+    for lanes in (True, False):
+        with running_system(tiny_engine(model=target), tiny_engine(model=draft), lanes=lanes) as system:
+            result = system.client.complete(prompt, max_tokens=20, temperature=0, num_draft_tokens=3)
+            # All 20, or up to the eos the reference then emits.
+            assert result.token_ids == reference[:len(result.token_ids)]
+            assert len(result.token_ids) == 20 or reference[len(result.token_ids)] == 2
+            rounds = result.stats.rounds
+            assert rounds > 1
+            drafted, verified = system.draft.lane.answered, system.target.lane.answered
+            if lanes:  # every Verify on the lane, and every ProposeAll (a last round of k = 0 drafts nothing)
+                assert verified == rounds and rounds - 1 <= drafted <= rounds, (drafted, verified, rounds)
+            else:
+                assert (drafted, verified) == (0, 0)
+
+
+def test_lane_dialing_over_tls_checks_the_service_name():
+    from orchestrator.security import Dialer
+    from specdec.security.tls import ClientTls
+
+    assert Dialer().lane("target:50053", "10.0.0.7:50053") is None
+    tls = ClientTls.__new__(ClientTls)  # no files needed: ssl_context is replaced
+    object.__setattr__(tls, "ca", "")
+    object.__setattr__(tls, "cert", "")
+    object.__setattr__(tls, "key", "")
+    dialing = Dialer(tls).lane("target.specdec.svc:50053", "10.0.0.7:50053")
+    assert isinstance(dialing, LaneDialing) and dialing.server_hostname == "target.specdec.svc"
+    assert Dialer(tls).lane("10.0.0.7:50053,10.0.0.8:50053", "10.0.0.8:50053").server_hostname == "10.0.0.8"
