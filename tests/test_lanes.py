@@ -73,14 +73,14 @@ def test_replies_statuses_deadlines_and_overlapping_calls():
                 await client(_request("bug"), 5)
             assert bug.value.code() is grpc.StatusCode.INTERNAL and "a bug" not in bug.value.details()
             with pytest.raises(grpc.aio.AioRpcError) as late:
-                await client(_request("slow-500"), 0.05)
+                await client(_request("slow-30000"), 0.05)
             assert late.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
             # Calls of one connection overlap: the quick one is not held behind the slow one.
-            slow = asyncio.ensure_future(client(_request("slow-300", keep=1), 5))
+            slow = asyncio.ensure_future(client(_request("slow-3000", keep=1), 10))
             quick = await client(_request("a", keep=2), 5)
             assert not slow.done() and quick.drafts[0].token_id == 2
             assert (await slow).drafts[0].token_id == 1
-            assert server.answered == 5  # the late call's handler still runs; its reply will be dropped
+            assert server.answered == 5  # the late call's handler still runs; its reply would be dropped
         finally:
             await client.close()
             server.close()
@@ -272,3 +272,20 @@ def test_lane_dialing_over_tls_checks_the_service_name():
     dialing = Dialer(tls).lane("target.specdec.svc:50053", "10.0.0.7:50053")
     assert isinstance(dialing, LaneDialing) and dialing.server_hostname == "target.specdec.svc"
     assert Dialer(tls).lane("10.0.0.7:50053,10.0.0.8:50053", "10.0.0.8:50053").server_hostname == "10.0.0.8"
+
+
+def test_cpu_wake_latency_request_is_written_and_held(tmp_path, caplog):
+    from specdec import cpu_latency
+
+    device = tmp_path / "cpu_dma_latency"
+    device.write_bytes(b"")
+    try:
+        assert cpu_latency.hold(0, str(device))
+        assert cpu_latency.hold(20, str(device))  # the same descriptor: a new value replaces the request
+        assert device.read_bytes() == struct.pack("i", 0) + struct.pack("i", 20)
+    finally:
+        cpu_latency.release(str(device))
+    assert not cpu_latency.hold(-1, str(device)), "negative: nothing asked"
+    caplog.set_level("WARNING")
+    assert not cpu_latency.hold(0, str(tmp_path / "missing" / "device"))
+    assert "cannot hold the CPU wake-up latency" in caplog.text

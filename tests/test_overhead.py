@@ -59,7 +59,8 @@ def test_specd_overhead_prints_our_figures_against_bare_grpc(capsys):
     assert "both services in the measuring process;" in out and "grpc iomgr" in out
     assert "| the same bare unary call under grpcio's default I/O (EventEngine" in out
     for figure in ("bare grpc.aio unary call", "no-op unary (target Rollback), tracing off",
-                   "round overhead, greedy, k=4, tracing on", "tracing cost per round, T=0.7"):
+                   "round overhead, greedy, k=4, lanes, tracing on", "round overhead, T=0.7, k=4, gRPC call streams, "
+                   "tracing off", "tracing cost per round, T=0.7"):
         assert f"| {figure} |" in out
 
 
@@ -78,19 +79,19 @@ def test_specd_overhead_wire_prints_bytes_per_token_and_verify_throughput(capsys
 
 def test_specd_overhead_measures_every_figure_it_prints():
     """A tiny run of the whole measurement (2 reps, both services in the
-    measuring process, to keep it short): every row it prints, the
-    call-stream round beside the unary one and the mutual-TLS round, has a
+    measuring process, to keep it short): every row it prints, the round on
+    lanes beside the call-stream and unary ones and the mutual-TLS round, has a
     positive wall time behind it."""
     figures = eventloop.run(measure(reps=2, k=2, tls=True, in_process=True))
     m = figures.medians
     for sampling in ("greedy", "T=0.7"):
-        for prefix in ("plain", "traced", "unary", "tls"):
+        for prefix in ("plain", "traced", "unary", "stream", "tls"):
             assert m[f"{prefix} {sampling} round"] > 0
             assert f"{prefix} {sampling} round outside compute" in m
     assert figures.in_process and "inproc greedy round" not in m
     text = report(figures, reps=2)
     assert m["bare cold round floor outside compute"] > 0 and m["cold floor draft gap"] > 0
-    for row in ("two unary calls", "the unary calls)", "mutual TLS", "TLS cost per round", "bare message each way",
+    for row in ("two unary calls", "the unary calls)", "gRPC call streams", "the call streams)", "lanes, mutual TLS", "TLS cost per round", "bare message each way",
                 "as a round meets it", "both services in the measuring process;"):
         assert row in text, row
 
@@ -108,6 +109,7 @@ def test_services_in_processes_of_their_own_serve_traced_rounds_and_stop(tmp_pat
         bg = BackgroundLoop()
         stack = start_stacks(bg, [StackSpec(tracing=True)], tmp_path)[0]
         try:
+            await stack.use_lanes()  # the round's calls on the services' lanes, as the orchestrator sends them
             rounds = await round_calls(stack, "T=0.7", 3, "traced")
             for _ in range(2):
                 assert await rounds["traced T=0.7 round"]() > 0  # the compute the services reported

@@ -14,6 +14,7 @@ two whole systems with tracing on and off, and spans per generated token
 from __future__ import annotations
 
 import argparse
+import sys
 
 from specdec.cli.model_flags import add_device, add_dtype, add_threads
 
@@ -30,6 +31,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--in-process", action="store_true",
                    help="run both services in the measuring process, on a background event loop (the layout of "
                    "earlier figures), instead of each in a process of its own as deployed")
+    p.add_argument("--cpu-wake-latency-us", type=int, default=-1, metavar="US",
+                   help="hold the machine's CPU wake-up latency at US microseconds while measuring (0: idle CPUs "
+                   "poll; specdec/cpu_latency.py, needs write access to /dev/cpu_dma_latency); default: leave it")
     add_threads(p, default=None, default_text="1; with --wire 2, as the real target's forward passes use; with "
                 "--end-to-end torch's default")
     wire = p.add_argument_group("--wire: bytes per round and Verify throughput")
@@ -58,7 +62,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from specdec import eventloop
+    from specdec import cpu_latency, eventloop
     from specdec.bench.overhead import measure, report
 
     if args.end_to_end:
@@ -71,9 +75,17 @@ def run(args: argparse.Namespace) -> int:
         print(wire(args.num_draft_tokens, args.acceptance, args.reps, args.target, args.dtype or "bfloat16", threads))
         return 0
     torch.set_num_threads(args.threads or 1)
+    held = cpu_latency.hold(args.cpu_wake_latency_us)
+    if args.cpu_wake_latency_us >= 0 and not held:
+        print(f"specd overhead: cannot hold the CPU wake-up latency at {args.cpu_wake_latency_us} us "
+              f"(see the log)", file=sys.stderr)
+        return 1
     figures = eventloop.run(measure(args.reps, args.num_draft_tokens, tls=args.tls, in_process=args.in_process,
                                     threads=args.threads or 1))
     print(report(figures, args.reps))
+    if held:
+        print(f"\nThe CPU wake-up latency was held at <= {args.cpu_wake_latency_us} us ({cpu_latency.DEVICE}) "
+              "throughout, for every process of the run.")
     return 0
 
 

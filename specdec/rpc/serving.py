@@ -37,6 +37,9 @@ class ServerConfig:
     metrics_port: int = opt(0, "Prometheus metrics port, served at /metrics on the same host (0: off)")
     health_port: int = opt(-1, "a plaintext port on the same host serving grpc.health.v1 only, for probes that "
                                "cannot present a client certificate (-1: off; 0: pick a free one)")
+    cpu_wake_latency_us: int = opt(-1, "hold every CPU's wake-up latency at most this many microseconds while "
+                                       "serving (0: idle CPUs poll; costs power; needs write access to "
+                                       "/dev/cpu_dma_latency; specdec/cpu_latency.py); -1: leave the machine's")
     lane_port: int = opt(0, "draft, target: the port of the service's lane, the round's one call to it as "
                             "frames on a TCP connection (TLS under --tls-cert), cheaper than over gRPC; "
                             "advertised in ModelInfo (-1: off; 0: pick a free one)")
