@@ -71,8 +71,12 @@ class ModelClient:
         calls, method, call_type, reply_type = self.lane_call()
         calls.lane = LaneClient(host, self.info.lane_port, method, call_type, reply_type, self.name,
                                 ssl_context=tls.context if tls else None,
-                                server_hostname=tls.server_hostname if tls else "")
+                                server_hostname=tls.server_hostname if tls else "", find_port=self._lane_port)
         return True
+
+    async def _lane_port(self, timeout: float) -> int:
+        """The lane's port as the service now reports it (it may have restarted on another)."""
+        return (await self.fetch_info(timeout)).lane_port
 
     def lane_call(self) -> tuple[CallStream, str, type, type]:
         raise NotImplementedError

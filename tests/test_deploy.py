@@ -48,7 +48,7 @@ COMMON_FLAGS = {"--host", "--port", "--metrics-port", "--drain-grace-s", "--refl
                 "--health-port", "--tls-cert", "--tls-key", "--tls-ca", "--insecure"}
 MODEL_FLAGS = {
     "--model", "--device", "--dtype", "--threads", "--max-sessions", "--max-context",
-    "--session-ttl-s", "--max-draft-tokens", "--allowed-callers", "--max-sessions-per-caller",
+    "--session-ttl-s", "--max-draft-tokens", "--allowed-callers", "--max-sessions-per-caller", "--lane-port",
 }  # fmt: skip
 ROLE_FLAGS = {
     "draft": COMMON_FLAGS | MODEL_FLAGS | {"--drafter"},
@@ -569,23 +569,24 @@ def test_only_orchestrator_pods_reach_draft_and_target(rendered, render):
         container = _main_container(deployment)
         policies = _policies_for(objects, _pod_labels(deployment))
         assert policies, f"no NetworkPolicy isolates {role} pods"
-        grpc_port = DEFAULT_PORTS[role]
-        admitted = False
-        for policy in policies:
-            for rule in policy["spec"].get("ingress", []):
-                ports = _rule_ports(rule, container)
-                if ports is not None and grpc_port not in ports:
-                    continue
-                where = f"NetworkPolicy {policy['metadata']['name']} -> {role}:{grpc_port}"
-                peers = rule.get("from")
-                assert peers, f"{where} admits every source"
-                for peer in peers:
-                    assert set(peer) == {"podSelector"}, f"{where} admits {peer} (namespaces or IP blocks)"
-                    assert _selects(peer["podSelector"], orchestrator_labels), f"{where}: {peer}"
-                    for labels in other_pods:
-                        assert not _selects(peer["podSelector"], labels), f"{where} admits pods {labels}"
-                admitted = True
-        assert admitted, f"the orchestrator cannot reach {role}:{grpc_port}"
+        # The gRPC port and the lane (the round's call on a TCP connection, specdec/rpc/lane.py).
+        for port in (DEFAULT_PORTS[role], int(_serve_settings(objects, role)["--lane-port"])):
+            admitted = False
+            for policy in policies:
+                for rule in policy["spec"].get("ingress", []):
+                    ports = _rule_ports(rule, container)
+                    if ports is not None and port not in ports:
+                        continue
+                    where = f"NetworkPolicy {policy['metadata']['name']} -> {role}:{port}"
+                    peers = rule.get("from")
+                    assert peers, f"{where} admits every source"
+                    for peer in peers:
+                        assert set(peer) == {"podSelector"}, f"{where} admits {peer} (namespaces or IP blocks)"
+                        assert _selects(peer["podSelector"], orchestrator_labels), f"{where}: {peer}"
+                        for labels in other_pods:
+                            assert not _selects(peer["podSelector"], labels), f"{where} admits pods {labels}"
+                    admitted = True
+            assert admitted, f"the orchestrator cannot reach {role}:{port}"
 
 
 @pytest.mark.parametrize("render", RENDERS)
@@ -702,6 +703,11 @@ def test_manifests_use_only_flags_and_ports_of_the_cli_contract(rendered, render
         service = services[host.split(".")[0]]
         assert service["metadata"]["name"] == f"specdec-{role}"
         assert int(port) == DEFAULT_PORTS[role] in {p["port"] for p in service["spec"]["ports"]}
+        # The lane: a fixed port (a free one would not be in the Service or the NetworkPolicy),
+        # exposed by the container and the headless Service the orchestrator resolves.
+        lane = int(_serve_settings(objects, role)["--lane-port"])
+        assert lane > 0 and _container_port(_main_container(_deployment(objects, role)), "lane") == lane
+        assert lane in {p["port"] for p in service["spec"]["ports"]}
     assert orchestrator["--tokenizer"] == _serve_settings(objects, "target")["--model"]
 
 

@@ -254,8 +254,8 @@ def test_rounds_go_on_the_lanes_and_greedy_tokens_equal_target_only():
             rounds = result.stats.rounds
             assert rounds > 1
             drafted, verified = system.draft.lane.answered, system.target.lane.answered
-            if lanes:  # every Verify on the lane, and every ProposeAll (a last round of k = 0 drafts nothing)
-                assert verified == rounds and rounds - 1 <= drafted <= rounds, (drafted, verified, rounds)
+            if lanes:  # every round's calls on the lanes (a last round of k = 0 drafts nothing, and may Decode)
+                assert rounds - 1 <= verified <= rounds and rounds - 1 <= drafted <= rounds, (drafted, verified, rounds)
             else:
                 assert (drafted, verified) == (0, 0)
 
@@ -289,3 +289,29 @@ def test_cpu_wake_latency_request_is_written_and_held(tmp_path, caplog):
     caplog.set_level("WARNING")
     assert not cpu_latency.hold(0, str(tmp_path / "missing" / "device"))
     assert "cannot hold the CPU wake-up latency" in caplog.text
+
+
+def test_after_a_break_the_client_asks_the_service_for_its_lane_port_again():
+    """A service that restarted on a free port has a new lane port: the
+    reconnect asks for it (the ModelInfo) instead of knocking on the old one."""
+    async def main():
+        first = await _server()
+        second = await _server()
+        asked = []
+
+        async def find_port(timeout):
+            asked.append(timeout)
+            return second.port
+
+        client = _client(first.port, find_port=find_port)
+        assert (await client(_request("a", keep=1), 5)).drafts[0].token_id == 1
+        assert asked == [], "the first connection uses the advertised port"
+        first.close()
+        client._connection.writer.transport.abort()
+        await asyncio.sleep(0.05)
+        assert (await client(_request("a", keep=2), 5)).drafts[0].token_id == 2
+        assert len(asked) == 1 and client.port == second.port and second.answered == 1
+        await client.close()
+        second.close()
+
+    _run(main())

@@ -43,7 +43,7 @@ import itertools
 import logging
 import ssl
 import time
-from typing import Callable
+from typing import Awaitable, Callable
 
 import grpc
 
@@ -199,8 +199,9 @@ class LaneServer:
                 writer.write(frame(reply.SerializeToString()))
 
         async def answer(call) -> None:
-            send(await grpc_errors.answer_call(call, self.handle, self.reply_type, self.handler_name))
-            self.answered += 1
+            reply = await grpc_errors.answer_call(call, self.handle, self.reply_type, self.handler_name)
+            self.answered += 1  # before the reply leaves: whoever reads the reply sees it counted
+            send(reply)
 
         while not self.closed:
             payload = await read_frame(reader, self.max_message_bytes)
@@ -229,7 +230,8 @@ class LaneClient:
 
     def __init__(self, host: str, port: int, method: str, call_type, reply_type, service: str,
                  max_message_bytes: int = 16 << 20, ssl_context: ssl.SSLContext | None = None,
-                 server_hostname: str = "", clock: Callable[[], float] = time.monotonic):
+                 server_hostname: str = "", clock: Callable[[], float] = time.monotonic,
+                 find_port: Callable[[float], Awaitable[int]] | None = None):
         self.host, self.port, self.method = host, port, method
         self.call_type = call_type
         self.reply_type = reply_type
@@ -238,6 +240,10 @@ class LaneClient:
         self.ssl_context = ssl_context
         self.server_hostname = server_hostname or host
         self.clock = clock
+        # Asks the service for its lane's port again (its ModelInfo) before a
+        # reconnect: a service that restarted on a free port has a new one.
+        self.find_port = find_port
+        self._stale = False
         self._ids = itertools.count(1)
         self._connection: _Connection | None = None
         self._opening: asyncio.Future | None = None
@@ -284,6 +290,10 @@ class LaneClient:
     async def _connect(self, timeout: float) -> "_Connection":
         try:
             async with asyncio.timeout(timeout):
+                if self._stale and self.find_port is not None:
+                    self.port = await self.find_port(timeout)
+                    if self.port <= 0:
+                        raise LaneDown(f"the {self.service} service no longer offers a lane")
                 reader, writer = await asyncio.open_connection(
                     self.host, self.port, limit=1 << 16, ssl=self.ssl_context,
                     server_hostname=self.server_hostname if self.ssl_context else None)
@@ -292,12 +302,15 @@ class LaneClient:
             if refusal:
                 writer.close()
                 raise LaneDown(f"the {self.service} service's lane at {self.address} refused: {refusal}")
-        except (OSError, asyncio.IncompleteReadError, TimeoutError, ValueError) as exc:
+        except (OSError, asyncio.IncompleteReadError, TimeoutError, ValueError, LaneDown,
+                grpc.aio.AioRpcError) as exc:
             self._down_until = self.clock() + RETRY_S
+            self._stale = True
             if isinstance(exc, LaneDown):
                 raise
             raise LaneDown(f"the {self.service} service's lane at {self.address} could not be opened: "
                            f"{type(exc).__name__}: {exc}") from None
+        self._stale = False
         connection = _Connection(writer)
         connection.reader = asyncio.ensure_future(self._read(connection, reader))
         self._connection = connection
@@ -318,6 +331,7 @@ class LaneClient:
                               f"the {self.service} service's lane at {self.address} broke: {type(exc).__name__}")
         if self._connection is connection:
             self._connection = None
+            self._stale = True
         for waiting in connection.waiting.values():
             if not waiting.done():
                 waiting.set_exception(error)
