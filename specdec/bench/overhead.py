@@ -178,7 +178,8 @@ async def measure(reps: int, k: int, tls: bool = False, in_process: bool = False
     `in_process`: every stack's services in this process (no `inproc` rounds)."""
     bg = BackgroundLoop()
     stacks: list[Stack] = []
-    with tempfile.TemporaryDirectory() as trace_dir:
+    # A traced service may still flush spans into it as it stops: they are throwaway.
+    with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as trace_dir:
         try:
             bare_server, bare_port = bg.run(start_bare_server())
             bare, close_bare = await bare_calls(bare_port)

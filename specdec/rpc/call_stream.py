@@ -188,13 +188,14 @@ class CallStream:
                 waiting = stream.waiting.pop(reply.call_id, None)
                 if waiting is not None and not waiting.done():
                     waiting.set_result(reply)
-            error = grpc_errors.rpc_error(grpc.StatusCode.UNAVAILABLE, f"the {self._service} service ended the call stream")
+            error = grpc_errors.rpc_error(grpc.StatusCode.UNAVAILABLE,
+                                          f"the {self._service} service ended the call stream")
         except grpc.aio.AioRpcError as exc:
             error = exc
             if exc.code() is grpc.StatusCode.INTERNAL and stream.writing:
                 error = grpc_errors.rpc_error(grpc.StatusCode.UNAVAILABLE,
-                                   f"the {self._service} service's call stream broke while a call was sent: "
-                                   f"{exc.details()}")
+                                              f"the {self._service} service's call stream broke while a call "
+                                              f"was sent: {exc.details()}")
         except asyncio.CancelledError:
             error = grpc_errors.rpc_error(grpc.StatusCode.CANCELLED, "the call stream was closed")
         if self._stream is stream:

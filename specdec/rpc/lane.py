@@ -327,8 +327,8 @@ class LaneClient:
         except asyncio.CancelledError:
             error = grpc_errors.rpc_error(grpc.StatusCode.CANCELLED, f"the {self.service} service's lane was closed")
         except Exception as exc:  # noqa: BLE001 - the end of the connection, whatever ended it
-            error = grpc_errors.rpc_error(grpc.StatusCode.UNAVAILABLE,
-                              f"the {self.service} service's lane at {self.address} broke: {type(exc).__name__}")
+            error = grpc_errors.rpc_error(grpc.StatusCode.UNAVAILABLE, f"the {self.service} service's lane at "
+                                          f"{self.address} broke: {type(exc).__name__}")
         if self._connection is connection:
             self._connection = None
             self._stale = True
