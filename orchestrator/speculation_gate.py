@@ -120,25 +120,33 @@ class SpeculationGate:
 
     def speculate(self, active: int) -> bool:
         """Whether a request that follows the gate drafts in the round it
-        starts now."""
-        if not self._applies(active):
-            return True
-        if self._bucket and not self._fresh():
-            self._bucket = 0  # no request followed the gate for a while: what was counted is stale
-        self._enter(bucket(active), active)
-        return self.mode
+        starts now (`would_speculate`), and the gate follows: it starts
+        measuring `active`'s bucket in that mode if it was not."""
+        answer = self.would_speculate(active)
+        if self._applies(active):
+            if self._bucket and not self._fresh():
+                self._bucket = 0  # no request followed the gate for a while: what was counted is stale
+            self._enter(bucket(active), active)
+        return answer
 
-    def plain_now(self, active: int) -> bool:
-        """Whether `speculate(active)` would now say decode plainly; changes
-        nothing. A request asks this before opening its draft session, which
+    def would_speculate(self, active: int) -> bool:
+        """What `speculate(active)` answers now, changing nothing: below the
+        gate's threshold, always; in the bucket being measured (while fresh),
+        its mode; elsewhere the bucket's best mode, speculation when not
+        known. A request asks this before opening its draft session, which
         it then opens only once it is to speculate."""
         if not self._decides(active):
-            return False
+            return True
         b = bucket(active)
         if b == self._bucket and self._fresh():
-            return not self.mode
+            return self.mode
         rates = self.buckets.get(b)
-        return rates is not None and rates.best() is False
+        best = rates.best() if rates is not None else None
+        return True if best is None else best
+
+    def plain_now(self, active: int) -> bool:
+        """Whether a request that follows the gate would decode plainly now."""
+        return not self.would_speculate(active)
 
     def record(self, active: int, speculated: bool | None, tokens: int) -> None:
         """A round ended, emitting `tokens`. `speculated`: the mode the round

@@ -291,3 +291,35 @@ def test_the_gates_flags_are_checked_before_anything_starts():
         cfg = OrchestratorConfig(target="127.0.0.1:1", draft="", connect_timeout_s=0.1, **bad)
         with pytest.raises(FailedPrecondition, match=next(iter(bad)).replace("_", "-")):
             asyncio.run(build_backends(cfg))
+
+
+def test_would_speculate_is_what_speculate_answers_whatever_the_gate_has_seen():
+    """One route to the answer: across random loads, modes' costs, idle gaps
+    past the staleness limit and requests that do not follow the gate, asking
+    `would_speculate` (and `plain_now`) first changes nothing and agrees with
+    the `speculate` that follows, which leaves the gate running the mode it
+    answered."""
+    import random
+
+    rng = random.Random(7)
+    gate, clock = make(min_streams=2, stale_s=5.0)
+    answers = set()
+    active = 8
+    for _ in range(3000):
+        if rng.random() < 0.02:  # the load changes now and then (epochs need a steady bucket to end)
+            active = rng.choice([1, 2, 3, 4, 6, 8, 12])
+        before = gate.describe()
+        would = gate.would_speculate(active)
+        assert gate.plain_now(active) is (not would)
+        assert gate.describe() == before, "asking changed the gate"
+        answer = gate.speculate(active)
+        assert answer is would, (active, before)
+        if active >= gate.settings.min_streams:  # the gate decides: it now runs the mode it answered
+            assert answer is gate.mode, (active, before, gate.describe())
+        answers.add(answer)
+        clock.now += rng.choice([0.01, 0.05, 0.2]) if rng.random() > 0.05 else 6.0  # now and then, stale
+        follows = rng.random() > 0.2
+        # Speculation pays at low load, plain decoding at high load (more tokens in the same time).
+        tokens = (rng.choice([2, 3, 4]) if active < 6 else 1) if answer else 2
+        gate.record(active, answer if follows else None, tokens)
+    assert answers == {True, False}, "both modes were chosen at some point"
