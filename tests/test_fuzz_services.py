@@ -48,11 +48,12 @@ def test_fuzzed_messages_break_nothing(fuzzed, service):
     refused = statuses["400" if service == "http" else "INVALID_ARGUMENT"]
     # The fuzz reached past the first checks: calls succeeded and calls were refused.
     assert ok > wanted // 10 and refused > wanted // 20, tally.report()
-    # The calls of a round went both as unary calls and on the call streams.
-    on_stream = {"target": "VerifyStream", "draft": "ProposeAllStream", "ngram": "ProposeAllStream"}.get(service)
-    if on_stream:
-        sent = {rpc for (_, rpc, _) in tally.counts}
-        assert {on_stream, on_stream.removesuffix("Stream")} <= sent, sent
+    # The calls of a round went as unary calls, on the call streams and on the lane (a drafter
+    # gets a few ProposeAll calls a run, among its Propose streams: two of the three carriers).
+    unary = {"target": "Verify", "draft": "ProposeAll", "ngram": "ProposeAll"}.get(service)
+    if unary:
+        sent = {rpc for (_, rpc, _) in tally.counts} & {unary, unary + "Stream", unary + "Lane"}
+        assert len(sent) >= (3 if service == "target" else 2), sent
 
 
 # ------------------------------------------------------- the oracles themselves

@@ -76,6 +76,73 @@ def call_on_stream(method, call_type, request, timeout: float = CALL_TIMEOUT_S) 
     return Outcome(grpc.StatusCode.OK, "", reply.response)
 
 
+def call_on_lane(port: int, method: str, call_type, reply_type, request,
+                 timeout: float = CALL_TIMEOUT_S) -> Outcome:
+    """`request` as one call on the lane (`_on_lane`)."""
+    return _on_lane(port, method, call_type(call_id=1, request=request).SerializeToString(), reply_type, timeout, 1)
+
+
+def raw_on_lane(port: int, method: str, data: bytes, reply_type, timeout: float = CALL_TIMEOUT_S) -> Outcome:
+    """`data` as one frame on the lane: a frame that is not a call must end
+    the connection (INVALID_ARGUMENT here), one that parses is answered
+    (with whatever call id the bytes hold)."""
+    out = _on_lane(port, method, data, reply_type, timeout, None)
+    if out.code is grpc.StatusCode.INTERNAL and out.details == "the lane ended without a reply":
+        return Outcome(grpc.StatusCode.INVALID_ARGUMENT, "the lane ended the connection")
+    return out
+
+
+def _on_lane(port: int, method: str, payload: bytes, reply_type, timeout: float, call_id: int | None) -> Outcome:
+    """`payload` as one frame on a new connection to the service's lane
+    (specdec/rpc/lane.py), spoken with plain blocking sockets, not our
+    client: the hello naming `method`, the frame, one reply. A refused
+    hello, a connection that ends without exactly one reply to the call, or
+    a reply past the deadline is seen as INTERNAL or DEADLINE_EXCEEDED."""
+    import socket
+    import struct
+
+    def frame(payload: bytes) -> bytes:
+        return struct.pack(">I", len(payload)) + payload
+
+    def read_frame(sock) -> bytes | None:
+        header = _read_exactly(sock, 4)
+        return None if header is None else _read_exactly(sock, struct.unpack(">I", header)[0])
+
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+            sock.sendall(frame(method.encode()) + frame(payload))
+            hello = read_frame(sock)
+            if hello is None or hello:
+                return Outcome(grpc.StatusCode.INTERNAL, f"the lane refused the hello: {hello!r}")
+            payload = read_frame(sock)
+    except socket.timeout:
+        return Outcome(grpc.StatusCode.DEADLINE_EXCEEDED, "no reply on the lane")
+    except OSError as exc:
+        return Outcome(grpc.StatusCode.INTERNAL, f"the lane's connection failed: {exc}")
+    if payload is None:
+        return Outcome(grpc.StatusCode.INTERNAL, "the lane ended without a reply")
+    try:
+        reply = reply_type.FromString(payload)
+    except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError: the service sent garbage
+        return Outcome(grpc.StatusCode.INTERNAL, f"an unparsable reply on the lane: {exc}")
+    if call_id is not None and reply.call_id != call_id:
+        return Outcome(grpc.StatusCode.INTERNAL, f"a reply to another call: {reply}")
+    if reply.HasField("error"):
+        return Outcome(status_from_number(reply.error.code), reply.error.message)
+    return Outcome(grpc.StatusCode.OK, "", reply.response)
+
+
+def _read_exactly(sock, size: int) -> bytes | None:
+    """`size` bytes, or None when the connection ends first."""
+    data = b""
+    while len(data) < size:
+        chunk = sock.recv(size - len(data))
+        if not chunk:
+            return None
+        data += chunk
+    return data
+
+
 @dataclass
 class Violation:
     service: str

@@ -15,7 +15,7 @@ import zlib
 from dataclasses import dataclass, field
 
 import grpc
-from specdec.fuzz.oracle import Expect, Tally, call, call_on_stream
+from specdec.fuzz.oracle import CALL_TIMEOUT_S, Expect, Tally, call, call_on_lane, call_on_stream, raw_on_lane
 from specdec.fuzz.programs import SLOTS
 from specdec.fuzz.system import MAX_CONTEXT, ROWS, USABLE_VOCAB
 from specdec.rpc.grpc_errors import status_from_number
@@ -84,6 +84,8 @@ class ServiceFuzzer:
         self.channel = grpc.insecure_channel(f"127.0.0.1:{port}")
         stub_cls = target_pb2_grpc.TargetServiceStub if service == "target" else draft_pb2_grpc.DraftServiceStub
         self.stub = stub_cls(self.channel)
+        # The service's lane (specdec/rpc/lane.py): a third of the round calls go there.
+        self.lane_port = self.stub.GetModelInfo(common_pb2.GetModelInfoRequest(), timeout=CALL_TIMEOUT_S).info.lane_port
         self.pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix=f"fuzz-{service}")
 
     def close(self) -> None:
@@ -209,9 +211,14 @@ class ServiceFuzzer:
             expect = Expect.ANY
         if all_at_once:
             wrapped = draft_pb2.ProposeAllRequest(propose=req)
-            if _on_stream(wrapped):
+            carrier = _carrier(wrapped)
+            if carrier == "stream":
                 out = call_on_stream(self.stub.ProposeAllStream, draft_pb2.ProposeAllCall, wrapped)
                 rpc = "ProposeAllStream"
+            elif carrier == "lane":
+                out = call_on_lane(self.lane_port, "/specdec.v1.DraftService/ProposeAll", draft_pb2.ProposeAllCall,
+                                   draft_pb2.ProposeAllReply, wrapped)
+                rpc = "ProposeAllLane"
             else:
                 out, rpc = call(self.stub.ProposeAll, wrapped), "ProposeAll"
             drafts = list(out.response.drafts) if out.ok else None
@@ -253,8 +260,13 @@ class ServiceFuzzer:
                 expect = Expect.ANY
             expects.append(expect)
             news.append(new)
-        if _on_stream(req):
+        carrier = _carrier(req)
+        if carrier == "stream":
             out, rpc = call_on_stream(self.stub.VerifyStream, target_pb2.VerifyCall, req), "VerifyStream"
+        elif carrier == "lane":
+            out = call_on_lane(self.lane_port, "/specdec.v1.TargetService/Verify", target_pb2.VerifyCall,
+                               target_pb2.VerifyReply, req)
+            rpc = "VerifyLane"
         else:
             out, rpc = call(self.stub.Verify, req), "Verify"
         if not self.tally.check(self.service, rpc, out, Expect.OK if call_ok else Expect.FAIL, req) or \
@@ -368,15 +380,21 @@ class ServiceFuzzer:
             data_or_stream = data
         out = call(raw, data_or_stream, streaming=streaming)
         self.tally.check(self.service, f"raw:{method}", out, Expect.ANY, data)
+        if method.endswith("Stream"):  # the same bytes as one frame on the lane
+            unary = method.removesuffix("Stream")
+            reply_type = target_pb2.VerifyReply if self.service == "target" else draft_pb2.ProposeAllReply
+            lane = raw_on_lane(self.lane_port, f"/specdec.v1.{service}/{unary}", data, reply_type)
+            self.tally.check(self.service, f"raw:{unary}Lane", lane, Expect.ANY, data)
         if out.ok and method == "OpenSession":  # garbage that parsed into a valid open: do not leak it
             sid = common_pb2.OpenSessionResponse.FromString(out.response).session_id
             call(self.stub.CloseSession, common_pb2.CloseSessionRequest(session_id=sid))
 
 
-def _on_stream(request) -> bool:
-    """Half of the ProposeAll and Verify calls go on a call stream, chosen by
-    the request's bytes (so a failing example replays the same way)."""
-    return zlib.crc32(request.SerializeToString(deterministic=True)) % 2 == 1
+def _carrier(request) -> str:
+    """A third of the ProposeAll and Verify calls go as unary calls, a third
+    on a call stream, a third on the lane, chosen by the request's bytes (so
+    a failing example replays the same way)."""
+    return ("unary", "stream", "lane")[zlib.crc32(request.SerializeToString(deterministic=True)) % 3]
 
 
 def _copy(msg):
