@@ -86,8 +86,8 @@ ENV PATH=/opt/specd/bin:$PATH \
 USER 10001:10001
 WORKDIR /home/specd
 
-# orchestrator, draft, target gRPC; Prometheus metrics
-EXPOSE 50051 50052 50053 9464
+# orchestrator, draft, target gRPC; draft and target lanes (as deploy/ sets --lane-port); Prometheus metrics
+EXPOSE 50051 50052 50053 50062 50063 9464
 
 ENTRYPOINT ["specd"]
 CMD ["--help"]

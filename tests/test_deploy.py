@@ -59,6 +59,7 @@ ROLE_FLAGS = {
 }
 BOOLEAN_FLAGS = {"--reflection", "--insecure"}
 DEFAULT_PORTS = {"orchestrator": 50051, "draft": 50052, "target": 50053}
+LANE_PORTS = {"draft": 50062, "target": 50063}  # the manifests' --lane-port (the CLI's default is a free port)
 DEFAULT_METRICS_PORT = 9464
 DEFAULT_DRAIN_GRACE_S = 20.0
 HEALTH_SERVICES = {
@@ -706,7 +707,7 @@ def test_manifests_use_only_flags_and_ports_of_the_cli_contract(rendered, render
         # The lane: a fixed port (a free one would not be in the Service or the NetworkPolicy),
         # exposed by the container and the headless Service the orchestrator resolves.
         lane = int(_serve_settings(objects, role)["--lane-port"])
-        assert lane > 0 and _container_port(_main_container(_deployment(objects, role)), "lane") == lane
+        assert lane == LANE_PORTS[role] == _container_port(_main_container(_deployment(objects, role)), "lane")
         assert lane in {p["port"] for p in service["spec"]["ports"]}
     assert orchestrator["--tokenizer"] == _serve_settings(objects, "target")["--model"]
 
@@ -892,7 +893,7 @@ def test_dockerfile_bakes_in_no_model_and_starts_specd():
     env = " ".join(rest for keyword, rest in _final_stage(instructions) if keyword == "ENV")
     assert f"SPECD_CACHE_DIR={MODEL_CACHE}" in env
     exposed = {int(p) for keyword, rest in instructions if keyword == "EXPOSE" for p in rest.split()}
-    assert exposed == {*DEFAULT_PORTS.values(), DEFAULT_METRICS_PORT}
+    assert exposed == {*DEFAULT_PORTS.values(), *LANE_PORTS.values(), DEFAULT_METRICS_PORT}
     torch_args = {rest.split("=")[0]: rest.split("=")[1] for keyword, rest in instructions if keyword == "ARG" and "=" in rest}
     assert torch_args.get("TORCH_VARIANT") == "cuda", "CUDA wheels by default (GPU nodes)"
     torch_install = next(rest for keyword, rest in instructions if keyword == "RUN" and "torch==" in rest)
