@@ -92,6 +92,7 @@ A_ACCEPTANCE_RATE = "specdec.acceptance_rate"
 A_FALLBACK_ROUNDS = "specdec.fallback_rounds"
 A_TTFT = "specdec.time_to_first_token_s"
 A_PEER = "specdec.peer"  # draft | target: the service a client span calls
+A_CARRIER = "specdec.carrier"  # lane | stream | unary: how a round's call went (specdec/rpc/lane.py, call_stream.py)
 A_ROUND = "specdec.round"  # 0-based index of the round in its request
 A_K = "specdec.k"  # k = num_draft_tokens asked for (the policy's choice after caps)
 A_RETURNED = "specdec.draft.returned"  # draft tokens actually proposed

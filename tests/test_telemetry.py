@@ -119,6 +119,9 @@ def test_one_generate_is_one_connected_trace_across_the_three_services(traced):
     assert sum(a.attributes[T.A_ACCEPTED] for a in accepts) == st.accepted_tokens
     for verify in (s for s in spans if s.name == T.SPAN_VERIFY):
         assert verify.attributes[T.A_BATCH_ITEMS] == 1 and verify.attributes[T.A_FORWARD_S] > 0
+    # Each round's calls went on the services' lanes (specdec/rpc/lane.py), and their client spans say so.
+    carried = [s.attributes.get(T.A_CARRIER) for s in spans if s.name in (T.SPAN_DRAFT_PROPOSE, T.SPAN_VERIFY_BATCH)]
+    assert carried and set(carried) == {"lane"}, carried
 
     generate = roots[0].attributes
     assert generate[T.GEN_AI_REQUEST_MODEL] == generate[T.GEN_AI_RESPONSE_MODEL] == st.target_model

@@ -35,12 +35,14 @@ import logging
 from typing import AsyncIterator, Awaitable, Callable, Iterable
 
 import grpc
+from opentelemetry import trace
 
 from specdec.errors import InvalidArgument
 from specdec.rpc import grpc_errors
 from specdec.rpc.grpc_tracing import trace_metadata
 from specdec.rpc.lane import RETRY_S, LaneClient, LaneDown
 from specdec.rpc.malformed import Malformed
+from specdec.telemetry import A_CARRIER
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +110,11 @@ class ServedStreams:
                 task.cancel()
 
 
+def _carried(carrier: str) -> None:
+    """Name the way the call goes on the caller's span (a no-op untraced)."""
+    trace.get_current_span().set_attribute(A_CARRIER, carrier)
+
+
 class _OpenStream:
     """One open stream and the calls waiting for their replies on it."""
 
@@ -144,9 +151,11 @@ class CallStream:
         lane = self.lane
         if lane is not None and lane.usable():
             try:
+                _carried("lane")
                 return await lane(request, timeout)
             except LaneDown as exc:  # nothing was sent: the call goes on the stream
                 log.warning("%s; calls go by gRPC, the lane is tried again in %.0f s", exc, RETRY_S)
+        _carried("stream" if self.enabled else "unary")
         if not self.enabled:
             return await self._unary(request, timeout=timeout, metadata=trace_metadata())
         stream = self._stream if self._stream is not None else self._open()
@@ -164,6 +173,7 @@ class CallStream:
             if exc.code() is grpc.StatusCode.UNIMPLEMENTED and self.enabled:
                 log.info("the %s service has no call streams: unary calls from now on", self._service)
                 self.enabled = False
+                _carried("unary")
                 return await self._unary(request, timeout=timeout, metadata=trace_metadata())
             raise
         finally:
