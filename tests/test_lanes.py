@@ -315,3 +315,23 @@ def test_after_a_break_the_client_asks_the_service_for_its_lane_port_again():
         second.close()
 
     _run(main())
+
+
+def test_a_caller_cancelled_while_the_lane_opens_leaves_it_usable_and_reopenable():
+    async def main():
+        server = await _server()
+        client = _client(server.port)
+        first = asyncio.ensure_future(client(_request("a"), 5))
+        await asyncio.sleep(0)  # the opening has started
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        await asyncio.sleep(0.2)  # the opening finished with nobody waiting
+        assert (await client(_request("a", keep=6), 5)).drafts[0].token_id == 6
+        client._connection.writer.transport.abort()  # then the connection breaks
+        await asyncio.sleep(0.05)
+        assert (await client(_request("a", keep=7), 5)).drafts[0].token_id == 7  # a new one, not the dead one
+        await client.close()
+        server.close()
+
+    _run(main())

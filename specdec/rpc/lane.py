@@ -53,7 +53,8 @@ from specdec.rpc.grpc_tracing import trace_metadata
 log = logging.getLogger(__name__)
 
 HEADER = 4  # bytes of a frame's length
-CONNECT_S = 2.0  # longest wait for a lane to open, on top of nothing: past it the call goes by gRPC
+CONNECT_S = 2.0  # longest wait for a lane to open (connect, TLS, hello): past it the call goes by gRPC
+HELLO_S = 10.0  # the server's limit for a new connection's TLS handshake and hello
 RETRY_S = 10.0  # after a lane could not be opened, calls go by gRPC this long before it is tried again
 
 
@@ -163,8 +164,8 @@ class LaneServer:
                 await self._read_calls(reader, writer, answering)
         except asyncio.CancelledError:
             pass  # a drain: answer what was read, then end
-        except (asyncio.IncompleteReadError, ConnectionError, ssl.SSLError, TimeoutError):
-            pass  # the caller went away
+        except (asyncio.IncompleteReadError, OSError, TimeoutError):
+            pass  # the caller went away (or failed the TLS handshake, or sent no hello in time)
         except ValueError as exc:  # an oversized or unparsable frame: not our client
             log.warning("lane %s: ending a connection from %s: %s", self.method, _peer(writer), exc)
         finally:
@@ -175,7 +176,7 @@ class LaneServer:
 
     async def _opened(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
         """The handshake: TLS (when on), then the method; a refusal is sent as the hello's text."""
-        async with asyncio.timeout(CONNECT_S * 5):
+        async with asyncio.timeout(HELLO_S):
             refusal = ""
             if self.tls is not None:
                 await writer.start_tls(self.tls.context())
@@ -277,15 +278,13 @@ class LaneClient:
         return reply.response
 
     async def _open(self, timeout: float) -> "_Connection":
-        """The connection, opened by the first caller (the others wait for it)."""
-        if self._opening is None:
+        """The connection, opened by the first caller (the others wait for it;
+        a caller cancelled meanwhile does not stop the opening)."""
+        if self._opening is None or self._opening.done():
             self._opening = asyncio.ensure_future(self._connect(min(timeout, CONNECT_S)))
-        opening = self._opening
-        try:
-            return await asyncio.shield(opening)
-        finally:
-            if opening.done() and self._opening is opening:
-                self._opening = None
+            # Read by whoever awaits it; retrieved here too, for when every caller was cancelled.
+            self._opening.add_done_callback(lambda f: f.cancelled() or f.exception())
+        return await asyncio.shield(self._opening)
 
     async def _connect(self, timeout: float) -> "_Connection":
         try:
