@@ -172,7 +172,7 @@ def test_a_drain_answers_what_was_read_and_refuses_new_connections():
 
 def test_call_stream_uses_the_lane_then_grpc_when_the_lane_is_down():
     target_engine, draft_engine = tiny_engine(seed=0), tiny_engine(seed=1)
-    with running_draft(draft_engine) as (draft, _, _):
+    with running_draft(draft_engine) as (draft, _, service_loop):
         assert draft.lane is not None and draft.servicer.lane_port == draft.lane.port > 0
 
         async def main():
@@ -184,9 +184,11 @@ def test_call_stream_uses_the_lane_then_grpc_when_the_lane_is_down():
             before = draft.lane.answered
             on_lane, _ = await client.propose(sid, 3, [], 3, DEADLINE_S)
             assert draft.lane.answered == before + 1
-            # The lane goes away (its port no longer answers): the call goes on the gRPC stream.
-            client.propose_all.lane.port = _closed_port()
-            await client.propose_all.lane.close()
+            # The lane goes away (the service stops listening there, and the open connection
+            # breaks): the call goes on the gRPC stream, in the time the failed opening left.
+            service_loop.loop.call_soon_threadsafe(draft.lane.close)  # on the service's own loop
+            await asyncio.sleep(0.2)  # its drain ends the connection; the client sees it end
+            assert client.propose_all.lane._connection is None
             by_grpc, _ = await client.propose(sid, 3, [], 3, DEADLINE_S)
             assert draft.lane.answered == before + 1 and not client.propose_all.lane.usable()
             assert [d.token_id for d in by_grpc] == [d.token_id for d in on_lane]
@@ -335,3 +337,85 @@ def test_a_caller_cancelled_while_the_lane_opens_leaves_it_usable_and_reopenable
         server.close()
 
     _run(main())
+
+
+def test_a_connection_that_ends_right_after_the_hello_fails_its_calls_at_once():
+    """A server that welcomes and then closes (a drain starting just then):
+    calls handed that connection fail UNAVAILABLE at once, never waiting out
+    their deadline, and never with a transport's RuntimeError."""
+    async def welcome_and_close(reader, writer):
+        await lane_mod.read_frame(reader, 1024)
+        writer.write(lane_mod.frame(b""))
+        await writer.drain()
+        writer.close()
+
+    async def main():
+        server = await asyncio.start_server(welcome_and_close, "127.0.0.1", 0)
+        client = _client(server.sockets[0].getsockname()[1])
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        outcomes = await asyncio.gather(*(client(_request("a"), 5) for _ in range(3)), return_exceptions=True)
+        assert loop.time() - start < 2.0, "a call waited for its deadline"
+        for outcome in outcomes:
+            assert isinstance(outcome, grpc.aio.AioRpcError), outcome
+            assert outcome.code() is grpc.StatusCode.UNAVAILABLE, outcome
+        server.close()
+
+    _run(main())
+
+
+def test_an_oversized_call_fails_alone_and_a_closed_client_sends_nothing():
+    async def main():
+        server = await _server()
+        client = _client(server.port, max_message_bytes=256)
+        with pytest.raises(grpc.aio.AioRpcError) as big:
+            await client(_request("x" * 300), 5)
+        assert big.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert (await client(_request("a", keep=8), 5)).drafts[0].token_id == 8  # the connection serves on
+        await client.close()
+        assert not client.usable()
+        with pytest.raises(LaneDown, match="closed"):
+            await client(_request("a"), 5)
+        server.close()
+        await server.wait_closed(1)
+
+    _run(main())
+
+
+def test_a_service_drain_waits_for_its_lane_calls():
+    """A drain's grace period covers the calls being answered on the lane:
+    the service's drain returns only once they are answered."""
+    target_engine = tiny_engine(seed=0)
+    with running_target(target_engine) as (target, _, service_loop):
+        lane = target.lane
+        assert lane is not None and lane.port > 0
+        slow_answers = []
+
+        async def slow(request, trace_context):
+            await asyncio.sleep(0.5)
+            slow_answers.append(True)
+            from specdec.v1 import target_pb2
+
+            return target_pb2.VerifyResponse()
+
+        lane.handle = slow
+
+        async def main():
+            from specdec.v1 import target_pb2
+
+            client = LaneClient("127.0.0.1", lane.port, "/specdec.v1.TargetService/Verify", target_pb2.VerifyCall,
+                                target_pb2.VerifyReply, "target")
+            call = asyncio.ensure_future(client(target_pb2.VerifyRequest(), 5))
+            await asyncio.sleep(0.1)
+            drained = asyncio.wrap_future(asyncio.run_coroutine_threadsafe(target.running.drain(5.0),
+                                                                           service_loop.loop))
+            await drained
+            assert slow_answers == [True], "the drain returned before the lane's call was answered"
+            await call
+            await client.close()
+
+        client_loop = BackgroundLoop()
+        try:
+            client_loop.run(main())
+        finally:
+            client_loop.close()

@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from typing import AsyncIterator, Awaitable, Callable, Iterable
 
 import grpc
@@ -40,7 +41,7 @@ from opentelemetry import trace
 from specdec.errors import InvalidArgument
 from specdec.rpc import grpc_errors
 from specdec.rpc.grpc_tracing import trace_metadata
-from specdec.rpc.lane import RETRY_S, LaneClient, LaneDown
+from specdec.rpc.lane import LaneClient, LaneDown
 from specdec.rpc.malformed import Malformed
 from specdec.telemetry import A_CARRIER
 
@@ -150,11 +151,14 @@ class CallStream:
     async def __call__(self, request, timeout: float):
         lane = self.lane
         if lane is not None and lane.usable():
+            start = time.monotonic()
             try:
                 _carried("lane")
                 return await lane(request, timeout)
-            except LaneDown as exc:  # nothing was sent: the call goes on the stream
-                log.warning("%s; calls go by gRPC, the lane is tried again in %.0f s", exc, RETRY_S)
+            except LaneDown:  # nothing was sent (the lane logged why): the call goes by gRPC, in what is left
+                timeout -= time.monotonic() - start
+                if timeout <= 0:
+                    raise grpc_errors.rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
         _carried("stream" if self.enabled else "unary")
         if not self.enabled:
             return await self._unary(request, timeout=timeout, metadata=trace_metadata())

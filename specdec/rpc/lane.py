@@ -41,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import socket
 import ssl
 import time
 from typing import Awaitable, Callable
@@ -55,6 +56,8 @@ log = logging.getLogger(__name__)
 HEADER = 4  # bytes of a frame's length
 CONNECT_S = 2.0  # longest wait for a lane to open (connect, TLS, hello): past it the call goes by gRPC
 HELLO_S = 10.0  # the server's limit for a new connection's TLS handshake and hello
+MAX_CALLS_IN_FLIGHT = 1024  # calls one connection may have the server answering at once; reading waits past it
+KEEPALIVE = (30, 10, 3)  # TCP keepalive: idle s, interval s, probes (a peer gone without a word is found in ~60 s)
 RETRY_S = 10.0  # after a lane could not be opened, calls go by gRPC this long before it is tried again
 
 
@@ -114,10 +117,11 @@ class LaneTls:
 
 
 def certificate_names(certificate: dict) -> list[str]:
-    """A certificate's common name and DNS subject alternative names, as
+    """A certificate's common name and subject alternative names (every
+    kind, as grpc's `x509_subject_alternative_name`), as
     `ssl.SSLSocket.getpeercert()` describes them."""
     names = [value for rdn in certificate.get("subject", ()) for key, value in rdn if key == "commonName"]
-    names += [value for kind, value in certificate.get("subjectAltName", ()) if kind == "DNS"]
+    names += [value for _kind, value in certificate.get("subjectAltName", ())]  # DNS, URI, IP, email: as grpc reads them
     return list(dict.fromkeys(names))
 
 
@@ -148,17 +152,25 @@ class LaneServer:
 
     def close(self) -> None:
         """Stop accepting and stop reading calls; each connection ends once
-        the calls it has read are answered."""
+        the calls it has read are answered (`wait_closed`)."""
+        if self.closed:
+            return
         self.closed = True
         if self._server is not None:
             self._server.close()
         for connection in list(self._connections):
             connection.cancel()
 
+    async def wait_closed(self, grace_s: float) -> None:
+        """After `close`: wait up to `grace_s` for the calls read to be answered."""
+        if self._connections:
+            await asyncio.wait(list(self._connections), timeout=max(grace_s, 0.0))
+
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         self._connections.add(task)
         answering: set[asyncio.Future] = set()
+        _keepalive(writer)
         try:
             if await self._opened(reader, writer):
                 await self._read_calls(reader, writer, answering)
@@ -169,10 +181,10 @@ class LaneServer:
         except ValueError as exc:  # an oversized or unparsable frame: not our client
             log.warning("lane %s: ending a connection from %s: %s", self.method, _peer(writer), exc)
         finally:
-            self._connections.discard(task)
             while answering:
                 await asyncio.gather(*answering, return_exceptions=True)
             writer.close()
+            self._connections.discard(task)  # last: a drain waits for this connection until here
 
     async def _opened(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
         """The handshake: TLS (when on), then the method; a refusal is sent as the hello's text."""
@@ -195,14 +207,19 @@ class LaneServer:
 
     async def _read_calls(self, reader, writer, answering: set) -> None:
         # Replies are written whole, one frame each, as their calls finish.
-        def send(reply) -> None:
-            if not writer.is_closing():
-                writer.write(frame(reply.SerializeToString()))
-
         async def answer(call) -> None:
             reply = await grpc_errors.answer_call(call, self.handle, self.reply_type, self.handler_name)
+            payload = reply.SerializeToString()
+            if len(payload) > self.max_message_bytes:  # refuse this call, not the connection
+                over = self.reply_type(call_id=call.call_id)
+                over.error.code = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+                over.error.message = (f"the reply ({len(payload)} bytes) is larger than the service's "
+                                      f"--max-message-bytes ({self.max_message_bytes})")
+                payload = over.SerializeToString()
             self.answered += 1  # before the reply leaves: whoever reads the reply sees it counted
-            send(reply)
+            if not writer.is_closing():
+                writer.write(frame(payload))
+                await writer.drain()  # a caller that does not read its replies slows its own answers
 
         while not self.closed:
             payload = await read_frame(reader, self.max_message_bytes)
@@ -213,6 +230,8 @@ class LaneServer:
             task = asyncio.ensure_future(answer(call))
             answering.add(task)
             task.add_done_callback(answering.discard)
+            while len(answering) >= MAX_CALLS_IN_FLIGHT:
+                await asyncio.wait(list(answering), return_when=asyncio.FIRST_COMPLETED)
 
 
 def _peer(writer: asyncio.StreamWriter) -> str:
@@ -230,7 +249,8 @@ class LaneClient:
     One connection, opened at the first call and again after it breaks."""
 
     def __init__(self, host: str, port: int, method: str, call_type, reply_type, service: str,
-                 max_message_bytes: int = 16 << 20, ssl_context: ssl.SSLContext | None = None,
+                 max_message_bytes: int = 16 << 20,
+                 ssl_context: ssl.SSLContext | Callable[[], ssl.SSLContext] | None = None,
                  server_hostname: str = "", clock: Callable[[], float] = time.monotonic,
                  find_port: Callable[[float], Awaitable[int]] | None = None):
         self.host, self.port, self.method = host, port, method
@@ -238,6 +258,8 @@ class LaneClient:
         self.reply_type = reply_type
         self.service = service
         self.max_message_bytes = max_message_bytes
+        # TLS: a context, or a function making one per connection (a renewed
+        # client certificate is then presented from the next connection on).
         self.ssl_context = ssl_context
         self.server_hostname = server_hostname or host
         self.clock = clock
@@ -249,24 +271,37 @@ class LaneClient:
         self._connection: _Connection | None = None
         self._opening: asyncio.Future | None = None
         self._down_until = 0.0
+        self._closed = False
 
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
     def usable(self) -> bool:
-        """Whether a call should try the lane (not within RETRY_S of failing to open it)."""
-        return self._connection is not None or self.clock() >= self._down_until
+        """Whether a call should try the lane (not closed, nor within RETRY_S of failing to open it)."""
+        return not self._closed and (self._connection is not None or self.clock() >= self._down_until)
 
     async def __call__(self, request, timeout: float):
+        if self._closed:
+            raise LaneDown(f"the {self.service} service's lane client is closed")
         connection = self._connection if self._connection is not None else await self._open(timeout)
         call_id = next(self._ids)
         message = self.call_type(call_id=call_id, request=request,
                                  trace_context=dict(trace_metadata() or ()))
+        payload = message.SerializeToString()
+        if len(payload) > self.max_message_bytes:  # this call fails, not the connection it would break
+            raise grpc_errors.rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                        f"the call ({len(payload)} bytes) is larger than the limit "
+                                        f"({self.max_message_bytes} bytes)")
+        if connection.error is not None or connection.writer.is_closing():
+            raise connection.error or _broken(self)
         reply_future = asyncio.get_running_loop().create_future()
         connection.waiting[call_id] = reply_future
         try:
-            connection.writer.write(frame(message.SerializeToString()))
+            try:
+                connection.writer.write(frame(payload))
+            except (RuntimeError, OSError):  # the transport closed under us: the reader fails the rest
+                raise _broken(self) from None
             async with asyncio.timeout(timeout):
                 reply = await reply_future
         except TimeoutError:
@@ -288,14 +323,17 @@ class LaneClient:
 
     async def _connect(self, timeout: float) -> "_Connection":
         try:
+            if self._closed:
+                raise LaneDown(f"the {self.service} service's lane client is closed")
             async with asyncio.timeout(timeout):
                 if self._stale and self.find_port is not None:
                     self.port = await self.find_port(timeout)
                     if self.port <= 0:
                         raise LaneDown(f"the {self.service} service no longer offers a lane")
+                context = self.ssl_context() if callable(self.ssl_context) else self.ssl_context
                 reader, writer = await asyncio.open_connection(
-                    self.host, self.port, limit=1 << 16, ssl=self.ssl_context,
-                    server_hostname=self.server_hostname if self.ssl_context else None)
+                    self.host, self.port, limit=1 << 16, ssl=context,
+                    server_hostname=self.server_hostname if context else None)
                 writer.write(frame(self.method.encode()))
                 refusal = (await read_frame(reader, 1 << 16)).decode(errors="replace")
             if refusal:
@@ -305,11 +343,16 @@ class LaneClient:
                 grpc.aio.AioRpcError) as exc:
             self._down_until = self.clock() + RETRY_S
             self._stale = True
-            if isinstance(exc, LaneDown):
-                raise
-            raise LaneDown(f"the {self.service} service's lane at {self.address} could not be opened: "
-                           f"{type(exc).__name__}: {exc}") from None
+            down = exc if isinstance(exc, LaneDown) else LaneDown(
+                f"the {self.service} service's lane at {self.address} could not be opened: {type(exc).__name__}: {exc}")
+            if not self._closed:  # once per attempt, however many callers waited on it
+                log.warning("%s; calls go by gRPC, the lane is tried again in %.0f s", down, RETRY_S)
+            raise down from None
+        if self._closed:  # closed while opening: do not keep what was opened
+            writer.close()
+            raise LaneDown(f"the {self.service} service's lane client is closed")
         self._stale = False
+        _keepalive(writer)
         connection = _Connection(writer)
         connection.reader = asyncio.ensure_future(self._read(connection, reader))
         self._connection = connection
@@ -328,6 +371,7 @@ class LaneClient:
         except Exception as exc:  # noqa: BLE001 - the end of the connection, whatever ended it
             error = grpc_errors.rpc_error(grpc.StatusCode.UNAVAILABLE, f"the {self.service} service's lane at "
                                           f"{self.address} broke: {type(exc).__name__}")
+        connection.error = error  # a caller that got this connection before now fails at once
         if self._connection is connection:
             self._connection = None
             self._stale = True
@@ -338,6 +382,11 @@ class LaneClient:
         connection.writer.close()
 
     async def close(self) -> None:
+        """End the connection (calls in flight fail CANCELLED) and any opening; later calls raise LaneDown."""
+        self._closed = True
+        if self._opening is not None and not self._opening.done():
+            self._opening.cancel()
+            await asyncio.gather(self._opening, return_exceptions=True)
         connection, self._connection = self._connection, None
         if connection is not None and connection.reader is not None:
             connection.reader.cancel()
@@ -349,3 +398,25 @@ class _Connection:
         self.writer = writer
         self.reader: asyncio.Task | None = None
         self.waiting: dict[int, asyncio.Future] = {}
+        self.error: grpc.aio.AioRpcError | None = None  # set once the connection has ended
+
+
+def _broken(client: LaneClient) -> grpc.aio.AioRpcError:
+    return grpc_errors.rpc_error(grpc.StatusCode.UNAVAILABLE,
+                                 f"the {client.service} service's lane at {client.address} is closed")
+
+
+def _keepalive(writer: asyncio.StreamWriter) -> None:
+    """TCP keepalive on the connection, so that a peer gone without a word
+    (a node lost, a partition) ends it in about a minute rather than when
+    the kernel gives up retransmitting."""
+    sock = writer.get_extra_info("socket")
+    if sock is None:
+        return
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for option, value in zip(("TCP_KEEPIDLE", "TCP_KEEPINTVL", "TCP_KEEPCNT"), KEEPALIVE):
+            if hasattr(socket, option):
+                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
+    except OSError:  # not a TCP socket (tests), or the platform refuses: the connection works without
+        pass

@@ -68,6 +68,7 @@ async def start_model_service(
         if server_cfg.lane_port >= 0:
             lane = await start_lane(servicer, server_cfg, tls)
             running.drain_hooks.append(lane.close)
+            running.drain_waits.append(lane.wait_closed)
         backend = await worker.run(build_backend)
     except BaseException:
         await running.drain(0)

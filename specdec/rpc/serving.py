@@ -9,7 +9,7 @@ import math
 import signal
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Awaitable, Callable, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -161,6 +161,9 @@ class RunningServer:
         # Run when a drain stops accepting calls: what must end for the grace
         # period to be able to end (the servicers' long-lived call streams).
         self.drain_hooks: list[Callable[[], None]] = []
+        # Awaited with the grace period during a drain: what answers calls
+        # outside the gRPC server (the services' lanes) and must finish too.
+        self.drain_waits: list[Callable[[float], Awaitable[None]]] = []
 
     async def set_status(self, status) -> None:
         for name in self.service_names:
@@ -179,7 +182,7 @@ class RunningServer:
         stopping = asyncio.ensure_future(self.server.stop(grace_s))
         for hook in self.drain_hooks:
             hook()
-        await stopping
+        await asyncio.gather(stopping, *(wait(grace_s) for wait in self.drain_waits))
         if self.health_server is not None:
             await self.health_server.stop(0)
         self._stopped.set()
