@@ -6,6 +6,7 @@ import asyncio
 import ssl
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import grpc
 
@@ -29,7 +30,7 @@ class LaneDialing:
     """How a lane is dialed over TLS: the context (CA, client certificate)
     and the name the service's certificate must carry."""
 
-    context: ssl.SSLContext
+    context: ssl.SSLContext | Callable[[], ssl.SSLContext]  # or a function making one per connection
     server_hostname: str
 
 

@@ -56,7 +56,8 @@ class Dialer:
         """How to dial the replica's lane: TLS as its channel, or None for plaintext."""
         if self.tls is None:
             return None
-        return LaneDialing(self.tls.ssl_context(),
+        # The context is made per connection: a renewed client certificate is presented from the next one.
+        return LaneDialing(self.tls.ssl_context,
                            server_name_of(service_address) or split_address(replica_address)[0])
 
 

@@ -419,3 +419,47 @@ def test_a_service_drain_waits_for_its_lane_calls():
             client_loop.run(main())
         finally:
             client_loop.close()
+
+
+def test_over_mutual_tls_the_orchestrators_dialing_reaches_a_services_lane(tmp_path):
+    """A target serving mutual TLS: the orchestrator's own dialing (its
+    Dialer, as build_backends uses it) opens the lane over TLS and Verify
+    goes there."""
+    from orchestrator.security import Dialer
+    from specdec.rpc.model_service import SessionLimits
+    from specdec.security.local_ca import LocalTls
+    from specdec.security.tls import ClientTls, TlsConfig
+    from specdec.v1 import target_pb2
+    from target_service.server import start_target_service
+    from target_service.verifier import Verifier
+    from tests.harness import local_config
+
+    pki = LocalTls.create(tmp_path)
+    own, caller = pki.files["target"], pki.files["orchestrator"]
+    limits = SessionLimits()
+    engine = tiny_engine(seed=0)
+    service_loop = BackgroundLoop()
+    service = service_loop.run(start_target_service(
+        local_config(), limits, lambda: Verifier(engine, limits.max_draft_tokens, limits.max_verify_batch),
+        tls=TlsConfig(tls_cert=own.cert, tls_key=own.key, tls_ca=own.ca)))
+
+    async def main():
+        dial = Dialer(ClientTls(caller.ca, caller.cert, caller.key))
+        address = f"127.0.0.1:{service.port}"
+        client = TargetClient(dial.channel(address, address))
+        await client.fetch_info(DEADLINE_S)
+        assert client.use_lane("127.0.0.1", dial.lane(address, address))
+        sid, _ = await client.open(open_request([5, 9, 14], 0.0, 0, 1.0, 1, 32, "tls-lane"), DEADLINE_S)
+        item = target_pb2.VerifyItem(session_id=sid, keep_length=3, draft_token_ids=[7, 8])
+        reply, _ = await client.verify([item], DEADLINE_S)
+        assert len(reply.results[0].argmax_token_ids) == 3
+        assert service.lane.answered == 1 and service.lane.tls is not None
+        await client.aclose()
+
+    client_loop = BackgroundLoop()
+    try:
+        client_loop.run(main())
+    finally:
+        client_loop.close()
+        service_loop.run(service.stop(0))
+        service_loop.close()
