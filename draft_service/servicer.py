@@ -4,7 +4,7 @@ from __future__ import annotations
 import functools
 
 from draft_service.step_batcher import DraftStepBatcher
-from specdec.rpc import grpc_errors
+from specdec.rpc import grpc_errors, lane_methods
 from specdec.rpc.model_service import LaneCall, SessionServicer
 from specdec.telemetry import A_APPENDED, A_K, A_MIN_CONFIDENCE, A_TOKENS, NOOP, SPAN_PROPOSE
 from specdec.v1 import draft_pb2, draft_pb2_grpc
@@ -45,11 +45,10 @@ class DraftServicer(SessionServicer, draft_pb2_grpc.DraftServiceServicer):
     async def ProposeAllStream(self, calls, context):
         """ProposeAll calls as messages on one long-lived stream (specdec.rpc.call_stream)."""
         call = self.lane_call()
-        await self.call_streams.serve(calls, context, call.handle, call.reply_type, call.handler_name)
+        await self.call_streams.serve(calls, context, call.handle, call.method.reply_type, call.handler_name)
 
     def lane_call(self) -> LaneCall:
-        return LaneCall("/specdec.v1.DraftService/ProposeAll", self._propose_all, draft_pb2.ProposeAllCall,
-                        draft_pb2.ProposeAllReply, "DraftServicer.ProposeAll")
+        return LaneCall(lane_methods.DRAFT, self._propose_all, "DraftServicer.ProposeAll")
 
     async def _propose_all(self, request, metadata):
         """Propose answered in one message: one message on the wire instead

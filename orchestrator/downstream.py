@@ -12,7 +12,9 @@ import grpc
 
 from specdec.errors import Unavailable
 from specdec.rpc.call_stream import CallStream
+from specdec.rpc import lane_methods
 from specdec.rpc.lane import LaneClient
+from specdec.rpc.lane_methods import LaneMethod
 from specdec.rpc.grpc_tracing import trace_metadata
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
@@ -69,8 +71,8 @@ class ModelClient:
         replica's address) when its ModelInfo advertises one; whether it does."""
         if self.info is None or self.info.lane_port <= 0:
             return False
-        calls, method, call_type, reply_type = self.lane_call()
-        calls.lane = LaneClient(host, self.info.lane_port, method, call_type, reply_type, self.name,
+        calls, method = self.lane_call()
+        calls.lane = LaneClient(host, self.info.lane_port, method.path, method.call_type, method.reply_type, self.name,
                                 ssl_context=tls.context if tls else None,
                                 server_hostname=tls.server_hostname if tls else "", find_port=self._lane_port)
         return True
@@ -79,7 +81,8 @@ class ModelClient:
         """The lane's port as the service now reports it (it may have restarted on another)."""
         return (await self.fetch_info(timeout)).lane_port
 
-    def lane_call(self) -> tuple[CallStream, str, type, type]:
+    def lane_call(self) -> tuple[CallStream, LaneMethod]:
+        """The call stream whose calls may go on the lane, and the lane's method."""
         raise NotImplementedError
 
     async def open(self, request: common_pb2.OpenSessionRequest, timeout: float) -> tuple[str, CallCost]:
@@ -105,8 +108,7 @@ class DraftClient(ModelClient):
         self.call_streams.append(self.propose_all)
 
     def lane_call(self):
-        return (self.propose_all, "/specdec.v1.DraftService/ProposeAll", draft_pb2.ProposeAllCall,
-                draft_pb2.ProposeAllReply)
+        return self.propose_all, lane_methods.DRAFT
 
     async def propose(self, session_id: str, keep_length: int, append: list[int], k: int, timeout: float,
                       first: asyncio.Future | None = None,
@@ -146,7 +148,7 @@ class TargetClient(ModelClient):
         self.call_streams.append(self.verify_calls)
 
     def lane_call(self):
-        return self.verify_calls, "/specdec.v1.TargetService/Verify", target_pb2.VerifyCall, target_pb2.VerifyReply
+        return self.verify_calls, lane_methods.TARGET
 
     async def verify(self, items: list[target_pb2.VerifyItem],
                      timeout: float) -> tuple[target_pb2.VerifyResponse, int]:

@@ -63,8 +63,7 @@ from specdec.limits import DEFAULT_MAX_DRAFT_TOKENS
 from specdec.sampling.rejection import RoundResult, VerifyOutcome, accept_greedy, accept_sampled
 from specdec.sampling.sparse import prob_of
 from specdec.telemetry import (A_ACCEPTED, A_BATCH_ITEMS, A_BATCH_SESSIONS, A_EMITTED, A_FALLBACK, A_K, A_MIN_CONFIDENCE,
-                               A_PLAIN, A_RETURNED,
-                               A_ROUND, NOOP, SPAN_ACCEPT, SPAN_DRAFT_PROPOSE, SPAN_ROUND, SPAN_TARGET_VERIFY,
+                               A_PLAIN, A_RETURNED, A_ROUND, NOOP, SPAN_ACCEPT, SPAN_DRAFT_PROPOSE, SPAN_ROUND, SPAN_TARGET_VERIFY,
                                Telemetry)
 from specdec.v1 import target_pb2
 

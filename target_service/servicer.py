@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 
-from specdec.rpc import grpc_errors
+from specdec.rpc import grpc_errors, lane_methods
 from specdec.rpc.model_service import LaneCall, SessionServicer
 from specdec.telemetry import (A_APPENDED, A_BATCH_ITEMS, A_BATCH_SESSIONS, A_FORWARD_S, A_K, A_TOKENS,
                                SPAN_DECODE, SPAN_VERIFY)
@@ -20,11 +20,10 @@ class TargetServicer(SessionServicer, target_pb2_grpc.TargetServiceServicer):
     async def VerifyStream(self, calls, context):
         """Verify calls as messages on one long-lived stream (specdec.rpc.call_stream)."""
         call = self.lane_call()
-        await self.call_streams.serve(calls, context, call.handle, call.reply_type, call.handler_name)
+        await self.call_streams.serve(calls, context, call.handle, call.method.reply_type, call.handler_name)
 
     def lane_call(self) -> LaneCall:
-        return LaneCall("/specdec.v1.TargetService/Verify", self._verify, target_pb2.VerifyCall,
-                        target_pb2.VerifyReply, "TargetServicer.Verify")
+        return LaneCall(lane_methods.TARGET, self._verify, "TargetServicer.Verify")
 
     async def _verify(self, request, metadata):
         """One batched call serves several requests: its span is a child of

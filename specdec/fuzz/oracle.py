@@ -25,6 +25,7 @@ from typing import Callable
 import grpc
 
 from specdec.rpc.grpc_errors import status_from_number
+from specdec.rpc.lane_methods import LaneMethod
 
 BAD = frozenset({grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.DEADLINE_EXCEEDED})
 CALL_TIMEOUT_S = 20.0  # each call's deadline: far above what any fuzzed call needs on the tiny models
@@ -76,17 +77,17 @@ def call_on_stream(method, call_type, request, timeout: float = CALL_TIMEOUT_S) 
     return Outcome(grpc.StatusCode.OK, "", reply.response)
 
 
-def call_on_lane(port: int, method: str, call_type, reply_type, request,
-                 timeout: float = CALL_TIMEOUT_S) -> Outcome:
+def call_on_lane(port: int, method: LaneMethod, request, timeout: float = CALL_TIMEOUT_S) -> Outcome:
     """`request` as one call on the lane (`_on_lane`)."""
-    return _on_lane(port, method, call_type(call_id=1, request=request).SerializeToString(), reply_type, timeout, 1)
+    payload = method.call_type(call_id=1, request=request).SerializeToString()
+    return _on_lane(port, method.path, payload, method.reply_type, timeout, 1)
 
 
-def raw_on_lane(port: int, method: str, data: bytes, reply_type, timeout: float = CALL_TIMEOUT_S) -> Outcome:
+def raw_on_lane(port: int, method: LaneMethod, data: bytes, timeout: float = CALL_TIMEOUT_S) -> Outcome:
     """`data` as one frame on the lane: a frame that is not a call must end
     the connection (INVALID_ARGUMENT here), one that parses is answered
     (with whatever call id the bytes hold)."""
-    out = _on_lane(port, method, data, reply_type, timeout, None)
+    out = _on_lane(port, method.path, data, method.reply_type, timeout, None)
     if out.code is grpc.StatusCode.INTERNAL and out.details == "the lane ended without a reply":
         return Outcome(grpc.StatusCode.INVALID_ARGUMENT, "the lane ended the connection")
     return out

@@ -15,9 +15,11 @@ import zlib
 from dataclasses import dataclass, field
 
 import grpc
+
 from specdec.fuzz.oracle import CALL_TIMEOUT_S, Expect, Tally, call, call_on_lane, call_on_stream, raw_on_lane
 from specdec.fuzz.programs import SLOTS
 from specdec.fuzz.system import MAX_CONTEXT, ROWS, USABLE_VOCAB
+from specdec.rpc import lane_methods
 from specdec.rpc.grpc_errors import status_from_number
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
@@ -216,8 +218,7 @@ class ServiceFuzzer:
                 out = call_on_stream(self.stub.ProposeAllStream, draft_pb2.ProposeAllCall, wrapped)
                 rpc = "ProposeAllStream"
             elif carrier == "lane":
-                out = call_on_lane(self.lane_port, "/specdec.v1.DraftService/ProposeAll", draft_pb2.ProposeAllCall,
-                                   draft_pb2.ProposeAllReply, wrapped)
+                out = call_on_lane(self.lane_port, lane_methods.DRAFT, wrapped)
                 rpc = "ProposeAllLane"
             else:
                 out, rpc = call(self.stub.ProposeAll, wrapped), "ProposeAll"
@@ -264,8 +265,7 @@ class ServiceFuzzer:
         if carrier == "stream":
             out, rpc = call_on_stream(self.stub.VerifyStream, target_pb2.VerifyCall, req), "VerifyStream"
         elif carrier == "lane":
-            out = call_on_lane(self.lane_port, "/specdec.v1.TargetService/Verify", target_pb2.VerifyCall,
-                               target_pb2.VerifyReply, req)
+            out = call_on_lane(self.lane_port, lane_methods.TARGET, req)
             rpc = "VerifyLane"
         else:
             out, rpc = call(self.stub.Verify, req), "Verify"
@@ -381,10 +381,9 @@ class ServiceFuzzer:
         out = call(raw, data_or_stream, streaming=streaming)
         self.tally.check(self.service, f"raw:{method}", out, Expect.ANY, data)
         if method.endswith("Stream"):  # the same bytes as one frame on the lane
-            unary = method.removesuffix("Stream")
-            reply_type = target_pb2.VerifyReply if self.service == "target" else draft_pb2.ProposeAllReply
-            lane = raw_on_lane(self.lane_port, f"/specdec.v1.{service}/{unary}", data, reply_type)
-            self.tally.check(self.service, f"raw:{unary}Lane", lane, Expect.ANY, data)
+            lane_method = lane_methods.TARGET if self.service == "target" else lane_methods.DRAFT
+            lane = raw_on_lane(self.lane_port, lane_method, data)
+            self.tally.check(self.service, f"raw:{method.removesuffix('Stream')}Lane", lane, Expect.ANY, data)
         if out.ok and method == "OpenSession":  # garbage that parsed into a valid open: do not leak it
             sid = common_pb2.OpenSessionResponse.FromString(out.response).session_id
             call(self.stub.CloseSession, common_pb2.CloseSessionRequest(session_id=sid))

@@ -56,14 +56,19 @@ def api_key_check(checker: ApiKeyChecker) -> Check:
     return check
 
 
+def caller_refusal(names: list[str], allowed: frozenset[str]) -> str:
+    """Why a caller whose certificate carries `names` is refused ('' when
+    one of them is allowed): for the gRPC port and the lanes alike."""
+    if any(name in allowed for name in names):
+        return ""
+    shown = ", ".join(names) if names else "no name"
+    return f"the caller's certificate names {shown}; this service serves only {', '.join(sorted(allowed))}"
+
+
 def caller_check(allowed: frozenset[str]) -> Check:
     def check(context):
-        names = certificate_names(context)
-        if any(name in allowed for name in names):
-            return None
-        shown = ", ".join(names) if names else "no name"
-        return (grpc.StatusCode.PERMISSION_DENIED,
-                f"the caller's certificate names {shown}; this service serves only {', '.join(sorted(allowed))}")
+        refusal = caller_refusal(certificate_names(context), allowed)
+        return (grpc.StatusCode.PERMISSION_DENIED, refusal) if refusal else None
 
     return check
 

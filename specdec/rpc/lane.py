@@ -49,6 +49,7 @@ from typing import Awaitable, Callable
 import grpc
 
 from specdec.rpc import grpc_errors
+from specdec.rpc.auth import caller_refusal
 from specdec.rpc.grpc_tracing import trace_metadata
 
 log = logging.getLogger(__name__)
@@ -109,11 +110,7 @@ class LaneTls:
 
     def refusal(self, peer_certificate: dict | None) -> str:
         """Why the caller is refused ('' when it is allowed)."""
-        names = certificate_names(peer_certificate or {})
-        if any(name in self.allowed for name in names):
-            return ""
-        shown = ", ".join(names) if names else "no name"
-        return f"the caller's certificate names {shown}; this service serves only {', '.join(sorted(self.allowed))}"
+        return caller_refusal(certificate_names(peer_certificate or {}), self.allowed)
 
 
 def certificate_names(certificate: dict) -> list[str]:

@@ -85,8 +85,8 @@ async def start_lane(servicer: SessionServicer, server_cfg: ServerConfig, tls: T
     certificates and serves the same callers."""
     call = servicer.lane_call()
     lane_tls = LaneTls(tls.tls_cert, tls.tls_key, tls.tls_ca, tls.callers()) if tls.enabled else None
-    lane = LaneServer(call.method, call.handle, call.call_type, call.reply_type, call.handler_name,
-                      server_cfg.max_message_bytes, lane_tls)
+    lane = LaneServer(call.method.path, call.handle, call.method.call_type, call.method.reply_type,
+                      call.handler_name, server_cfg.max_message_bytes, lane_tls)
     servicer.lane_port = await lane.start(server_cfg.host, server_cfg.lane_port)
     return lane
 

@@ -14,6 +14,7 @@ from specdec.errors import InvalidArgument, Unavailable
 from specdec.limits import DEFAULT_MAX_DRAFT_TOKENS
 from specdec.rpc import grpc_errors
 from specdec.rpc.call_stream import ServedStreams
+from specdec.rpc.lane_methods import LaneMethod
 from specdec.rpc.serving import EngineWorker
 from specdec.rpc.session_quota import SessionQuota
 from specdec.sampling.params import SamplingParams
@@ -28,10 +29,8 @@ log = logging.getLogger(__name__)
 class LaneCall:
     """The one call a service answers on its lane and on its call stream."""
 
-    method: str  # the unary method's full name, e.g. /specdec.v1.TargetService/Verify
+    method: LaneMethod
     handle: Callable  # (request, trace_context_items) -> response
-    call_type: type
-    reply_type: type
     handler_name: str  # for the log of our bugs
 
 
