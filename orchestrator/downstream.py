@@ -13,7 +13,7 @@ import grpc
 from specdec.errors import Unavailable
 from specdec.rpc.call_stream import CallStream
 from specdec.rpc import lane_methods
-from specdec.rpc.lane import LaneClient
+from specdec.rpc.lane_client import LaneClient
 from specdec.rpc.lane_methods import LaneMethod
 from specdec.rpc.grpc_tracing import trace_metadata
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc

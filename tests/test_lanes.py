@@ -18,7 +18,9 @@ from orchestrator.downstream import DraftClient, LaneDialing, TargetClient, chan
 from specdec.errors import InvalidArgument
 from specdec.rpc import lane as lane_mod
 from specdec.rpc.call_stream import CallStream
-from specdec.rpc.lane import LaneClient, LaneDown, LaneServer, LaneTls
+from specdec.rpc.lane import LaneDown
+from specdec.rpc.lane_client import RETRY_S, LaneClient
+from specdec.rpc.lane_server import LaneServer, LaneTls
 from specdec.v1 import draft_pb2, draft_pb2_grpc
 from tests.conftest import tiny_engine, tiny_model
 from tests.harness import DEADLINE_S, BackgroundLoop, running_draft, running_system, running_target
@@ -99,7 +101,7 @@ def test_a_lane_that_cannot_be_opened_is_left_for_a_while_and_the_call_goes_by_g
         with pytest.raises(LaneDown, match="could not be opened"):
             await client(_request("a"), 5)
         assert not client.usable()
-        now[0] += lane_mod.RETRY_S
+        now[0] += RETRY_S
         assert client.usable()
 
         server = await _server()

@@ -41,7 +41,8 @@ from opentelemetry import trace
 from specdec.errors import InvalidArgument
 from specdec.rpc import grpc_errors
 from specdec.rpc.grpc_tracing import trace_metadata
-from specdec.rpc.lane import LaneClient, LaneDown
+from specdec.rpc.lane import LaneDown, PendingReplies
+from specdec.rpc.lane_client import LaneClient
 from specdec.rpc.malformed import Malformed
 from specdec.telemetry import A_CARRIER
 
@@ -122,7 +123,7 @@ class _OpenStream:
     def __init__(self, call: grpc.aio.StreamStreamCall, outbox: asyncio.Queue):
         self.call = call
         self.outbox = outbox
-        self.waiting: dict[int, asyncio.Future] = {}
+        self.waiting = PendingReplies()
         self.reader: asyncio.Task | None = None
         self.writer: asyncio.Task | None = None
         # A write is under way: grpc.aio reports a write that failed because
@@ -165,8 +166,7 @@ class CallStream:
         stream = self._stream if self._stream is not None else self._open()
         call_id = next(self._ids)
         message = self._call_type(call_id=call_id, request=request, trace_context=dict(trace_metadata() or ()))
-        reply_future = asyncio.get_running_loop().create_future()
-        stream.waiting[call_id] = reply_future
+        reply_future = stream.waiting.expect(call_id)
         stream.outbox.put_nowait(message)
         try:
             async with asyncio.timeout(timeout):
@@ -181,7 +181,7 @@ class CallStream:
                 return await self._unary(request, timeout=timeout, metadata=trace_metadata())
             raise
         finally:
-            stream.waiting.pop(call_id, None)
+            stream.waiting.forget(call_id)
         if reply.HasField("error"):
             raise grpc_errors.rpc_error(grpc_errors.status_from_number(reply.error.code), reply.error.message)
         return reply.response
@@ -199,9 +199,7 @@ class CallStream:
         error: grpc.aio.AioRpcError
         try:
             async for reply in stream.call:
-                waiting = stream.waiting.pop(reply.call_id, None)
-                if waiting is not None and not waiting.done():
-                    waiting.set_result(reply)
+                stream.waiting.resolve(reply)
             error = grpc_errors.rpc_error(grpc.StatusCode.UNAVAILABLE,
                                           f"the {self._service} service ended the call stream")
         except grpc.aio.AioRpcError as exc:
@@ -214,10 +212,7 @@ class CallStream:
             error = grpc_errors.rpc_error(grpc.StatusCode.CANCELLED, "the call stream was closed")
         if self._stream is stream:
             self._stream = None
-        for waiting in stream.waiting.values():
-            if not waiting.done():
-                waiting.set_exception(error)
-        stream.waiting.clear()
+        stream.waiting.fail_all(error)
         stream.writer.cancel()
         stream.call.cancel()
         await asyncio.gather(stream.writer, return_exceptions=True)

@@ -1,0 +1,177 @@
+"""A service's lane, the orchestrator's half (the wire and the design: specdec/rpc/lane.py)."""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import ssl
+import time
+from typing import Awaitable, Callable
+
+import grpc
+
+from specdec.rpc import grpc_errors
+from specdec.rpc.grpc_tracing import trace_metadata
+from specdec.rpc.lane import LaneDown, PendingReplies, frame, keepalive, read_frame
+
+log = logging.getLogger(__name__)
+
+CONNECT_S = 2.0  # longest wait for a lane to open (connect, TLS, hello): past it the call goes by gRPC
+RETRY_S = 10.0  # after a lane could not be opened, calls go by gRPC this long before it is tried again
+
+
+class LaneClient:
+    """The orchestrator's half: `await lane(request, timeout)` answers as
+    the unary call would (the reply, or an AioRpcError with its status), or
+    raises LaneDown when the lane cannot be opened (nothing was sent).
+    One connection, opened at the first call and again after it breaks."""
+
+    def __init__(self, host: str, port: int, method: str, call_type, reply_type, service: str,
+                 max_message_bytes: int = 16 << 20,
+                 ssl_context: ssl.SSLContext | Callable[[], ssl.SSLContext] | None = None,
+                 server_hostname: str = "", clock: Callable[[], float] = time.monotonic,
+                 find_port: Callable[[float], Awaitable[int]] | None = None):
+        self.host, self.port, self.method = host, port, method
+        self.call_type = call_type
+        self.reply_type = reply_type
+        self.service = service
+        self.max_message_bytes = max_message_bytes
+        # TLS: a context, or a function making one per connection (a renewed
+        # client certificate is then presented from the next connection on).
+        self.ssl_context = ssl_context
+        self.server_hostname = server_hostname or host
+        self.clock = clock
+        # Asks the service for its lane's port again (its ModelInfo) before a
+        # reconnect: a service that restarted on a free port has a new one.
+        self.find_port = find_port
+        self._stale = False
+        self._ids = itertools.count(1)
+        self._connection: _Connection | None = None
+        self._opening: asyncio.Future | None = None
+        self._down_until = 0.0
+        self._closed = False
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def usable(self) -> bool:
+        """Whether a call should try the lane (not closed, nor within RETRY_S of failing to open it)."""
+        return not self._closed and (self._connection is not None or self.clock() >= self._down_until)
+
+    async def __call__(self, request, timeout: float):
+        if self._closed:
+            raise LaneDown(f"the {self.service} service's lane client is closed")
+        connection = self._connection if self._connection is not None else await self._open(timeout)
+        call_id = next(self._ids)
+        message = self.call_type(call_id=call_id, request=request,
+                                 trace_context=dict(trace_metadata() or ()))
+        payload = message.SerializeToString()
+        if len(payload) > self.max_message_bytes:  # this call fails, not the connection it would break
+            raise grpc_errors.rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                        f"the call ({len(payload)} bytes) is larger than the limit "
+                                        f"({self.max_message_bytes} bytes)")
+        if connection.error is not None or connection.writer.is_closing():
+            raise connection.error or _broken(self)
+        reply_future = connection.waiting.expect(call_id)
+        try:
+            try:
+                connection.writer.write(frame(payload))
+            except (RuntimeError, OSError):  # the transport closed under us: the reader fails the rest
+                raise _broken(self) from None
+            async with asyncio.timeout(timeout):
+                reply = await reply_future
+        except TimeoutError:
+            raise grpc_errors.rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+        finally:
+            connection.waiting.forget(call_id)
+        if reply.HasField("error"):
+            raise grpc_errors.rpc_error(grpc_errors.status_from_number(reply.error.code), reply.error.message)
+        return reply.response
+
+    async def _open(self, timeout: float) -> "_Connection":
+        """The connection, opened by the first caller (the others wait for it;
+        a caller cancelled meanwhile does not stop the opening)."""
+        if self._opening is None or self._opening.done():
+            self._opening = asyncio.ensure_future(self._connect(min(timeout, CONNECT_S)))
+            # Read by whoever awaits it; retrieved here too, for when every caller was cancelled.
+            self._opening.add_done_callback(lambda f: f.cancelled() or f.exception())
+        return await asyncio.shield(self._opening)
+
+    async def _connect(self, timeout: float) -> "_Connection":
+        try:
+            if self._closed:
+                raise LaneDown(f"the {self.service} service's lane client is closed")
+            async with asyncio.timeout(timeout):
+                if self._stale and self.find_port is not None:
+                    self.port = await self.find_port(timeout)
+                    if self.port <= 0:
+                        raise LaneDown(f"the {self.service} service no longer offers a lane")
+                context = self.ssl_context() if callable(self.ssl_context) else self.ssl_context
+                reader, writer = await asyncio.open_connection(
+                    self.host, self.port, limit=1 << 16, ssl=context,
+                    server_hostname=self.server_hostname if context else None)
+                writer.write(frame(self.method.encode()))
+                refusal = (await read_frame(reader, 1 << 16)).decode(errors="replace")
+            if refusal:
+                writer.close()
+                raise LaneDown(f"the {self.service} service's lane at {self.address} refused: {refusal}")
+        except (OSError, asyncio.IncompleteReadError, TimeoutError, ValueError, LaneDown,
+                grpc.aio.AioRpcError) as exc:
+            self._down_until = self.clock() + RETRY_S
+            self._stale = True
+            down = exc if isinstance(exc, LaneDown) else LaneDown(
+                f"the {self.service} service's lane at {self.address} could not be opened: {type(exc).__name__}: {exc}")
+            if not self._closed:  # once per attempt, however many callers waited on it
+                log.warning("%s; calls go by gRPC, the lane is tried again in %.0f s", down, RETRY_S)
+            raise down from None
+        if self._closed:  # closed while opening: do not keep what was opened
+            writer.close()
+            raise LaneDown(f"the {self.service} service's lane client is closed")
+        self._stale = False
+        keepalive(writer)
+        connection = _Connection(writer)
+        connection.reader = asyncio.ensure_future(self._read(connection, reader))
+        self._connection = connection
+        return connection
+
+    async def _read(self, connection: "_Connection", reader: asyncio.StreamReader) -> None:
+        error: grpc.aio.AioRpcError
+        try:
+            while True:
+                connection.waiting.resolve(self.reply_type.FromString(await read_frame(reader, self.max_message_bytes)))
+        except asyncio.CancelledError:
+            error = grpc_errors.rpc_error(grpc.StatusCode.CANCELLED, f"the {self.service} service's lane was closed")
+        except Exception as exc:  # noqa: BLE001 - the end of the connection, whatever ended it
+            error = grpc_errors.rpc_error(grpc.StatusCode.UNAVAILABLE, f"the {self.service} service's lane at "
+                                          f"{self.address} broke: {type(exc).__name__}")
+        connection.error = error  # a caller that got this connection before now fails at once
+        if self._connection is connection:
+            self._connection = None
+            self._stale = True
+        connection.waiting.fail_all(error)
+        connection.writer.close()
+
+    async def close(self) -> None:
+        """End the connection (calls in flight fail CANCELLED) and any opening; later calls raise LaneDown."""
+        self._closed = True
+        if self._opening is not None and not self._opening.done():
+            self._opening.cancel()
+            await asyncio.gather(self._opening, return_exceptions=True)
+        connection, self._connection = self._connection, None
+        if connection is not None and connection.reader is not None:
+            connection.reader.cancel()
+            await asyncio.gather(connection.reader, return_exceptions=True)
+
+
+class _Connection:
+    def __init__(self, writer: asyncio.StreamWriter):
+        self.writer = writer
+        self.reader: asyncio.Task | None = None
+        self.waiting = PendingReplies()
+        self.error: grpc.aio.AioRpcError | None = None  # set once the connection has ended
+
+
+def _broken(client: LaneClient) -> grpc.aio.AioRpcError:
+    return grpc_errors.rpc_error(grpc.StatusCode.UNAVAILABLE,
+                                 f"the {client.service} service's lane at {client.address} is closed")
