@@ -70,7 +70,7 @@ HEALTH_SERVICES = {
 CHOICES = {
     "--drafter": re.compile(r"model|ngram"),
     "--dtype": re.compile(r"auto|bfloat16|float16|float32"),
-    "--policy": re.compile(r"fixed|adaptive"),
+    "--policy": re.compile(r"fixed|adaptive|goodput"),
     "--device": re.compile(r"cpu|cuda(:\d+)?"),
 }
 # SPECD_* variables that are not flags.

@@ -47,7 +47,8 @@ def register(sub) -> None:
                    help="the orchestrator's OpenAI-compatible HTTP API (/v1) port (-1: off)")
     p.add_argument("--draft-port", type=int, default=50052)
     p.add_argument("--target-port", type=int, default=50053)
-    p.add_argument("--policy", default="fixed", help="policy choosing num_draft_tokens: fixed, adaptive or goodput")
+    p.add_argument("--policy", default=None, choices=("fixed", "adaptive", "goodput"),
+                   help="policy choosing num_draft_tokens (default: the orchestrator's own, fixed)")
     p.add_argument("--num-draft-tokens", type=int, default=4, help="tokens drafted per round (the first round's, "
                                                                    "under adaptive and goodput)")
     p.add_argument("--cache-dir", default=None, help="model cache (default: $SPECD_CACHE_DIR or the user cache)")
@@ -130,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
         wait_serving(args.draft_port, supervisor.processes, args.startup_timeout, credentials)
         supervisor.start("orchestrator", _serve_cmd("orchestrator", [
             "--port", str(args.port), "--host", "127.0.0.1", "--draft", f"127.0.0.1:{args.draft_port}",
-            "--target", f"127.0.0.1:{args.target_port}", "--policy", args.policy,
+            "--target", f"127.0.0.1:{args.target_port}", *(["--policy", args.policy] if args.policy else []),
             "--num-draft-tokens", str(args.num_draft_tokens), "--tokenizer", args.target_model,
             "--http-port", str(args.http_port), *_metrics_flag(args, 0),
             *(tls.flags("orchestrator") if tls else [])]), env)
