@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
+import time
 from contextlib import contextmanager
 
 import grpc
@@ -20,6 +21,14 @@ from target_service.server import start_target_service
 from target_service.verifier import Verifier
 
 DEADLINE_S = 30.0
+
+
+def wait_until(predicate, timeout_s: float = 20.0) -> None:
+    """Poll `predicate` every 50 ms until it holds; fail after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.05)
 
 
 def BackgroundLoop() -> _BackgroundLoop:

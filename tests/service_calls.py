@@ -5,7 +5,6 @@ call is bracketed by (`untouched`): they must stay exactly what they were.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import grpc
@@ -199,9 +198,3 @@ def short_ttl():
     with running_target(t_engine, limits) as t, running_draft(d_engine, limits) as d:
         yield t_engine, t[1], d_engine, d[1]
 
-
-def wait_until(predicate, timeout_s=5.0):
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.05)

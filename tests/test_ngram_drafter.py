@@ -23,7 +23,7 @@ from tests.service_calls import (
 from tests.service_calls import target  # noqa: F401 - pytest fixtures, used by name
 
 
-# ------------------------------------------------------- 7. n-gram drafter
+# ------------------------------------------------------- n-gram drafter
 
 
 @pytest.fixture(scope="module")

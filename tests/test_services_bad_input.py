@@ -10,7 +10,7 @@ import pytest
 from specdec.rpc.model_service import SessionLimits
 from specdec.v1 import target_pb2
 from tests.conftest import tiny_engine
-from tests.harness import local_config, running_target
+from tests.harness import local_config, running_target, wait_until
 from tests.service_calls import (
     Code,
     INVALID,
@@ -31,12 +31,11 @@ from tests.service_calls import (
     spread_q,
     tokens,
     verify,
-    wait_until,
 )
 from tests.service_calls import draft, reference, short_ttl, target, untouched  # noqa: F401 - pytest fixtures, used by name
 
 
-# ------------------------------------------------------------ 5. bad input
+# ------------------------------------------------------------ bad input
 
 
 @pytest.fixture
@@ -275,7 +274,7 @@ def test_expired_session_is_not_found(short_ttl):
     t_engine, t_stub, d_engine, d_stub = short_ttl
     t_sid = open_session(t_stub, [1, 2, 3]).session_id
     d_sid = open_session(d_stub, [1, 2, 3]).session_id
-    wait_until(lambda: t_engine.num_sessions == 0 and d_engine.num_sessions == 0)
+    wait_until(lambda: t_engine.num_sessions == 0 and d_engine.num_sessions == 0, timeout_s=5.0)
     live = open_session(t_stub, [4, 5, 6]).session_id
     expect_status(Code.NOT_FOUND, "unknown or expired", rollback, t_stub, t_sid, 1)
     expect_status(Code.NOT_FOUND, "unknown or expired", decode, t_stub, t_sid, 1)

@@ -29,7 +29,7 @@ from tests.service_calls import (
 from tests.service_calls import draft, reference, target  # noqa: F401 - pytest fixtures, used by name
 
 
-# ---------------------------------------------------------------- 6. fuzzing
+# ---------------------------------------------------------------- fuzzing
 
 BAD_CODES = {Code.INTERNAL, Code.UNKNOWN, Code.DEADLINE_EXCEEDED}
 INT32 = st.integers(-(2**31), 2**31 - 1)

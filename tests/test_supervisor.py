@@ -6,19 +6,12 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import time
 
 from specdec.processes import Backoff, Supervisor
+from tests.harness import wait_until
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(120)"]
 QUITTER = [sys.executable, "-c", "raise SystemExit(3)"]
-
-
-def wait_until(predicate, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
 
 
 def test_backoff_doubles_up_to_its_cap():

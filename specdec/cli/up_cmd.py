@@ -47,8 +47,11 @@ def register(sub) -> None:
                    help="the orchestrator's OpenAI-compatible HTTP API (/v1) port (-1: off)")
     p.add_argument("--draft-port", type=int, default=50052)
     p.add_argument("--target-port", type=int, default=50053)
-    p.add_argument("--policy", default=None, choices=("fixed", "adaptive", "goodput"),
-                   help="policy choosing num_draft_tokens (default: the orchestrator's own, fixed)")
+    from orchestrator.config import OrchestratorConfig
+    from orchestrator.gamma_policy import POLICIES
+
+    p.add_argument("--policy", default=None, choices=POLICIES,
+                   help=f"policy choosing num_draft_tokens (default: the orchestrator's own, {OrchestratorConfig.policy})")
     p.add_argument("--num-draft-tokens", type=int, default=4, help="tokens drafted per round (the first round's, "
                                                                    "under adaptive and goodput)")
     p.add_argument("--cache-dir", default=None, help="model cache (default: $SPECD_CACHE_DIR or the user cache)")
