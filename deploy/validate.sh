@@ -5,7 +5,7 @@
 # `kubectl kustomize`, then validates every object of each rendering against the
 # Kubernetes OpenAPI schemas bundled in kubernetes-validate, strictly (an unknown or
 # misspelt field is an error), for each Kubernetes version in K8S_VERSIONS.
-# Policy checks that schemas cannot express live in tests/test_deploy.py.
+# Policy checks that schemas cannot express live in tests/test_deploy_*.py (over tests/deploy_manifests.py).
 #
 # Usage:  deploy/validate.sh [OUT_DIR]
 #   OUT_DIR   keep the rendered manifests there (default: a temporary directory)
@@ -146,7 +146,7 @@ if [ "$failed" -ne 0 ]; then
   echo "deploy/validate.sh: FAILED" >&2
   exit 1
 fi
-echo "deploy/validate.sh: ${#rendered[@]} renderings valid (${rendered[*]}); kinds without a bundled schema were not schema-checked: $SCHEMALESS_KINDS (structure checked by tests/test_deploy.py)"
+echo "deploy/validate.sh: ${#rendered[@]} renderings valid (${rendered[*]}); kinds without a bundled schema were not schema-checked: $SCHEMALESS_KINDS (structure checked by tests/test_deploy_*.py)"
 if [ "$#" -ge 1 ]; then
   echo "rendered manifests: $OUT_DIR"
 fi

@@ -7,6 +7,9 @@ from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen2Con
 
 from specdec.engine.config import EngineConfig
 from specdec.engine.engine import ModelEngine
+# The deployment tests' fixtures, registered here so that deploy/validate.sh renders the
+# manifests once a session rather than once in each tests/test_deploy_*.py.
+from tests.deploy_manifests import rendered, validation  # noqa: F401 - pytest fixtures, used by name
 
 TINY_VOCAB = 128
 
