@@ -7,6 +7,7 @@ import os
 
 import pytest
 
+from specdec.bench import plots as bench_plots
 from specdec.bench import report
 from specdec.bench.aggregate import build_runs, evaluate_goals
 from specdec.bench.runner import (
@@ -267,7 +268,7 @@ def test_report_markdown_jsonl_and_plots(tmp_path):
     runs = build_runs(recs)
     report.write_jsonl(tmp_path / "runs.jsonl", runs)
     assert report.read_jsonl(tmp_path / "runs.jsonl") == json.loads(json.dumps(runs))
-    plots = report.write_plots(runs, tmp_path)
+    plots = bench_plots.write_plots(runs, tmp_path)
     assert set(plots) >= {"speedup_vs_k.png", "acceptance_per_position.png", "tokens_per_s_vs_concurrency.png"}
     for name in plots:
         data = (tmp_path / name).read_bytes()

@@ -1,4 +1,4 @@
-"""The results folder: runs.jsonl, requests.jsonl, summary.md and PNG plots."""
+"""The results folder: runs.jsonl, requests.jsonl and summary.md (the PNG plots: plots.py)."""
 from __future__ import annotations
 
 import json
@@ -7,7 +7,7 @@ from typing import Iterable
 
 from specdec.bench.aggregate import evaluate_goals
 from specdec.bench.machine import machine_line
-from specdec.bench.runner import HF_ASSISTED, SERVICE, TARGET_ONLY
+from specdec.bench.runner import SERVICE, TARGET_ONLY
 
 # --------------------------------------------------------------------- jsonl
 
@@ -44,7 +44,8 @@ def _pct(value) -> str:
     return "-" if value is None else f"{value * 100:.0f}"
 
 
-def _temp_label(t: float) -> str:
+def temperature_label(t: float) -> str:
+    """How a temperature heads a table or labels a plot line."""
     return "T=0 (greedy)" if t == 0 else f"T={t:g} (sampled)"
 
 
@@ -155,7 +156,7 @@ def concurrency_table(runs: list[dict], conc: list[int], network: str) -> tuple[
             by_c = {c: tps(name, temp, c) for c in conc}
             if any(suffix in name for suffix, _ in variants) or not any(by_c[c] for c in conc if c > 1):
                 continue
-            row = [name, _temp_label(temp)] + [_f(by_c[c]) for c in conc]
+            row = [name, temperature_label(temp)] + [_f(by_c[c]) for c in conc]
             row += [_ratio(by_c[top], by_c[1])] if 1 in conc else []
             row.append(_ratio(by_c[top], tps(TARGET_ONLY, temp, top)))
             for suffix, _ in variants:
@@ -188,7 +189,7 @@ def summary_markdown(runs: list[dict], *, meta: dict) -> str:
     goals = evaluate_goals(runs)
     if goals:
         lines += ["## Goals", ""]
-        rows = [[g["goal"], _temp_label(g["temperature"]), f">= {g['threshold']}",
+        rows = [[g["goal"], temperature_label(g["temperature"]), f">= {g['threshold']}",
                  "-" if g["measured"] is None else f"{g['measured']:.2f}", g["detail"],
                  {True: "met", False: "not met", None: "not evaluated"}[g["met"]]] for g in goals]
         lines += _table(["goal", "temperature", "target", "measured", "config", "result"], rows) + [""]
@@ -198,7 +199,7 @@ def summary_markdown(runs: list[dict], *, meta: dict) -> str:
         sel = [r for r in runs if r["temperature"] == temp and r["concurrency"] == 1 and r["network"] == first_net]
         if not sel:
             continue
-        lines += [f"## {_temp_label(temp)}, one stream, network: {first_net}", ""]
+        lines += [f"## {temperature_label(temp)}, one stream, network: {first_net}", ""]
         lines += _table(MAIN_HEADER, main_rows(sel)) + [""]
 
     conc = sorted({r["concurrency"] for r in runs})
@@ -220,7 +221,7 @@ def summary_markdown(runs: list[dict], *, meta: dict) -> str:
                     r = by_n.get(n)
                     cells.append("-" if r is None else (f"{_f(r['tokens_per_s'])} ({_x(r['speedup_vs_target_only'])})"
                                                         if r["config"] != TARGET_ONLY else _f(r["tokens_per_s"])))
-                rows.append([name, _temp_label(temp)] + cells)
+                rows.append([name, temperature_label(temp)] + cells)
         lines += _table(header, rows) + [""]
 
     bounded = [r for r in runs if r.get("bound") and r["network"] == first_net]
@@ -233,7 +234,7 @@ def summary_markdown(runs: list[dict], *, meta: dict) -> str:
         for r in bounded:
             b = r["bound"]
             k = "-" if b["k"] is None else (f"{b['k']:.2f} (mean)" if b["k_is_mean"] else f"{b['k']}")
-            rows.append([r["config"], _temp_label(r["temperature"]), k, _f(b["alpha_hat"], 3),
+            rows.append([r["config"], temperature_label(r["temperature"]), k, _f(b["alpha_hat"], 3),
                          _f(b["expected_tokens_per_round"]), _f(r.get("tokens_per_round")), _ms(b["t_draft_s"]),
                          _ms(b["t_verify_s"]), _ms(b["overhead_s"]), _f(b["expected_tokens_per_s"]),
                          _f(r["tokens_per_s"]), _x(b["expected_speedup"]), _x(b["measured_speedup"]),
@@ -245,7 +246,7 @@ def summary_markdown(runs: list[dict], *, meta: dict) -> str:
         width = max(len(r["acceptance_per_position"]) for r in spec)
         lines += ["## Acceptance per draft position (accepted / rounds that drafted there), one stream", ""]
         header = ["config", "temperature"] + [f"pos {i + 1}" for i in range(width)]
-        rows = [[r["config"], _temp_label(r["temperature"])]
+        rows = [[r["config"], temperature_label(r["temperature"])]
                 + [_f(v) for v in r["acceptance_per_position"]] + ["-"] * (width - len(r["acceptance_per_position"]))
                 for r in spec]
         lines += _table(header, rows) + [""]
@@ -256,7 +257,7 @@ def summary_markdown(runs: list[dict], *, meta: dict) -> str:
     errors = [r for r in runs if r["errors"]]
     if errors:
         lines += ["## Errors", ""]
-        lines += [f"- {r['config']} {_temp_label(r['temperature'])} c={r['concurrency']} {r['network']}: "
+        lines += [f"- {r['config']} {temperature_label(r['temperature'])} c={r['concurrency']} {r['network']}: "
                   f"{r['errors']} of {r['requests']} requests failed ({'; '.join(r['error_examples'])})"
                   for r in errors] + [""]
     lines += ["## Definitions", ""] + [f"- {d}" for d in DEFINITIONS] + [""]
@@ -299,122 +300,3 @@ DEFINITIONS = (
     "service process sampled after each unit, and torch's peak allocation for the HF runs.",
     "identical: greedy outputs token-for-token equal to target-only (service) on the same prompt.",
 )
-
-
-# --------------------------------------------------------------------- plots
-
-
-def _style(temperature: float) -> str:
-    """Solid lines with circles for greedy runs, dashed with squares for sampled ones."""
-    return "o-" if temperature == 0 else "s--"
-
-
-def write_plots(runs: list[dict], out_dir: Path | str) -> list[str]:
-    """PNG plots into out_dir; returns their file names."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    out_dir = Path(out_dir)
-    written: list[str] = []
-    if not runs:
-        return written
-    first_net = runs[0]["network"]
-    temps = list(dict.fromkeys(r["temperature"] for r in runs))
-    one = [r for r in runs if r["concurrency"] == 1 and r["network"] == first_net]
-
-    def save(fig, name: str) -> None:
-        fig.tight_layout()
-        fig.savefig(out_dir / name, dpi=110)
-        plt.close(fig)
-        written.append(name)
-
-    # tokens/s per config, one stream, one bar group per temperature
-    fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=80)
-    names = list(dict.fromkeys(r["config"] for r in one))
-    for i, temp in enumerate(temps):
-        tps = {r["config"]: r["tokens_per_s"] or 0 for r in one if r["temperature"] == temp}
-        ax.bar([x + i * 0.8 / len(temps) for x in range(len(names))], [tps.get(n, 0) for n in names],
-               0.8 / len(temps), label=_temp_label(temp))
-    ax.set_xticks([x + 0.4 - 0.4 / len(temps) for x in range(len(names))], names, rotation=30, ha="right", fontsize=7)
-    ax.set_ylabel("tokens/s, one stream")
-    ax.set_title("Tokens/s per config")
-    ax.legend(fontsize=7)
-    save(fig, "tokens_per_s_per_config.png")
-
-    # speedup vs k, per temperature
-    fixed = [r for r in one if r["policy"] == "fixed" and not r["pipeline"]]
-    if fixed:
-        fig, ax = plt.subplots(figsize=(6.4, 4.2))
-        for temp in temps:
-            pts = sorted((r["k"], r["speedup_vs_target_only"], r.get("expected_speedup")) for r in fixed
-                         if r["temperature"] == temp and r["speedup_vs_target_only"] is not None)
-            if not pts:
-                continue
-            line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"measured, {_temp_label(temp)}")
-            exp = [(p[0], p[2]) for p in pts if p[2] is not None]
-            if exp:
-                ax.plot([p[0] for p in exp], [p[1] for p in exp], "x--", color=line.get_color(),
-                        label=f"expected (bound), {_temp_label(temp)}")
-            for r in one:
-                if r["temperature"] == temp and r["kind"] == HF_ASSISTED and r["speedup_vs_target_only"]:
-                    ax.axhline(r["speedup_vs_target_only"], color=line.get_color(), linestyle=":",
-                               label=f"HF assisted, {_temp_label(temp)}")
-        ax.axhline(1.0, color="grey", linewidth=0.8)
-        ax.set_xticks(sorted({r["k"] for r in fixed}))
-        ax.set_xlabel("k (draft tokens per round)")
-        ax.set_ylabel("speedup vs target-only (service)")
-        ax.set_title("Speedup vs k")
-        ax.legend(fontsize=7)
-        save(fig, "speedup_vs_k.png")
-
-    # acceptance per position
-    spec = [r for r in one if r.get("acceptance_per_position")]
-    if spec:
-        fig, ax = plt.subplots(figsize=(6.4, 4.2))
-        for r in spec:
-            vals = [(i + 1, v) for i, v in enumerate(r["acceptance_per_position"]) if v is not None]
-            if vals:
-                ax.plot([v[0] for v in vals], [v[1] for v in vals], _style(r["temperature"]),
-                        label=f"{r['config']}, T={r['temperature']:g}")
-        ax.set_xlabel("draft position")
-        ax.set_ylabel("accepted / rounds that drafted there")
-        ax.set_ylim(0, 1.05)
-        ax.set_title("Acceptance per draft position")
-        ax.legend(fontsize=7)
-        save(fig, "acceptance_per_position.png")
-
-    # tokens/s vs concurrency
-    concs = sorted({r["concurrency"] for r in runs})
-    if len(concs) > 1:
-        fig, ax = plt.subplots(figsize=(6.4, 4.2))
-        for temp in temps:
-            for name in dict.fromkeys(r["config"] for r in runs if r["kind"] == SERVICE):
-                pts = sorted((r["concurrency"], r["tokens_per_s"]) for r in runs if r["config"] == name
-                             and r["temperature"] == temp and r["network"] == first_net and r["tokens_per_s"])
-                if len(pts) > 1:
-                    ax.plot([p[0] for p in pts], [p[1] for p in pts], _style(temp), label=f"{name}, T={temp:g}")
-        ax.set_xlabel("concurrent requests")
-        ax.set_ylabel("aggregate tokens/s")
-        ax.set_xticks(concs)
-        ax.set_title("Throughput vs concurrency")
-        ax.legend(fontsize=7)
-        save(fig, "tokens_per_s_vs_concurrency.png")
-
-    # tokens/s vs RTT
-    nets = [r for r in runs if r["concurrency"] == 1 and r["kind"] == SERVICE and r["target_rtt_ms"] is not None]
-    if len({(r["draft_rtt_ms"], r["target_rtt_ms"]) for r in nets}) > 1:
-        fig, ax = plt.subplots(figsize=(6.4, 4.2))
-        for temp in temps:
-            for name in dict.fromkeys(r["config"] for r in nets):
-                pts = sorted((r["target_rtt_ms"], r["tokens_per_s"]) for r in nets if r["config"] == name
-                             and r["temperature"] == temp and r["tokens_per_s"])
-                if len(pts) > 1:
-                    ax.plot([p[0] for p in pts], [p[1] for p in pts], _style(temp), label=f"{name}, T={temp:g}")
-        ax.set_xlabel("round-trip time to each service, ms")
-        ax.set_ylabel("tokens/s")
-        ax.set_title("Throughput vs network round-trip time")
-        ax.legend(fontsize=7)
-        save(fig, "tokens_per_s_vs_rtt.png")
-    return written

@@ -304,6 +304,7 @@ def _write_results(args, o: dict, prompts: list, runner, interrupted: bool, mach
                    started: float) -> None:
     """requests.jsonl (rewritten with the identity marks), runs.jsonl, the
     plots and summary.md, which is also printed."""
+    from specdec.bench import plots as bench_plots
     from specdec.bench import report
     from specdec.bench.aggregate import build_runs
     from specdec.bench.projection_report import projection_markdown, projection_plot
@@ -320,7 +321,7 @@ def _write_results(args, o: dict, prompts: list, runner, interrupted: bool, mach
              "threads": args.threads}, "started_utc": dt.datetime.fromtimestamp(started, dt.timezone.utc).isoformat()}
     runs = build_runs(records, extra)
     report.write_jsonl(out_dir / "runs.jsonl", runs)
-    plots = report.write_plots(runs, out_dir) + projection_plot(runs, out_dir)
+    plots = bench_plots.write_plots(runs, out_dir) + projection_plot(runs, out_dir)
     wall = time.time() - started
     meta = {"machine": machine, "command": command, "settings": _settings(args, o, prompts),
             "models": _models(args, o, dtypes), "skipped": runner.skipped, "interrupted": interrupted,
