@@ -1,6 +1,9 @@
-"""The GPU engine: captured CUDA-graph steps against the eager reference,
-batched against alone, and exact speculative decoding with the orchestrator on
-the GPU. Marked `gpu`; skipped without CUDA (CI has none)."""
+"""The GPU engine: captured CUDA-graph steps (fused layers and the fused
+attention kernel, as a CUDA engine runs by default) against the reference
+(transformers' layers, SDPA per session, no graphs), batched against alone,
+the fused kernels against their reference ops, and exact speculative decoding
+with the orchestrator on the GPU. Marked `gpu`; skipped without CUDA (CI has
+none)."""
 from __future__ import annotations
 
 import pytest
@@ -13,6 +16,9 @@ from tests.test_engine import random_tokens
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+REFERENCE = dict(attention="sdpa", fused_layers="off")  # with graphs=False: transformers, eager
 
 
 def cuda_engine(dtype: str, graphs: bool, arch: str = "qwen2", seed: int = 0, **cfg) -> ModelEngine:
@@ -43,15 +49,16 @@ def run_script(engine):
 def test_graph_steps_equal_eager_steps_in_fp32(arch):
     graphs = cuda_engine("float32", True, arch)
     assert graphs.steps is not None and graphs.steps.captured and graphs.capture_report.buckets > 0
-    eager = cuda_engine("float32", False, arch)
-    assert eager.steps is None
+    assert graphs.kernel == "triton" and (graphs.fused is not None) == (arch != "gpt2")
+    eager = cuda_engine("float32", False, arch, **REFERENCE)
+    assert eager.steps is None and eager.fused is None
     for a, b in zip(run_script(graphs), run_script(eager)):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
         assert torch.equal(a.argmax(-1), b.argmax(-1))
 
 
 def test_graph_steps_are_close_to_eager_steps_in_bf16():
-    graphs, eager = cuda_engine("bfloat16", True), cuda_engine("bfloat16", False)
+    graphs, eager = cuda_engine("bfloat16", True), cuda_engine("bfloat16", False, **REFERENCE)
     outs = list(zip(run_script(graphs), run_script(eager)))
     same = sum(int(torch.equal(a.argmax(-1), b.argmax(-1))) for a, b in outs)
     for a, b in outs:
@@ -105,3 +112,37 @@ def test_speculative_greedy_on_the_gpu_equals_target_alone():
 def copy_of(model):
     import copy
     return copy.deepcopy(model)
+
+
+def test_fused_kernels_on_the_gpu_round_as_the_reference_ops_do():
+    """The element-wise kernels repeat transformers' roundings: bit for bit on
+    CUDA (the CPU interpreter cannot show it: it truncates bf16 casts). RMSNorm
+    sums in another order: within rounding."""
+    from specdec.engine import fused_ops as F
+
+    torch.manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float32):
+        T, H, Hq, Hkv, D, N = 7, 896, 14, 2, 64, 300
+        h, d = torch.randn(T, H, device="cuda").to(dtype), torch.randn(T, H, device="cuda").to(dtype)
+        w = (torch.rand(H, device="cuda") + 0.5).to(dtype)
+        ref_h, ref_x = F.add_rms_norm(h.clone(), d, w, 1e-6)
+        got_h, got_x = F.add_rms_norm(h.clone(), d, w, 1e-6, use_triton=True)
+        assert torch.equal(got_h, ref_h)  # the residual add: one rounding, the same
+        torch.testing.assert_close(got_x, ref_x, atol=2 ** -6, rtol=2 ** -6)  # a unit or two in the last place
+        qkv = torch.randn(T, (Hq + 2 * Hkv) * D, device="cuda").to(dtype)
+        cos, sin = torch.randn(T, D, device="cuda").to(dtype), torch.randn(T, D, device="cuda").to(dtype)
+        write = torch.tensor([3, 9, 10, 11, 30, 31, 299], device="cuda")
+        results = []
+        for use_triton in (False, True):
+            x = qkv.clone()
+            q, k, v = x[:, :Hq * D].view(T, Hq, D), x[:, Hq * D:(Hq + Hkv) * D].view(T, Hkv, D), x[:, (Hq + Hkv) * D:].view(T, Hkv, D)
+            keys, values = torch.zeros(Hkv, N, D, dtype=dtype, device="cuda"), torch.zeros(Hkv, N, D, dtype=dtype, device="cuda")
+            results.append((F.rotary_and_store(q, k, v, cos, sin, keys, values, write, use_triton).clone(), keys, values))
+        for a, b in zip(*results):
+            assert torch.equal(a, b)
+        gate_up = torch.randn(T, 2 * 4864, device="cuda").to(dtype)
+        ref, got = F.silu_mul(gate_up), F.silu_mul(gate_up, use_triton=True)
+        ulps = 2 ** -7 if dtype == torch.bfloat16 else 1e-6  # the exp may differ by an fp32 ulp
+        torch.testing.assert_close(got, ref, atol=ulps, rtol=ulps)
+        print(f"{dtype}: silu_mul bit-identical on {torch.eq(got, ref).float().mean().item():.4%} of elements; "
+              f"rms_norm on {torch.eq(got_x, ref_x).float().mean().item():.4%}")

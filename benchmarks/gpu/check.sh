@@ -10,19 +10,22 @@
 # phase killed by its limit printed comes back too):
 #   setup  install .gpu's wheels into /tmp/site, copy the stubs, check the imports, print the
 #          machine (GPU, driver, torch, transformers, triton)
+#   smoke  benchmarks/gpu/smoke.py: the toolchain Triton needs, the attention kernel against a
+#          float64 reference (bf16 and fp32), the default CUDA engine against the reference engine,
+#          host syncs per captured step; one line each
 #   tests  the gpu-marked tests: CUDA-graph steps == eager (fp32), batched == alone, the bf16
 #          identity rate, exactness with the orchestrator on the GPU, one host sync per step
 #   steps  `specd steps` on random-weight Qwen2.5-0.5B and 7B: decode and verify steps, graphs
-#          and eager, as multiples of the bandwidth floor
+#          and eager, fused layers on and off, as multiples of the bandwidth floor
 #   bench  `specd bench --pair synth-0.5b-7b`: target-only through the service, HF eager and
 #          static-cache generate, specdec's round costs, projected speedups, 1 and 8 streams
-# quick = setup tests steps; bench = setup bench; all = every phase.
+# quick = setup smoke tests steps; bench = setup bench; all = every phase.
 #
 # GPU_CHECK_DEVICE=cpu runs the same phases on this machine's CPU with the tiny synthetic models (a
 # dry run of the plumbing: PYVER=3.11 DEST=.gpu-py311 prepare.sh first, GPU_CHECK_PREPARED=.gpu-py311, and a Python without the project
 # installed, to see what the GPU image lacks). $OUT (the device tool sets it) gets phases.txt,
 # the phase logs, the steps and bench summaries and results.tgz (everything, the services' logs
-# included); at most 8 files, as the device tool returns.
+# included); at most 8 files, as the device tool returns (quick leaves 8, bench 6).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 root=$PWD
@@ -102,10 +105,11 @@ phase setup 120 bash -c setup || { echo "setup failed: see $out/setup.log"; cat 
 tail -n 3 "$out/setup.log"
 
 if [ "$mode" = quick ] || [ "$mode" = all ]; then
+  phase smoke 120 env SMOKE_DEVICE="$device" "$python" benchmarks/gpu/smoke.py
   phase tests 150 "$python" -m pytest -q -rs -p no:cacheprovider -o timeout=120 -m gpu \
     tests/test_gpu_engine.py tests/test_device_picks.py
   phase steps 150 "${specd[@]}" steps "$draft_model" "$target_model" --device "$device" --dtype "$dtype" \
-    --batches 1 8 --num-draft-tokens 4 --out "$work/steps"
+    --batches 1 8 --num-draft-tokens 4 --fused-layers auto off --out "$work/steps"
   [ -f "$work/steps/steps.md" ] && cp "$work/steps/steps.md" "$out/steps.md"
 fi
 if [ "$mode" = bench ] || [ "$mode" = all ]; then

@@ -44,6 +44,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--packed-linears", nargs="+", default=["auto"], choices=AUTO_ON_OFF,
                    help="bf16 linears pre-packed for oneDNN (CPU; engine/packed_linear.py): auto, on and/or off, "
                    "interleaved like --quantize (default auto)")
+    p.add_argument("--fused-layers", nargs="+", default=["auto"], choices=AUTO_ON_OFF,
+                   help="Llama-family layers as fused kernels (engine/fused_decoder.py; auto: on CUDA): auto, on "
+                   "and/or off, interleaved like --quantize (default auto)")
     life = p.add_argument_group("--lifecycle: the engine's costs around the steps")
     life.add_argument("--lifecycle", action="store_true",
                       help="also measure load time, prefill of a --context-token prompt, rollback at "
@@ -56,7 +59,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import gc
     import time
+
+    import torch
 
     from specdec.bench import lifecycle
     from specdec.bench.step_costs import copy_bandwidth, markdown, measure_interleaved, plot
@@ -77,11 +83,12 @@ def run(args: argparse.Namespace) -> int:
     for model in args.models:
         for head in args.draft_vocab:
             engines, load_times = [], []
-            for quantize, packed in [(q, pk) for q in args.quantize for pk in args.packed_linears]:
+            variants = [(q, pk, fl) for q in args.quantize for pk in args.packed_linears for fl in args.fused_layers]
+            for quantize, packed, fused in variants:
                 try:
                     cfg = EngineConfig(model=model, device=args.device, dtype=args.dtype, threads=args.threads,
                                        max_context=max_context, max_sessions=max(args.batches), draft_vocab=head,
-                                       quantize=quantize, packed_linears=packed)
+                                       quantize=quantize, packed_linears=packed, fused_layers=fused)
                     start = time.perf_counter()
                     engine = ModelEngine.load(cfg)
                     load_times.append(time.perf_counter() - start)
@@ -91,7 +98,8 @@ def run(args: argparse.Namespace) -> int:
                 engine.warmup()
                 engine.name = engine.name + (f" (head {head})" if head else "") + \
                     (f" ({quantize})" if quantize != "none" else "") + \
-                    (f" (packed {packed})" if len(args.packed_linears) > 1 else "")
+                    (f" (packed {packed})" if len(args.packed_linears) > 1 else "") + \
+                    (f" (fused {'on' if engine.fused else 'off'})" if len(args.fused_layers) > 1 else "")
                 engines.append(engine)
             bandwidth = bandwidth or copy_bandwidth(engines[0].device)
             costs += measure_interleaved(engines, ks=args.num_draft_tokens, batches=args.batches, context=args.context,
@@ -106,6 +114,9 @@ def run(args: argparse.Namespace) -> int:
                         print(f"specd: error: {model}: {error}", file=sys.stderr)
                         return EXIT_ERROR
             del engines, engine
+            gc.collect()  # the next model's automatic KV budget reads the device's free memory
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
     table = markdown(costs)
     print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s\n{table}")
     (out / "steps.md").write_text(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s\n\n{table}\n")

@@ -60,6 +60,12 @@ class EngineConfig:
     # "auto" packs where a start-up check shows them identical to F.linear's.
     packed_linears: str = opt("auto", "CPU bf16: linear weights pre-packed for oneDNN (same results, faster)",
                               choices=AUTO_ON_OFF)
+    # A Llama-family model's layers as nine kernels each instead of ~40
+    # (engine/fused_decoder.py): "auto" = on for CUDA with Triton where the
+    # model allows; "on" on a CPU runs the reference ops (same logits);
+    # "off" runs the model through transformers.
+    fused_layers: str = opt("auto", "Llama-family layers as fused kernels (CUDA; auto: where the model allows)",
+                            choices=AUTO_ON_OFF)
     # Prompt tokens per forward pass during prefill (bounds activation memory).
     prefill_chunk: int = opt(512, "prompt tokens per prefill forward pass")
 
@@ -76,6 +82,9 @@ class EngineConfig:
         if self.quantize != "none" and self.device != "cpu":
             raise ValueError(f"--quantize {self.quantize} runs on the CPU only (fbgemm has no CUDA kernel); "
                              "use --device cpu or --quantize none")
+        if self.fused_layers == "on" and self.quantize != "none":
+            raise ValueError(f"--quantize {self.quantize} replaces the linears that fused layers read; "
+                             "use --fused-layers off or auto")
         if self.cuda_graphs == "on" and not self.device.startswith("cuda"):
             raise ValueError("--cuda-graphs on needs a CUDA device (--device cuda or cuda:N)")
         for name, low in (("max_sessions", 1), ("max_context", 2), ("prefill_chunk", 1), ("graph_max_tokens", 1), ("draft_vocab", 0),

@@ -32,9 +32,12 @@ from specdec.engine.kv_store import (
     StepLayout,
     StoreCache,
     slots_for_budget,
+    to_device,
 )
 from specdec.engine.loading import free_device_memory, load_model, tokenizer_fingerprint
-from specdec.engine.model_facts import choose_kernel, context_limit, eos_ids, probe_kv_shape, wants_graphs
+from specdec.engine.fused_decoder import FusedDecoder
+from specdec.engine.model_facts import (choose_kernel, context_limit, eos_ids, probe_kv_shape, wants_fused,
+                                       wants_graphs)
 from specdec.engine.packed_linear import is_packed, pack_linears, packable, wants_packing
 from specdec.engine.quantize import is_quantized, quantize_linears
 from specdec.engine.sessions import ContextRules, Session, SessionTable, new_session_id
@@ -102,6 +105,11 @@ class ModelEngine:
         self.store = KVStore(self.kv_shape, num_slots, self.max_context)
         self.kernel = choose_kernel(cfg.attention, self.device)
         use_store_attention(self.model)
+        # What a forward pass calls: the model through transformers, or its
+        # layers as fused kernels (fused_decoder.py), from the same weights.
+        self.fused = (FusedDecoder(self.model, use_triton=self.kernel == "triton")
+                      if wants_fused(cfg.fused_layers, self.device, self.kernel, self.model) else None)
+        self.forward_model = self.fused or self.model
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.steps: StaticSteps | None = None
         self.output_ids = self.vocab_size  # ids the output head computes (restrict_output)
@@ -122,8 +130,8 @@ class ModelEngine:
             kv_bytes_per_token=self.kv_shape.bytes_per_token,
             usable_vocab_size=self.usable_vocab_size,
         )
-        log.info("KV store: %d session slots of %d tokens, %.1f MiB; attention kernel %s",
-                 num_slots, self.max_context, self.store.nbytes / 2**20, self.kernel)
+        log.info("KV store: %d session slots of %d tokens, %.1f MiB; attention kernel %s; fused layers %s",
+                 num_slots, self.max_context, self.store.nbytes / 2**20, self.kernel, "on" if self.fused else "off")
 
     @classmethod
     def load(cls, cfg: EngineConfig) -> "ModelEngine":
@@ -149,7 +157,7 @@ class ModelEngine:
     def use_static_steps(self, max_tokens: int) -> StaticSteps:
         """Run steps of up to max_tokens tokens at padded fixed shapes
         (captured as CUDA graphs by `warmup()` on CUDA)."""
-        self.steps = StaticSteps(self.model, self.store, max_tokens, self.kernel, self._keeps_logits)
+        self.steps = StaticSteps(self.forward_model, self.store, max_tokens, self.kernel, self._keeps_logits)
         return self.steps
 
     def restrict_output(self, ids: torch.Tensor) -> None:
@@ -172,6 +180,8 @@ class ModelEngine:
         if self.device.type != "cpu":
             raise ValueError("--quantize int8 runs on the CPU only (fbgemm has no CUDA kernel)")
         assert self.steps is None or not self.steps.captured, "quantize before capturing graphs"
+        if self.fused is not None:
+            raise ValueError("--quantize int8 replaces the linears that fused layers read: use --fused-layers off")
         if is_packed(self.model):
             raise ValueError("quantize the model before packing its linears")
         with torch.inference_mode(False), torch.no_grad():
@@ -354,8 +364,10 @@ class ModelEngine:
             return [torch.empty((0, self.vocab_size), dtype=self.dtype, device=self.device) for _ in sessions]
         wanted = [i for row, n in zip(spans, num_logits) for i in range(row.stop - n, row.stop)]
         if self.steps is not None and self.steps.fits(len(tokens)):
-            every = self.steps.run(tokens, positions, bases)  # [len(tokens), V]
-            logits = every[torch.tensor(wanted, dtype=torch.long, device=self.device)]
+            every = self.steps.run(tokens, positions, bases)  # [len(tokens), V], a copy
+            # wanted is ascending: as long as the step means every row (a decode,
+            # a verify), in order.
+            logits = every if len(wanted) == len(tokens) else every[to_device(wanted, self.device)]
         else:
             logits = self._call_model(tokens, self._eager_layout(spans, positions, bases), wanted)
         vocab.mask_padding_(logits, self.usable_vocab_size)  # padded rows are never sampled
@@ -366,8 +378,7 @@ class ModelEngine:
     def _eager_layout(self, spans: list[RowSpan], positions: list[int], bases: list[int]) -> StepLayout:
         for row in spans:
             row.mask = row_mask(row.stop - row.start, row.first_position, self.device)
-        position = torch.tensor(positions, dtype=torch.long, device=self.device)
-        key_base = torch.tensor(bases, dtype=torch.long, device=self.device)
+        position, key_base = to_device([positions, bases], self.device)
         return StepLayout(rows=spans, write_index=key_base + position, key_base=key_base, position=position,
                           kernel=self.kernel)
 
@@ -376,10 +387,10 @@ class ModelEngine:
         if self._keeps_logits:
             # Only the wanted rows go through the LM head (at least one:
             # transformers reads an empty selection as "all").
-            kwargs["logits_to_keep"] = torch.tensor(wanted or [len(tokens) - 1], device=self.device)
+            kwargs["logits_to_keep"] = to_device(wanted or [len(tokens) - 1], self.device)
         with torch.inference_mode():
-            out = self.model(
-                input_ids=torch.tensor([tokens], dtype=torch.long, device=self.device),
+            out = self.forward_model(
+                input_ids=to_device([tokens], self.device),
                 position_ids=layout.position.unsqueeze(0),
                 past_key_values=StoreCache(self.store, layout),
                 use_cache=True,
@@ -389,5 +400,5 @@ class ModelEngine:
         logits = out.logits[0]
         if not wanted:
             return logits[:0]
-        return logits if self._keeps_logits else logits[torch.tensor(wanted, device=self.device)]
+        return logits if self._keeps_logits else logits[to_device(wanted, self.device)]
 

@@ -28,6 +28,7 @@ hand the store to the model's attention layers unchanged.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -165,7 +166,9 @@ class _StoreLayer(CacheLayerMixin):
 
     def __init__(self, cache: "StoreCache", layer_idx: int):
         super().__init__()
-        self.cache = cache
+        # Weak: a strong reference back would make every step's cache a cycle
+        # that only the garbage collector frees (its layout's device tensors too).
+        self.cache = weakref.proxy(cache)
         self.layer_idx = layer_idx
         self.is_initialized = True
 
@@ -208,3 +211,13 @@ class StoreCache(Cache):
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0
+
+def to_device(values: list, device: torch.device) -> torch.Tensor:
+    """Host integers as an int64 tensor on `device`. On CUDA through pinned
+    memory without waiting: `torch.tensor(values, device="cuda")` copies from
+    pageable memory, which waits for everything already queued on the stream
+    (the step just launched), a host sync per call."""
+    staged = torch.tensor(values, dtype=torch.long)
+    if device.type != "cuda":
+        return staged
+    return staged.pin_memory().to(device, non_blocking=True)

@@ -83,6 +83,25 @@ def wants_graphs(setting: str, device: torch.device, kernel: str) -> bool:
     return True
 
 
+def wants_fused(setting: str, device: torch.device, kernel: str, model) -> bool:
+    """Whether to run the model as fused layers (`--fused-layers`; fused_decoder.py)."""
+    from specdec.engine.fused_decoder import why_not
+
+    if setting == "off":
+        return False
+    reason = why_not(model)
+    if setting == "on":
+        if reason is not None:
+            raise ValueError(f"--fused-layers on cannot run this model: {reason}")
+        return True
+    if device.type != "cuda" or kernel != "triton":
+        return False
+    if reason is not None:
+        log.info("fused layers off: %s", reason)
+        return False
+    return True
+
+
 def _triton_available() -> bool:
     try:
         import triton  # noqa: F401

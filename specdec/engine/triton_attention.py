@@ -27,10 +27,10 @@ def _store_attention_kernel(
     Q, K, V, O, KEY_BASE, POSITION, scale,
     stride_qt, stride_qh, stride_kh, stride_kn, stride_vh, stride_vn, stride_ot, stride_oh,
     GROUP: tl.constexpr, GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_P2: tl.constexpr,
-    VALUE_DIM: tl.constexpr, VDIM_P2: tl.constexpr, BLOCK_N: tl.constexpr,
+    VALUE_DIM: tl.constexpr, VDIM_P2: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    t = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    t = tl.program_id(0).to(tl.int64)  # int64 offsets: a large store is past 2**31 elements
+    kv_head = tl.program_id(1).to(tl.int64)
     base = tl.load(KEY_BASE + t).to(tl.int64)
     position = tl.load(POSITION + t).to(tl.int64)
 
@@ -51,7 +51,7 @@ def _store_attention_kernel(
         valid = offs <= position
         k = tl.load(k_ptr + (base + offs)[:, None] * stride_kn + dims[None, :],
                     mask=valid[:, None] & (dims[None, :] < HEAD_DIM), other=0.0)  # [N, D]
-        s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale  # [G, N]
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale  # [G, N]
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp(s - m_new[:, None])
@@ -59,7 +59,7 @@ def _store_attention_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_ptr + (base + offs)[:, None] * stride_vn + vdims[None, :],
                     mask=valid[:, None] & (vdims[None, :] < VALUE_DIM), other=0.0)  # [N, Dv]
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
         m_i = m_new
     out = acc / l_i[:, None]
     tl.store(O + t * stride_ot + heads[:, None] * stride_oh + vdims[None, :], out.to(O.dtype.element_ty),
@@ -84,5 +84,7 @@ def attend(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_base: to
         out.stride(0), out.stride(1),
         GROUP=group, GROUP_P2=p2(group), HEAD_DIM=head_dim, DIM_P2=p2(head_dim),
         VALUE_DIM=value_dim, VDIM_P2=p2(value_dim), BLOCK_N=block_n,
+        # fp32 stays fp32: tl.dot's default runs it as TF32 (10-bit mantissas).
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )
     return out

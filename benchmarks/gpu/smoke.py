@@ -1,0 +1,178 @@
+"""GPU pre-flight for specdec's CUDA paths: the first phase of benchmarks/gpu/check.sh quick. From the
+repository's root on the GPU machine:
+
+    python benchmarks/gpu/smoke.py          # ~30-60 s on an H100 (estimated), most of it Triton compiles
+
+Dry run on a CPU (plumbing only, tiny sizes): SMOKE_DEVICE=cpu TRITON_INTERPRET=1 python benchmarks/gpu/smoke.py
+(there the bf16 kernel line reports ~1e9: Triton's interpreter computes tl.dot on bf16 wrongly; only the
+fp32 line means anything on a CPU)
+
+Each check prints one line, and the script keeps going after a failure, so one call shows every problem:
+  1. toolchain: a C compiler and Python.h (Triton builds its launcher with them at first launch;
+     torch.compile / hf-static too)
+  2. the fused Triton kernel on CUDA against a float64 reference (GQA 7:1 and 1:1, head_dim 128 and
+     64, contexts past several BLOCK_N blocks, a padding token on the scratch slot), bf16 and fp32
+  3. an engine as CUDA runs it by default (fused layers, the fused attention kernel, CUDA graphs)
+     against the reference (transformers' layers, SDPA per session, no graphs), fp32 and bf16, and
+     the host syncs per captured step (torch.cuda sync debug mode)
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import sysconfig
+import time
+import traceback
+import warnings
+
+import torch
+
+sys.path.insert(0, os.getcwd())
+DEV = os.environ.get("SMOKE_DEVICE", "cuda")
+SMALL = DEV == "cpu"
+
+
+FAILED = []
+
+
+def check(name):
+    def wrap(fn):
+        t0 = time.perf_counter()
+        try:
+            msg = fn()
+            print(f"OK   {name}: {msg} ({time.perf_counter() - t0:.1f}s)", flush=True)
+        except Exception as exc:  # noqa: BLE001
+            print(f"FAIL {name}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+            FAILED.append(name)
+            traceback.print_exc(limit=4)
+        return fn
+    return wrap
+
+
+@check("toolchain")
+def _():
+    inc = sysconfig.get_paths()["include"]
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang")
+    import triton
+    return (f"torch {torch.__version__}, triton {triton.__version__}, cc={cc}, "
+            f"Python.h={'yes' if os.path.exists(os.path.join(inc, 'Python.h')) else 'MISSING ' + inc}")
+
+
+def reference(q, key, value, base, pos, scale):
+    """float64 reference of attend(): token t sees key_base[t] + 0..position[t]."""
+    T, Hq, D = q.shape
+    Hkv = key.shape[0]
+    g = Hq // Hkv
+    out = torch.empty(T, Hq, value.shape[-1], dtype=torch.float64)
+    q, key, value = q.double().cpu(), key.double().cpu(), value.double().cpu()
+    for t in range(T):
+        b, p = int(base[t]), int(pos[t])
+        k = key[:, b: b + p + 1].repeat_interleave(g, 0)  # [Hq, p+1, D]
+        v = value[:, b: b + p + 1].repeat_interleave(g, 0)
+        w = torch.softmax((k @ q[t][:, :, None])[:, :, 0] * scale, -1)  # [Hq, p+1]
+        out[t] = (w[:, None, :] @ v)[:, 0]
+    return out
+
+
+def kernel_case(dtype, hq, hkv, d, lengths):
+    from specdec.engine.triton_attention import attend
+    slot = max(lengths) + 8
+    n = slot * len(lengths) + 1  # + the scratch position
+    gen = torch.Generator().manual_seed(0)
+    key = torch.randn(hkv, n, d, generator=gen).to(DEV, dtype)
+    value = torch.randn(hkv, n, d, generator=gen).to(DEV, dtype)
+    base, pos = [], []
+    for s, length in enumerate(lengths):  # the last 3 positions of each session, verify-shaped
+        for p in range(max(0, length - 3), length):
+            base.append(s * slot); pos.append(p)
+        key[:, s * slot + length: (s + 1) * slot] = float("nan")  # stale data must not leak in
+    base.append(n - 1); pos.append(0)  # a padding token on the scratch position
+    base_t = torch.tensor(base, dtype=torch.long, device=DEV)
+    pos_t = torch.tensor(pos, dtype=torch.long, device=DEV)
+    q = torch.randn(len(base), hq, d, generator=gen).to(DEV, dtype)
+    out = attend(q, key, value, base_t, pos_t, d ** -0.5)
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+    ref = reference(q, key, value, base, pos, d ** -0.5)
+    return (out.double().cpu() - ref).abs().max().item()
+
+
+@check("triton kernel vs float64 reference")
+def _():
+    lengths = [5, 70, 200] if SMALL else [1, 63, 64, 65, 700, 3000]
+    cases = [(7 * 4, 4, 128), (14, 2, 64), (8, 8, 128)] if not SMALL else [(4, 2, 16)]
+    out, over = [], False
+    # Triton's CPU interpreter computes bf16 dots wrongly: on a CPU, fp32 only.
+    for dtype, tol in ((torch.float32, 1e-5),) if SMALL else ((torch.bfloat16, 3e-2), (torch.float32, 1e-5)):
+        for hq, hkv, d in cases:
+            err = kernel_case(dtype, hq, hkv, d, lengths)
+            over |= not err < tol
+            out.append(f"{str(dtype)[6:]} {hq}/{hkv}x{d}: {err:.1e}{'' if err < tol else ' <-- over ' + str(tol)}")
+    # fp32 over 1e-5 (about 1e-3) would mean tl.dot ran in TF32
+    if over:
+        raise AssertionError("; ".join(out))
+    return "; ".join(out)
+
+
+def engine(dtype, graphs, attention, fused="auto"):
+    from specdec.engine.config import EngineConfig
+    from specdec.engine.engine import ModelEngine
+    from tests.conftest import tiny_model
+    model = tiny_model("qwen2", seed=0, init_range=0.3).to(device=DEV, dtype=getattr(torch, dtype))
+    cfg = EngineConfig(device=DEV, dtype=dtype, max_context=256, max_kv_bytes=1 << 26, attention=attention,
+                       cuda_graphs="on" if graphs else "off", graph_max_tokens=32, fused_layers=fused)
+    e = ModelEngine(model, cfg, name="smoke")
+    e.warmup()
+    return e
+
+
+def script(e):
+    from specdec.engine.engine import ExtendItem
+    from tests.test_engine import random_tokens
+    ss = [e.open_session(random_tokens(n, seed=n)) for n in (5, 40, 90)]
+    outs = e.extend([ExtendItem(s.id, None, [7, 8, 9], 4) for s in ss])
+    for i in range(4):
+        outs += e.extend([ExtendItem(s.id, None, [11 + i], 1) for s in ss])
+    for s in ss:
+        e.close(s.id)
+    return [o.float().cpu() for o in outs]
+
+
+@check("engine: graphs+fused vs transformers+sdpa eager")
+def _():
+    if SMALL:
+        return "skipped on cpu"
+    out = []
+    for dtype in ("float32", "bfloat16"):
+        a = script(engine(dtype, True, "auto"))
+        b = script(engine(dtype, False, "sdpa", fused="off"))
+        err = max((x - y).abs().max().item() for x, y in zip(a, b))
+        same = sum(torch.equal(x.argmax(-1), y.argmax(-1)) for x, y in zip(a, b))
+        out.append(f"{dtype}: max |dlogit| {err:.1e}, argmax equal {same}/{len(a)}")
+    return "; ".join(out)
+
+
+@check("engine: host syncs per captured step")
+def _():
+    if SMALL:
+        return "skipped on cpu"
+    from specdec.engine.engine import ExtendItem
+    e = engine("bfloat16", True, "auto")
+    s = e.open_session(list(range(3, 40)))
+    e.extend([ExtendItem(s.id, None, [5], 1)])
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            e.extend([ExtendItem(s.id, None, [6], 1)])
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    n = len([w for w in caught if "synchroniz" in str(w.message)])
+    return f"{n} sync(s) in one decode step (0 expected: engine.to_device copies without waiting)"
+
+
+if __name__ == "__main__":
+    print(f"{len(FAILED)} check(s) failed: {', '.join(FAILED)}" if FAILED else "all checks ran")
+    sys.exit(1 if FAILED else 0)
