@@ -15,6 +15,7 @@ import torch
 from specdec.engine.config import EngineConfig
 from specdec.engine.engine import ExtendItem, ModelEngine
 from specdec.engine.fused_decoder import FusedDecoder, why_not
+from specdec.engine.fused_linears import FusedPart
 from tests.conftest import tiny_model
 from tests.test_engine import random_tokens
 
@@ -54,23 +55,36 @@ def test_fused_layers_compute_what_transformers_computes_bit_for_bit(arch, dtype
         assert torch.equal(a, b)
 
 
-def test_fused_weights_are_views_and_the_model_still_runs_through_transformers():
+def test_fused_products_are_stored_once_and_the_model_still_runs_through_transformers():
     model = tiny_model("qwen2", seed=5, init_range=0.3)
     ids = torch.tensor([random_tokens(12, seed=1)])
     with torch.inference_mode():
         before = model(ids).logits
     params_before = sum(p.numel() for p in model.parameters())
     decoder = FusedDecoder(model, use_triton=False)
-    layer, attn = decoder.layers[0], model.model.layers[0].self_attn
-    fused_storage = layer.qkv_weight.untyped_storage().data_ptr()
-    for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
-        assert proj.weight.untyped_storage().data_ptr() == fused_storage  # a view: stored once
-        assert proj.bias.untyped_storage().data_ptr() == layer.qkv_bias.untyped_storage().data_ptr()
-    mlp = model.model.layers[0].mlp
-    assert mlp.up_proj.weight.untyped_storage().data_ptr() == layer.gate_up_weight.untyped_storage().data_ptr()
-    assert sum(p.numel() for p in model.parameters()) == params_before
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    assert isinstance(attn.q_proj, FusedPart) and isinstance(mlp.up_proj, FusedPart)
+    assert decoder.layers[0].qkv.layer.weight.shape[0] == attn.q_proj.out_features + 2 * attn.k_proj.out_features
+    assert sum(p.numel() for p in model.parameters()) == params_before  # each weight once
     with torch.inference_mode():
         assert torch.equal(model(ids).logits, before)
+
+
+@pytest.mark.parametrize("weights", ["int8", "packed"])
+def test_int8_and_packed_products_run_fused_as_they_run_alone(weights):
+    """Packing (bf16) and int8 convert the fused products like any other
+    linear layer, after the fused decoder is built: the same logits."""
+    dtype = "bfloat16" if weights == "packed" else "float32"
+    outs = []
+    for fused in ("off", "on"):
+        engine = engine_for("qwen2", dtype, fused)
+        if weights == "int8":
+            engine.quantize_weights("int8")
+        else:
+            engine.pack_weights()
+        outs.append(script(engine))
+    for a, b in zip(*outs, strict=True):
+        assert torch.equal(a, b)
 
 
 def test_models_fused_layers_cannot_run_are_named_and_auto_leaves_them_alone():
@@ -87,14 +101,6 @@ def test_models_fused_layers_cannot_run_are_named_and_auto_leaves_them_alone():
     sliding = tiny_model("qwen2")
     sliding.config.layer_types = ["full_attention", "sliding_attention"]
     assert why_not(sliding) == "sliding-window layers"
-
-
-def test_int8_weights_and_fused_layers_are_refused_together():
-    with pytest.raises(ValueError, match="use --fused-layers off"):
-        EngineConfig(quantize="int8", fused_layers="on").validate()
-    engine = engine_for("qwen2", "float32", "on")
-    with pytest.raises(ValueError, match="use --fused-layers off"):
-        engine.quantize_weights("int8")
 
 
 def _run_interpreted(code: str) -> subprocess.CompletedProcess:

@@ -82,9 +82,6 @@ class EngineConfig:
         if self.quantize != "none" and self.device != "cpu":
             raise ValueError(f"--quantize {self.quantize} runs on the CPU only (fbgemm has no CUDA kernel); "
                              "use --device cpu or --quantize none")
-        if self.fused_layers == "on" and self.quantize != "none":
-            raise ValueError(f"--quantize {self.quantize} replaces the linears that fused layers read; "
-                             "use --fused-layers off or auto")
         if self.cuda_graphs == "on" and not self.device.startswith("cuda"):
             raise ValueError("--cuda-graphs on needs a CUDA device (--device cuda or cuda:N)")
         for name, low in (("max_sessions", 1), ("max_context", 2), ("prefill_chunk", 1), ("graph_max_tokens", 1), ("draft_vocab", 0),

@@ -180,8 +180,6 @@ class ModelEngine:
         if self.device.type != "cpu":
             raise ValueError("--quantize int8 runs on the CPU only (fbgemm has no CUDA kernel)")
         assert self.steps is None or not self.steps.captured, "quantize before capturing graphs"
-        if self.fused is not None:
-            raise ValueError("--quantize int8 replaces the linears that fused layers read: use --fused-layers off")
         if is_packed(self.model):
             raise ValueError("quantize the model before packing its linears")
         with torch.inference_mode(False), torch.no_grad():

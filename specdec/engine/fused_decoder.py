@@ -17,9 +17,10 @@ same weights, as nine per layer:
 
 plus, once per step, the embedding, the rotary tables (transformers' own
 module, so every RoPE scaling it knows stays right), the last add + norm and
-the output head. The q/k/v and gate/up weights are concatenated once, and the
-model's own projection layers then hold views of them: no weight is stored
-twice, and the model still runs through transformers as before.
+the output head. The q/k/v and gate/up projections become parts of one
+product each (`fused_linears.fuse_siblings`): each weight is stored once, the
+model still runs through transformers as before, and packing or int8 weights
+(CPU) convert the one product like any other linear layer.
 
 It replaces the model call in the engine and in the captured steps
 (`static_steps.py`) when `--fused-layers` says so (`auto`: on a CUDA device
@@ -40,6 +41,7 @@ import torch
 from torch import nn
 
 from specdec.engine.attention import STEP_KWARG, store_attention
+from specdec.engine.fused_linears import FusedPart, SharedProduct, fuse_siblings
 from specdec.engine.fused_ops import add_rms_norm, rotary_and_store, silu_mul
 from specdec.engine.kv_store import StepLayout, StoreCache
 
@@ -70,38 +72,33 @@ def why_not(model) -> str | None:
     return None
 
 
-def _fuse(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One weight (and bias) for sibling projections; each sibling then holds a view of it."""
-    weight = torch.cat([p.weight.detach() for p in linears])
-    bias = torch.cat([p.bias.detach() for p in linears]) if linears[0].bias is not None else None
-    row = 0
-    for p in linears:
-        n = p.out_features
-        p.weight = nn.Parameter(weight[row: row + n], requires_grad=False)
-        if bias is not None:
-            p.bias = nn.Parameter(bias[row: row + n], requires_grad=False)
-        row += n
-    return weight, bias
+def _identity(linear: nn.Linear) -> nn.Linear:
+    return linear
+
+
+def _shared(part: nn.Module) -> SharedProduct:
+    assert isinstance(part, FusedPart), type(part)
+    return part.shared[0]
 
 
 @dataclass
 class _Layer:
+    """One layer's pieces. The products are looked up on each call: packing or
+    int8 (packed_linear.py, quantize.py) may replace them after this is built."""
+
     index: int
     norm1: torch.Tensor
     norm1_eps: float
-    qkv_weight: torch.Tensor
-    qkv_bias: torch.Tensor | None
+    qkv: SharedProduct  # .layer: q, k and v as one product
     q_size: int
     kv_size: int
     head_dim: int
     scaling: float
-    attn: nn.Module
-    o_proj: nn.Module
+    attn: nn.Module  # .o_proj
     norm2: torch.Tensor
     norm2_eps: float
-    gate_up_weight: torch.Tensor
-    gate_up_bias: torch.Tensor | None
-    down_proj: nn.Module
+    gate_up: SharedProduct  # .layer: gate and up as one product
+    mlp: nn.Module  # .down_proj
 
 
 @dataclass
@@ -119,19 +116,18 @@ class FusedDecoder:
         self.model = model
         self.use_triton = use_triton
         inner = model.model
-        self.layers = []
+        # q/k/v and gate/up become parts of one product each (fused_linears.py):
+        # stored once, and transformers' own forward still runs the model.
         with torch.no_grad():
-            for i, layer in enumerate(inner.layers):
-                attn, mlp = layer.self_attn, layer.mlp
-                qkv_w, qkv_b = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
-                gu_w, gu_b = _fuse([mlp.gate_proj, mlp.up_proj])
-                self.layers.append(_Layer(
-                    index=i, norm1=layer.input_layernorm.weight, norm1_eps=_eps(layer.input_layernorm),
-                    qkv_weight=qkv_w, qkv_bias=qkv_b, q_size=attn.q_proj.out_features,
-                    kv_size=attn.k_proj.out_features, head_dim=attn.head_dim, scaling=attn.scaling, attn=attn,
-                    o_proj=attn.o_proj, norm2=layer.post_attention_layernorm.weight,
-                    norm2_eps=_eps(layer.post_attention_layernorm), gate_up_weight=gu_w, gate_up_bias=gu_b,
-                    down_proj=mlp.down_proj))
+            fuse_siblings(model, _identity)
+        self.layers = []
+        for i, layer in enumerate(inner.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            self.layers.append(_Layer(
+                index=i, norm1=layer.input_layernorm.weight, norm1_eps=_eps(layer.input_layernorm),
+                qkv=_shared(attn.q_proj), q_size=attn.q_proj.out_features, kv_size=attn.k_proj.out_features,
+                head_dim=attn.head_dim, scaling=attn.scaling, attn=attn, norm2=layer.post_attention_layernorm.weight,
+                norm2_eps=_eps(layer.post_attention_layernorm), gate_up=_shared(mlp.gate_proj), mlp=mlp))
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, past_key_values: StoreCache,
                  logits_to_keep=0, **kwargs) -> FusedOutput:
@@ -146,7 +142,7 @@ class FusedDecoder:
         delta = None
         for layer in self.layers:
             hidden, x = add_rms_norm(hidden, delta, layer.norm1, layer.norm1_eps, self.use_triton)
-            qkv = torch.nn.functional.linear(x, layer.qkv_weight, layer.qkv_bias)
+            qkv = layer.qkv.layer(x)
             q = qkv[:, :layer.q_size].view(tokens, -1, layer.head_dim)
             k = qkv[:, layer.q_size:layer.q_size + layer.kv_size].view(tokens, -1, layer.head_dim)
             v = qkv[:, layer.q_size + layer.kv_size:].view(tokens, -1, layer.head_dim)
@@ -154,10 +150,10 @@ class FusedDecoder:
             q = rotary_and_store(q, k, v, cos, sin, keys, values, layout.write_index, self.use_triton)
             out, _ = store_attention(layer.attn, q.transpose(0, 1)[None], keys, values, None,
                                      scaling=layer.scaling, **{STEP_KWARG: layout})
-            delta = layer.o_proj(out.reshape(tokens, -1))
+            delta = layer.attn.o_proj(out.reshape(tokens, -1))
             hidden, x = add_rms_norm(hidden, delta, layer.norm2, layer.norm2_eps, self.use_triton)
-            gate_up = torch.nn.functional.linear(x, layer.gate_up_weight, layer.gate_up_bias)
-            delta = layer.down_proj(silu_mul(gate_up, self.use_triton))
+            gate_up = layer.gate_up.layer(x)
+            delta = layer.mlp.down_proj(silu_mul(gate_up, self.use_triton))
         hidden, x = add_rms_norm(hidden, delta, inner.norm.weight, _eps(inner.norm), self.use_triton)
         if isinstance(logits_to_keep, torch.Tensor):
             x = x[logits_to_keep]
