@@ -101,6 +101,9 @@ def test_models_fused_layers_cannot_run_are_named_and_auto_leaves_them_alone():
     sliding = tiny_model("qwen2")
     sliding.config.layer_types = ["full_attention", "sliding_attention"]
     assert why_not(sliding) == "sliding-window layers"
+    dynamic = tiny_model("llama")
+    dynamic.config.rope_parameters = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    assert "RoPE type 'dynamic'" in why_not(dynamic)
 
 
 def _run_interpreted(code: str) -> subprocess.CompletedProcess:

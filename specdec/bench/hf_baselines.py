@@ -65,6 +65,9 @@ class HFBaselines:
         hf_logging.disable_progress_bar()  # the bench reports its own progress
         hf_logging.set_verbosity_error()  # generate()'s deprecation notices about its own internals
         self.target_cfg = target_cfg
+        # hf-static's cache length for every request (None: transformers sizes
+        # it per request, and a longer request then recompiles the step).
+        self.static_cache_len: int | None = None
         loaded = load_model(target_cfg)
         self.target = loaded.model
         self.tokenizer = loaded.tokenizer
@@ -116,6 +119,8 @@ class HFBaselines:
             # transformers compiles the forward over a static cache itself on
             # CUDA; on a CPU, compiling would mostly measure the compiler.
             params.update(cache_implementation="static", disable_compile=self.device.type != "cuda")
+            if self.static_cache_len:  # one shape: the warm-up compiles what every request runs
+                params.update(max_cache_len=max(self.static_cache_len, len(prompt_ids) + max_tokens))
         config = GenerationConfig(**params)
         ids = torch.tensor([prompt_ids], device=self.device)
         cuda = self.device.type == "cuda"

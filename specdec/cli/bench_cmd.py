@@ -195,6 +195,8 @@ def _measure(args, o: dict, plan, out_dir: Path) -> tuple:
     with _recording(out_dir / "requests.jsonl") as on_record, _interrupted_by_signals():
         try:
             hf = _start(services, args, o, out_dir)
+            if hf is not None:  # hf-static: one cache shape for the warm-up and every request
+                hf.static_cache_len = max(len(p.token_ids) for p in plan.prompts) + plan.max_tokens
             runner = Runner(plan, services=services, hf=hf, request_timeout_s=args.request_timeout,
                             progress=not args.no_progress, on_record=on_record, log=_log)
             _warm_up_and_run(runner, plan, args.warmup)

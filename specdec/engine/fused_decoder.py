@@ -26,12 +26,15 @@ It replaces the model call in the engine and in the captured steps
 (`static_steps.py`) when `--fused-layers` says so (`auto`: on a CUDA device
 with Triton, for a model it supports; `why_not` says why not). On the CPU its
 reference ops repeat transformers' arithmetic op for op, so it computes the
-same logits bit for bit (tests/test_fused_decoder.py); with the Triton kernels
-it agrees to rounding in bf16 (RMSNorm sums in another order).
+same logits bit for bit (tests/test_fused_decoder.py; also the real Coder 0.5B
+and 1.5B, bf16 packed and int8); on a GPU it agrees to rounding (RMSNorm sums
+in another order, and cuBLAS may choose another kernel for the merged
+products).
 
 Supported: decoder-only Llama-family models whose layers are RMSNorm, q/k/v/o
 projections with rotary embedding and a SiLU-gated MLP, with no sliding
-window, no q/k norm and plain `nn.Linear` projections (`SUPPORTED_TYPES`).
+window, no q/k norm, no RoPE whose tables depend on the sequence length, and
+plain `nn.Linear` projections (`SUPPORTED_TYPES`, `why_not`).
 """
 from __future__ import annotations
 
@@ -57,6 +60,11 @@ def why_not(model) -> str | None:
         return f"activation {config.hidden_act!r} (fused: silu)"
     if any(t != "full_attention" for t in getattr(config, "layer_types", None) or []):
         return "sliding-window layers"
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope_type = str(rope.get("rope_type", rope.get("type", "default"))) if isinstance(rope, dict) else "default"
+    if "dynamic" in rope_type or rope_type == "longrope":
+        # transformers recomputes these tables from the sequence length on the host: no captured step
+        return f"RoPE type {rope_type!r} (its tables depend on the sequence length)"
     inner = getattr(model, "model", None)
     if inner is None or not hasattr(inner, "rotary_emb") or not hasattr(model, "lm_head"):
         return "not the Llama-family module layout"

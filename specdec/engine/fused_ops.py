@@ -3,8 +3,8 @@
 A decode step of a small model on a GPU costs what its kernels cost to launch
 and run, not what its arithmetic costs: the 0.5B draft's step replayed as a
 CUDA graph took 3.05 ms on an H100 against a 0.33 ms bandwidth floor (issue
-14). transformers runs one layer as ~40 kernels (counted: `specd steps
---count-ops`; docs/benchmarks.md): RMSNorm alone is eight (casts, pow, mean,
+14). transformers runs one layer as ~42 launches (counted: `python -m
+specdec.bench.kernel_count`; docs/benchmarks.md): RMSNorm alone is eight (casts, pow, mean,
 add, rsqrt, two products), rotary embedding ten. `fused_decoder.py` runs a
 layer as nine, with the three pieces here:
 
@@ -16,10 +16,11 @@ layer as nine, with the three pieces here:
 Each has a reference in torch ops, which repeats transformers' arithmetic
 op for op (the same casts and roundings: on the CPU the fused decoder computes
 exactly what transformers computes), and a Triton kernel for CUDA
-(`triton_fused.py`) that keeps the same roundings where they are element-wise;
-its RMSNorm sums in another order, so in bf16 it agrees to rounding, not bit
-for bit (as the graphs and the batched steps already do; the identity rate is
-what the GPU tests report).
+(`triton_fused.py`) that keeps the same roundings where they are element-wise
+(no multiply-add contraction: transformers rounds the product first); its
+RMSNorm sums in another order, so it agrees to rounding, not bit for bit (as
+the graphs and the batched steps already do; the identity rate is what the GPU
+tests report).
 """
 from __future__ import annotations
 

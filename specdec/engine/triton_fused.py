@@ -12,9 +12,18 @@ Tested on the CPU under TRITON_INTERPRET=1 (tests/test_fused_decoder.py).
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
+
+# No mul+add contraction into FMAs: LLVM narrows `(a * b).to(bf16)` to a bf16
+# multiply and would fuse it into the next add (one rounding where transformers
+# rounds twice; ~23% of rotary outputs then differ by an ulp).
+_NO_FMA = dict(enable_fp_fusion=False)
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
@@ -50,7 +59,7 @@ def add_rms_norm(hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch
     _add_rms_norm_kernel[(tokens,)](
         hidden, delta if delta is not None else hidden, weight, out,
         hidden.stride(0), (delta if delta is not None else hidden).stride(0), out.stride(0), n_cols, eps,
-        HAS_DELTA=delta is not None, BLOCK=block, num_warps=8 if block >= 4096 else 4,
+        HAS_DELTA=delta is not None, BLOCK=block, num_warps=8 if block >= 4096 else 4, **_NO_FMA,
     )
     return hidden, out
 
@@ -118,19 +127,24 @@ def rotary_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: tor
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), sin.stride(0),
         keys.stride(0), keys.stride(1), values.stride(0), values.stride(1),
         Q_HEADS=q_heads, HALF=half, HALF_P2=triton.next_power_of_2(half),
-        VALUE_DIM=value_dim, VDIM_P2=triton.next_power_of_2(value_dim), num_warps=1,
+        VALUE_DIM=value_dim, VDIM_P2=triton.next_power_of_2(value_dim), num_warps=1, **_NO_FMA,
     )
     return q
 
 
 @triton.jit
-def _silu_mul_kernel(GU, OUT, stride_gu, stride_o, n_cols, BLOCK: tl.constexpr):
+def _silu_mul_kernel(GU, OUT, stride_gu, stride_o, n_cols, BLOCK: tl.constexpr, ACCURATE_EXP: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
     g = tl.load(GU + row * stride_gu + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(GU + row * stride_gu + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-    s = (g / (1.0 + tl.exp(-g))).to(OUT.dtype.element_ty).to(tl.float32)  # torch's silu, rounded
+    # torch's silu: x / (1 + expf(-x)), an accurate expf and an IEEE division, rounded
+    if ACCURATE_EXP:
+        e = libdevice.exp(-g)  # expf, as torch's ::exp (tl.exp is ex2.approx of g * log2(e))
+    else:
+        e = tl.exp(-g)  # the interpreter has no libdevice
+    s = tl.div_rn(g, 1.0 + e).to(OUT.dtype.element_ty).to(tl.float32)
     tl.store(OUT + row * stride_o + cols, (s * u).to(OUT.dtype.element_ty), mask=mask)
 
 
@@ -142,5 +156,6 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty((tokens, n_cols), dtype=gate_up.dtype, device=gate_up.device)
     block = min(1024, triton.next_power_of_2(n_cols))
     _silu_mul_kernel[(tokens, triton.cdiv(n_cols, block))](gate_up, out, gate_up.stride(0), out.stride(0), n_cols,
-                                                            BLOCK=block, num_warps=4)
+                                                            BLOCK=block, ACCURATE_EXP=not _INTERPRETED,
+                                                            num_warps=4, **_NO_FMA)
     return out
