@@ -83,7 +83,7 @@ def http_system():
         forwards[0] += 1
         gate.forward()
 
-    target.register_forward_hook(on_forward)
+    target_engine.forward_model.register_forward_hook(on_forward)  # the model, or its fused decoder
     with running_system(target_engine, draft_engine, tokenizer=tokenizer, http=HttpConfig(http_port=0)) as system:
         system.tokenizer = tokenizer
         system.sessions = sessions

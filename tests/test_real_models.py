@@ -54,3 +54,25 @@ def test_engine_on_gpu_matches_cpu_bf16():
     with torch.inference_mode():
         ref = cpu_model(torch.tensor([tokens])).logits[0, 9:]
     torch.testing.assert_close(logits, ref, atol=1e-3, rtol=0)
+
+
+@pytest.mark.real_models
+@needs_pair
+@pytest.mark.parametrize("name,quantize", [(DEFAULT_PAIR.draft, "none"), (DEFAULT_PAIR.draft, "int8"),
+                                           (DEFAULT_PAIR.target, "none")])
+def test_fused_layers_give_the_real_models_logits_bit_for_bit(name, quantize):
+    """bf16 with packed linears (the CPU default) and the int8 draft: the
+    fused decoder's logits equal transformers' exactly on the CPU."""
+    outs = []
+    for fused in ("off", "on"):
+        engine = ModelEngine.load(EngineConfig(model=name, fused_layers=fused, quantize=quantize, max_context=256,
+                                               max_sessions=4, threads=2))
+        assert (engine.fused is not None) == (fused == "on")
+        seqs = [torch.randint(3, 150000, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 70)]
+        sessions = [engine.open_session(seq) for seq in seqs]
+        out = engine.extend([ExtendItem(s.id, None, [7, 8, 9, 10], 5) for s in sessions])
+        out += engine.extend([ExtendItem(s.id, None, [11], 1) for s in sessions])
+        outs.append(out)
+        del engine
+    for a, b in zip(*outs, strict=True):
+        assert torch.equal(a, b)

@@ -60,11 +60,12 @@ class EngineConfig:
     # "auto" packs where a start-up check shows them identical to F.linear's.
     packed_linears: str = opt("auto", "CPU bf16: linear weights pre-packed for oneDNN (same results, faster)",
                               choices=AUTO_ON_OFF)
-    # A Llama-family model's layers as nine kernels each instead of ~40
-    # (engine/fused_decoder.py): "auto" = on for CUDA with Triton where the
-    # model allows; "on" on a CPU runs the reference ops (same logits);
-    # "off" runs the model through transformers.
-    fused_layers: str = opt("auto", "Llama-family layers as fused kernels (CUDA; auto: where the model allows)",
+    # A Llama-family model's layers as nine launches each instead of ~42
+    # (engine/fused_decoder.py): "auto" = wherever the model allows (Triton
+    # kernels with the triton attention kernel, on CUDA; reference ops, the
+    # same logits as transformers, on a CPU); "off" runs the model through
+    # transformers.
+    fused_layers: str = opt("auto", "Llama-family layers as fused kernels (auto: where the model allows)",
                             choices=AUTO_ON_OFF)
     # Prompt tokens per forward pass during prefill (bounds activation memory).
     prefill_chunk: int = opt(512, "prompt tokens per prefill forward pass")

@@ -108,7 +108,7 @@ class ModelEngine:
         # What a forward pass calls: the model through transformers, or its
         # layers as fused kernels (fused_decoder.py), from the same weights.
         self.fused = (FusedDecoder(self.model, use_triton=self.kernel == "triton")
-                      if wants_fused(cfg.fused_layers, self.device, self.kernel, self.model) else None)
+                      if wants_fused(cfg.fused_layers, self.model) else None)
         self.forward_model = self.fused or self.model
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.steps: StaticSteps | None = None

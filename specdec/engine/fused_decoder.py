@@ -114,14 +114,17 @@ class FusedOutput:
     logits: torch.Tensor  # [1, T or kept, V], as transformers returns it
 
 
-class FusedDecoder:
-    """Runs `model` (see the module doc); called as the engine calls the model."""
+class FusedDecoder(nn.Module):
+    """Runs `model` (see the module doc); called as the engine calls the model.
+    A module, so hooks on a forward pass go here: the model's own forward is
+    not called (its submodules' are, for the products and the output head)."""
 
     def __init__(self, model, use_triton: bool):
         reason = why_not(model)
         if reason is not None:
             raise ValueError(f"fused layers cannot run this model: {reason}")
-        self.model = model
+        super().__init__()
+        self.__dict__["model"] = model  # not a submodule: the model stays the weights' one owner
         self.use_triton = use_triton
         inner = model.model
         # q/k/v and gate/up become parts of one product each (fused_linears.py):
@@ -137,8 +140,8 @@ class FusedDecoder:
                 head_dim=attn.head_dim, scaling=attn.scaling, attn=attn, norm2=layer.post_attention_layernorm.weight,
                 norm2_eps=_eps(layer.post_attention_layernorm), gate_up=_shared(mlp.gate_proj), mlp=mlp))
 
-    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, past_key_values: StoreCache,
-                 logits_to_keep=0, **kwargs) -> FusedOutput:
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, past_key_values: StoreCache,
+                logits_to_keep=0, **kwargs) -> FusedOutput:
         layout: StepLayout = kwargs[STEP_KWARG]
         store = past_key_values.store
         model = self.model

@@ -82,8 +82,9 @@ class FusedPart(nn.Module):
 def _stacked(linears: list[nn.Linear]) -> nn.Linear:
     first = linears[0]
     has_bias = first.bias is not None
-    fused = nn.Linear(first.in_features, sum(m.out_features for m in linears), bias=has_bias,
-                      dtype=first.weight.dtype, device=first.weight.device)
+    # skip_init: no random initialization to overwrite (and no draw from the caller's generator)
+    fused = torch.nn.utils.skip_init(nn.Linear, first.in_features, sum(m.out_features for m in linears),
+                                     bias=has_bias, dtype=first.weight.dtype, device=first.weight.device)
     with torch.no_grad():
         fused.weight.copy_(torch.cat([m.weight for m in linears]))
         if has_bias:

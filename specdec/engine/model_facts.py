@@ -83,20 +83,18 @@ def wants_graphs(setting: str, device: torch.device, kernel: str) -> bool:
     return True
 
 
-def wants_fused(setting: str, device: torch.device, kernel: str, model) -> bool:
-    """Whether to run the model as fused layers (`--fused-layers`; fused_decoder.py)."""
+def wants_fused(setting: str, model) -> bool:
+    """Whether to run the model as fused layers (`--fused-layers`; fused_decoder.py):
+    `auto` wherever the model allows, on any device (on a CPU its reference ops
+    give transformers' logits bit for bit, 2-17% sooner: docs/benchmarks.md)."""
     from specdec.engine.fused_decoder import why_not
 
     if setting == "off":
         return False
     reason = why_not(model)
-    if setting == "on":
-        if reason is not None:
-            raise ValueError(f"--fused-layers on cannot run this model: {reason}")
-        return True
-    if device.type != "cuda" or kernel != "triton":
-        return False
-    if reason is not None:
+    if setting == "on" and reason is not None:
+        raise ValueError(f"--fused-layers on cannot run this model: {reason}")
+    if reason is not None:  # auto
         log.info("fused layers off: %s", reason)
         return False
     return True
