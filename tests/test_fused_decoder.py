@@ -13,11 +13,12 @@ import pytest
 import torch
 
 from specdec.engine.config import EngineConfig
-from specdec.engine.engine import ExtendItem, ModelEngine
+from specdec.engine.engine import ModelEngine
 from specdec.engine.fused_decoder import FusedDecoder, why_not
 from specdec.engine.fused_linears import FusedPart
 from tests.conftest import tiny_model
 from tests.test_engine import random_tokens
+from tests.test_gpu_engine import run_script as script  # the engine script the GPU tests run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -29,19 +30,6 @@ def engine_for(arch: str, dtype: str, fused: str, static: bool = False, seed: in
     if static:
         engine.use_static_steps(64)  # padded fixed-shape steps, as captured on CUDA
     return engine
-
-
-def script(engine: ModelEngine) -> list[torch.Tensor]:
-    """Prefill, a verify-shaped batch of mixed lengths, decode steps, a
-    rollback and more: every logits row the engine returns."""
-    seqs = [random_tokens(n, seed=40 + n) for n in (5, 33, 12, 70)]
-    sessions = [engine.open_session(seq) for seq in seqs]
-    out = engine.extend([ExtendItem(s.id, None, [7, 8, 9, 10], 5) for s in sessions])
-    for step in range(4):
-        out += engine.extend([ExtendItem(s.id, None, [11 + step], 1) for s in sessions])
-    engine.rollback(sessions[1].id, 20)
-    out += engine.extend([ExtendItem(s.id, None, [3, 4], 3) for s in sessions])
-    return out
 
 
 @pytest.mark.parametrize("static", [False, True], ids=["eager-steps", "padded-steps"])
@@ -168,7 +156,7 @@ ENGINE_CHECK = textwrap.dedent("""
     from specdec.engine.config import EngineConfig
     from specdec.engine.engine import ModelEngine
     from tests.conftest import tiny_model
-    from tests.test_fused_decoder import script
+    from tests.test_gpu_engine import run_script as script
     for arch in ("qwen2", "llama"):
         outs = []
         for attention, fused in (("sdpa", "off"), ("triton", "on")):
