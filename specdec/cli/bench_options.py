@@ -8,6 +8,8 @@ mistake of the user's raises `UsageError` (one line, exit code 2).
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 from specdec.bench.runner import BASELINES, HF, HF_ASSISTED, HF_STATIC, SERVICE
 from specdec.errors import InvalidArgument
@@ -125,6 +127,12 @@ def resolve(args: argparse.Namespace) -> dict:
         raise UsageError("nothing to run: give --baselines and/or --policies")
     if any(b in o["baselines"] for b in (HF, HF_STATIC, HF_ASSISTED)) and 1 not in o["concurrency"]:
         raise UsageError("the HF baselines run at concurrency 1: include 1 in --concurrency or drop them")
+    if HF_ASSISTED in o["baselines"]:
+        rows = _vocab_rows(o["draft_dir"]), _vocab_rows(o["target_dir"])
+        if None not in rows and rows[0] != rows[1]:
+            raise UsageError(f"--baselines hf-assisted: transformers' assisted generation needs the draft's and the "
+                             f"target's vocabularies to have the same rows ({rows[0]} and {rows[1]} here); "
+                             "drop hf-assisted for this pair")
     o["concurrency_configs"] = args.concurrency_configs
     if args.concurrency_configs:
         unknown = set(args.concurrency_configs) - {n for c in o["configs"] if c.kind == SERVICE for n in (c.name, c.base)}
@@ -301,3 +309,17 @@ def _random_token_prompts(model_dir: str, n: int, length: int, seed: int) -> lis
                 prompt.append(t)
         out.append(prompt)
     return out
+
+
+def _vocab_rows(model: str | None) -> int | None:
+    """The embedding rows of a synth:NAME model or a model directory (None: not known here)."""
+    from specdec.models.synth import get_synth, is_synth_name
+
+    if not model:
+        return None
+    if is_synth_name(model):
+        return get_synth(model).vocab_rows
+    try:
+        return int(json.loads((Path(model) / "config.json").read_text())["vocab_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
