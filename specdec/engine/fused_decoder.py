@@ -1,7 +1,7 @@
 """A Llama-family model's forward pass in fewer, larger kernels.
 
-transformers runs a Llama or Qwen2 layer as ~40 operations, each a kernel
-launch on a GPU; a decode step of a small model is mostly those launches
+transformers runs a Llama or Qwen2 layer as 42 operations, each a kernel
+launch on a GPU (`python -m specdec.bench.kernel_count`); a decode step of a small model is mostly those launches
 (module doc of `fused_ops.py`). `FusedDecoder` runs the same model, from the
 same weights, as nine per layer:
 
@@ -23,8 +23,9 @@ model still runs through transformers as before, and packing or int8 weights
 (CPU) convert the one product like any other linear layer.
 
 It replaces the model call in the engine and in the captured steps
-(`static_steps.py`) when `--fused-layers` says so (`auto`: on a CUDA device
-with Triton, for a model it supports; `why_not` says why not). On the CPU its
+(`static_steps.py`) when `--fused-layers` says so (`auto`: for every model it
+supports, `why_not` saying why not; Triton kernels beside the triton attention
+kernel on CUDA, the reference ops elsewhere). On the CPU its
 reference ops repeat transformers' arithmetic op for op, so it computes the
 same logits bit for bit (tests/test_fused_decoder.py; also the real Coder 0.5B
 and 1.5B, bf16 packed and int8); on a GPU it agrees to rounding (RMSNorm sums
