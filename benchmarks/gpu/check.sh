@@ -105,7 +105,8 @@ phase setup 120 bash -c setup || { echo "setup failed: see $out/setup.log"; cat 
 tail -n 3 "$out/setup.log"
 
 if [ "$mode" = quick ] || [ "$mode" = all ]; then
-  phase smoke 120 env SMOKE_DEVICE="$device" "$python" benchmarks/gpu/smoke.py
+  interpret=$([ "$device" = cpu ] && echo 1 || echo 0)  # Triton on a CPU: its interpreter
+  phase smoke 120 env SMOKE_DEVICE="$device" TRITON_INTERPRET="$interpret" "$python" benchmarks/gpu/smoke.py
   phase tests 150 "$python" -m pytest -q -rs -p no:cacheprovider -o timeout=120 -m gpu \
     tests/test_gpu_engine.py tests/test_device_picks.py
   phase steps 150 "${specd[@]}" steps "$draft_model" "$target_model" --device "$device" --dtype "$dtype" \
