@@ -3,8 +3,8 @@
 # where device time is short (15 minutes a task, each machine start included) and every failed call
 # costs a start. Prepare here first (benchmarks/gpu/prepare.sh: wheels and stubs into .gpu/), then:
 #
-#   run(command="bash benchmarks/gpu/check.sh quick", carry=[".gpu"], timeout_s=420)
-#   run(command="bash benchmarks/gpu/check.sh bench", carry=[".gpu"], timeout_s=420)  # within 30 s: warm
+#   run(command="bash benchmarks/gpu/check.sh quick", carry=[".gpu"], timeout_s=480)  # phases: at most 420 s, +10 s grace each
+#   run(command="bash benchmarks/gpu/check.sh bench", carry=[".gpu"], timeout_s=420)  # within 30 s: warm; at most 390 s
 #
 # Phases, each under its own time limit, each leaving its log under $OUT as it ends (what a
 # phase killed by its limit printed comes back too):
@@ -101,13 +101,13 @@ export python prepared site
 export -f setup
 
 echo "# $(date -u +%FT%TZ) mode=$mode device=$device commit=$(git rev-parse --short HEAD 2>/dev/null || echo '?')" >> "$out/phases.txt"
-phase setup 120 bash -c setup || { echo "setup failed: see $out/setup.log"; cat "$out/setup.log"; exit 1; }
+phase setup 60 bash -c setup || { echo "setup failed: see $out/setup.log"; cat "$out/setup.log"; exit 1; }
 tail -n 3 "$out/setup.log"
 
 if [ "$mode" = quick ] || [ "$mode" = all ]; then
   interpret=$([ "$device" = cpu ] && echo 1 || echo 0)  # Triton on a CPU: its interpreter
-  phase smoke 120 env SMOKE_DEVICE="$device" TRITON_INTERPRET="$interpret" "$python" benchmarks/gpu/smoke.py
-  phase tests 150 "$python" -m pytest -q -rs -p no:cacheprovider -o timeout=120 -m gpu \
+  phase smoke 90 env SMOKE_DEVICE="$device" TRITON_INTERPRET="$interpret" "$python" benchmarks/gpu/smoke.py
+  phase tests 120 "$python" -m pytest -q -rs -p no:cacheprovider -o timeout=60 -m gpu \
     tests/test_gpu_engine.py tests/test_device_picks.py
   phase steps 150 "${specd[@]}" steps "$draft_model" "$target_model" --device "$device" --dtype "$dtype" \
     --batches 1 8 --num-draft-tokens 4 --fused-layers auto off --out "$work/steps"
