@@ -12,6 +12,8 @@ Over TLS, with an API key (docs/security.md):
 """
 from __future__ import annotations
 
+import itertools
+import time
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
@@ -65,6 +67,9 @@ def build_request(prompt: str | Sequence[int] | Sequence[dict] | None = None, *,
     return request
 
 
+RETRY_S = 0.5  # between calls while a server that is up gets ready (wait_for_ready)
+
+
 class Client:
     def __init__(self, address: str = "127.0.0.1:50051", timeout_s: float = 600.0, wait_for_ready: bool = False,
                  api_key: str | None = None, tls: ClientTls | None = None):
@@ -84,10 +89,27 @@ class Client:
         self.last_stats: pb.GenerateStats | None = None
 
     def generate(self, prompt, **kwargs) -> Iterator[Chunk]:
-        """Stream chunks as tokens are accepted; `last_stats` is set at the end."""
+        """Stream chunks as tokens are accepted; `last_stats` is set at the end.
+
+        With wait_for_ready, a server that is up but not ready yet (an
+        orchestrator still connecting to its services answers UNAVAILABLE)
+        is waited out too, within the deadline: the call is made again until
+        its first reply arrives."""
         self.last_stats = None
-        for reply in self.stub.Generate(build_request(prompt, **kwargs), timeout=self.timeout_s,
-                                          wait_for_ready=self.wait_for_ready, metadata=self.metadata):
+        request = build_request(prompt, **kwargs)
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            replies = self.stub.Generate(request, timeout=max(0.0, deadline - time.monotonic()),
+                                         wait_for_ready=self.wait_for_ready, metadata=self.metadata)
+            try:
+                first = next(replies, None)
+                break
+            except grpc.RpcError as exc:
+                if not (self.wait_for_ready and exc.code() == grpc.StatusCode.UNAVAILABLE
+                        and time.monotonic() + RETRY_S < deadline):
+                    raise
+                time.sleep(RETRY_S)
+        for reply in itertools.chain([first] if first is not None else [], replies):
             if reply.HasField("stats"):
                 self.last_stats = reply.stats
             else:

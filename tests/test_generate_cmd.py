@@ -4,12 +4,11 @@ connecting to its services answers UNAVAILABLE; the command waits that out
 `specd generate --wait` (the README's main job) needs."""
 from __future__ import annotations
 
-import types
-
 import grpc
 import pytest
 
 import orchestrator.client
+from specdec.v1 import orchestrator_pb2 as pb
 from specdec.cli.main import main
 
 
@@ -21,32 +20,31 @@ class Unavailable(grpc.RpcError):
         return "the orchestrator is still connecting to its services"
 
 
-def fake_client(refusals: int, calls: list):
-    class FakeClient:
-        last_stats = None
-
-        def __init__(self, *args, **kwargs):
+def fake_stub(refusals: int, calls: list):
+    """The orchestrator's stub: its first `refusals` Generate calls answer as an
+    orchestrator still connecting to its services does."""
+    class FakeStub:
+        def __init__(self, channel):
             pass
 
-        def __enter__(self):
-            return self
+        def Generate(self, request, **kwargs):
+            calls.append(request)
+            refuse = len(calls) <= refusals
 
-        def __exit__(self, *exc):
-            return False
+            def replies():
+                if refuse:
+                    raise Unavailable()
+                yield pb.GenerateResponse(chunk=pb.TextChunk(text="ok", token_ids=[7]))
+            return replies()
 
-        def generate(self, prompt, **kwargs):
-            calls.append(prompt)
-            if len(calls) <= refusals:
-                raise Unavailable()
-            yield types.SimpleNamespace(text="ok", token_ids=[7])
-
-    return FakeClient
+    return FakeStub
 
 
 @pytest.mark.parametrize("wait,refusals,rc", [(30, 2, 0), (0, 1, 1)])
 def test_generate_waits_out_an_orchestrator_still_connecting(monkeypatch, capsys, wait, refusals, rc):
     calls = []
-    monkeypatch.setattr(orchestrator.client, "Client", fake_client(refusals, calls))
+    monkeypatch.setattr(orchestrator.client.orchestrator_pb2_grpc, "OrchestratorServiceStub", fake_stub(refusals, calls))
+    monkeypatch.setattr(orchestrator.client, "RETRY_S", 0.01)
     assert main(["generate", "--wait", str(wait), "--temperature", "0", "hello"]) == rc
     out, err = capsys.readouterr()
     if rc == 0:

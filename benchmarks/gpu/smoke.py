@@ -115,38 +115,15 @@ def _():
     return "; ".join(out)
 
 
-def engine(dtype, graphs, attention, fused="auto"):
-    from specdec.engine.config import EngineConfig
-    from specdec.engine.engine import ModelEngine
-    from tests.conftest import tiny_model
-    model = tiny_model("qwen2", seed=0, init_range=0.3).to(device=DEV, dtype=getattr(torch, dtype))
-    cfg = EngineConfig(device=DEV, dtype=dtype, max_context=256, max_kv_bytes=1 << 26, attention=attention,
-                       cuda_graphs="on" if graphs else "off", graph_max_tokens=32, fused_layers=fused)
-    e = ModelEngine(model, cfg, name="smoke")
-    e.warmup()
-    return e
-
-
-def script(e):
-    from specdec.engine.engine import ExtendItem
-    from tests.test_engine import random_tokens
-    ss = [e.open_session(random_tokens(n, seed=n)) for n in (5, 40, 90)]
-    outs = e.extend([ExtendItem(s.id, None, [7, 8, 9], 4) for s in ss])
-    for i in range(4):
-        outs += e.extend([ExtendItem(s.id, None, [11 + i], 1) for s in ss])
-    for s in ss:
-        e.close(s.id)
-    return [o.float().cpu() for o in outs]
-
-
 @check("engine: graphs+fused vs transformers+sdpa eager")
 def _():
     if SMALL:
         return "skipped on cpu"
+    from tests.test_gpu_engine import REFERENCE, cuda_engine, run_script  # the GPU tests' engines and script
     out = []
     for dtype in ("float32", "bfloat16"):
-        a = script(engine(dtype, True, "auto"))
-        b = script(engine(dtype, False, "sdpa", fused="off"))
+        a = run_script(cuda_engine(dtype, True))
+        b = run_script(cuda_engine(dtype, False, **REFERENCE))
         err = max((x - y).abs().max().item() for x, y in zip(a, b))
         same = sum(torch.equal(x.argmax(-1), y.argmax(-1)) for x, y in zip(a, b))
         out.append(f"{dtype}: max |dlogit| {err:.1e}, argmax equal {same}/{len(a)}")
@@ -158,7 +135,8 @@ def _():
     if SMALL:
         return "skipped on cpu"
     from specdec.engine.engine import ExtendItem
-    e = engine("bfloat16", True, "auto")
+    from tests.test_gpu_engine import cuda_engine
+    e = cuda_engine("bfloat16", True)
     s = e.open_session(list(range(3, 40)))
     e.extend([ExtendItem(s.id, None, [5], 1)])
     torch.cuda.synchronize()
@@ -170,7 +148,7 @@ def _():
     finally:
         torch.cuda.set_sync_debug_mode(0)
     n = len([w for w in caught if "synchroniz" in str(w.message)])
-    return f"{n} sync(s) in one decode step (0 expected: engine.to_device copies without waiting)"
+    return f"{n} sync(s) in one decode step (0 expected: kv_store.to_device copies without waiting)"
 
 
 if __name__ == "__main__":

@@ -30,8 +30,10 @@ def count_step(arch: str, layers: int, fused: str, triton: bool) -> collections.
     """Operations one padded one-token step of a tiny `arch` model dispatches, by name."""
     import importlib
 
+    import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
+    from specdec.bench.overhead_stack import tiny_model
     from specdec.engine.config import EngineConfig
     from specdec.engine.engine import ModelEngine
 
@@ -45,7 +47,7 @@ def count_step(arch: str, layers: int, fused: str, triton: bool) -> collections.
                 counts[name] += 1
             return func(*args, **(kwargs or {}))
 
-    model = _tiny(arch, layers)
+    model = tiny_model(arch=arch, layers=layers).to(torch.bfloat16)
     engine = ModelEngine(model, EngineConfig(dtype="bfloat16", max_kv_bytes=1 << 24, max_context=64,
                                              fused_layers=fused, attention="triton" if triton else "sdpa"))
     steps = engine.use_static_steps(8)
@@ -73,19 +75,6 @@ def count_step(arch: str, layers: int, fused: str, triton: bool) -> collections.
     return counts
 
 
-def _tiny(arch: str, layers: int):
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
-
-    configs = {"llama": LlamaConfig, "qwen2": Qwen2Config}
-    if arch not in configs:
-        raise SystemExit(f"--arch: one of {', '.join(configs)}")
-    config = configs[arch](vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
-
-
 def per_layer(arch: str, fused: str, triton: bool) -> tuple[dict, int]:
     """(launches per layer by name, launches outside the layers)."""
     two, four = count_step(arch, 2, fused, triton), count_step(arch, 4, fused, triton)
@@ -96,7 +85,7 @@ def per_layer(arch: str, fused: str, triton: bool) -> tuple[dict, int]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--arch", nargs="+", default=["qwen2", "llama"])
+    p.add_argument("--arch", nargs="+", default=["qwen2", "llama"], choices=("qwen2", "llama"))
     p.add_argument("--triton", action="store_true", help="count with the Triton kernels (interpreted on a CPU)")
     args = p.parse_args(argv)
     if args.triton and "TRITON_INTERPRET" not in os.environ:

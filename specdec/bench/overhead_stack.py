@@ -18,13 +18,13 @@ DEADLINE_S = 60.0
 START_S = 600.0  # for a service process to import torch and build its engine, many starting at once
 
 
-def tiny_model(vocab_size: int = 128, seed: int = 0, arch: str = "llama"):
-    """A 2-layer random Llama (or Qwen2) in float32 (the tests' tiny model at init_range 0.3)."""
+def tiny_model(vocab_size: int = 128, seed: int = 0, arch: str = "llama", layers: int = 2):
+    """A random Llama (or Qwen2), 2 layers unless told, in float32 (the tests' tiny model at init_range 0.3)."""
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
     torch.manual_seed(seed)
-    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                   initializer_range=0.3, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     config = Qwen2Config(**common) if arch == "qwen2" else LlamaConfig(**common)

@@ -66,8 +66,8 @@ def _settings(args, o: dict, prompts: list) -> dict:
 def _models(args, o: dict, dtypes: dict) -> dict:
     return {"draft": f"{o['draft']} on {o['draft_device']}, {dtypes['draft']}",
             "draft heads": _heads_label(o["draft_vocabs"]), "draft weights": _draft_weights(args, dtypes),
-            "verify batcher": _batcher_label(o["batching"]),
-            "speculation gate": _gate_label(o["gates"]),
+            "verify batcher": _on_off_label(o["batching"], "batcher-off"),
+            "speculation gate": _on_off_label(o["gates"], "gate-off"),
             "draft min confidence": " ".join(f"{v:g}" for v in args.draft_min_confidence) or "the server's default",
             "bf16 linears packed for oneDNN": f"services {args.packed_linears}, HF baselines {args.hf_packed_linears}",
             "target": f"{o['target']} on {o['target_device']}, {dtypes['target']}",
@@ -85,16 +85,11 @@ def _heads_label(heads: list[int]) -> str:
                      else "full" + (" (NAME)" if several else "") for v in heads)
 
 
-def _batcher_label(settings: list[bool]) -> str:
+def _on_off_label(settings: list[bool], off_suffix: str) -> str:
+    """A setting run one way, or both (the off configs named NAME/off_suffix)."""
     if len(settings) == 1:
         return "on" if settings[0] else "off"
-    return "on (NAME), and off at concurrency > 1 (NAME/batcher-off)"
-
-
-def _gate_label(settings: list[bool]) -> str:
-    if len(settings) == 1:
-        return "on" if settings[0] else "off"
-    return "on (NAME), and off at concurrency > 1 (NAME/gate-off)"
+    return f"on (NAME), and off at concurrency > 1 (NAME/{off_suffix})"
 
 
 def _notes(runs: list) -> list[str]:

@@ -5,7 +5,6 @@ import argparse
 import json
 import os
 import sys
-import time
 
 import grpc
 from google.protobuf.json_format import MessageToDict
@@ -88,26 +87,19 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"specd generate: {exc}", file=sys.stderr)
         return 2
-    # --wait also covers an orchestrator that listens but is still connecting
-    # to its services (it answers UNAVAILABLE then): the request is retried
-    # until the wait ends, as long as no token has arrived.
-    wait_until = time.monotonic() + args.wait
+    # Client waits (within --wait) for the server, and for an orchestrator
+    # still connecting to its services.
     with Client(args.server, timeout_s=timeout, wait_for_ready=args.wait > 0, api_key=args.api_key, tls=tls) as client:
-        while True:
-            try:
-                for chunk in client.generate(prompt, **kwargs):
-                    text.append(chunk.text)
-                    tokens.extend(chunk.token_ids)
-                    if not args.json:
-                        sys.stdout.write(chunk.text)
-                        sys.stdout.flush()
-                break
-            except grpc.RpcError as exc:
-                if exc.code() == grpc.StatusCode.UNAVAILABLE and not tokens and time.monotonic() < wait_until:
-                    time.sleep(0.5)
-                    continue
-                print(f"\nspecd: {exc.code().name}: {exc.details()}", file=sys.stderr)
-                return 1
+        try:
+            for chunk in client.generate(prompt, **kwargs):
+                text.append(chunk.text)
+                tokens.extend(chunk.token_ids)
+                if not args.json:
+                    sys.stdout.write(chunk.text)
+                    sys.stdout.flush()
+        except grpc.RpcError as exc:
+            print(f"\nspecd: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
         stats = MessageToDict(client.last_stats, preserving_proto_field_name=True) if client.last_stats else {}
     if args.json:
         print(json.dumps({"text": "".join(text), "token_ids": tokens, "stats": stats}, indent=2))

@@ -45,7 +45,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="bf16 linears pre-packed for oneDNN (CPU; engine/packed_linear.py): auto, on and/or off, "
                    "interleaved like --quantize (default auto)")
     p.add_argument("--fused-layers", nargs="+", default=["auto"], choices=AUTO_ON_OFF,
-                   help="Llama-family layers as fused kernels (engine/fused_decoder.py; auto: on CUDA): auto, on "
+                   help="Llama-family layers as fused kernels (engine/fused_decoder.py; auto: where the model allows): auto, on "
                    "and/or off, interleaved like --quantize (default auto)")
     life = p.add_argument_group("--lifecycle: the engine's costs around the steps")
     life.add_argument("--lifecycle", action="store_true",

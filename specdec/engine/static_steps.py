@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.engine.attention import STEP_KWARG, row_mask
-from specdec.engine.kv_store import KVStore, RowSpan, StepLayout, StoreCache
+from specdec.engine.kv_store import KVStore, RowSpan, StepLayout, StoreCache, host_staged
 
 log = logging.getLogger(__name__)
 
@@ -90,10 +90,7 @@ class StaticSteps:
         pad = size - n
         scratch = self.store.scratch_index
         # One host tensor, one copy to the device.
-        staged = torch.tensor([tokens + [0] * pad, positions + [0] * pad, bases + [scratch] * pad],
-                              dtype=torch.long)
-        if self.device.type == "cuda":
-            staged = staged.pin_memory()
+        staged = host_staged([tokens + [0] * pad, positions + [0] * pad, bases + [scratch] * pad], self.device)
         self.input_ids[:size].copy_(staged[0], non_blocking=True)
         self.position[:size].copy_(staged[1], non_blocking=True)
         self.key_base[:size].copy_(staged[2], non_blocking=True)
