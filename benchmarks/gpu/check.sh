@@ -1,35 +1,45 @@
 #!/usr/bin/env bash
 # The GPU checks of issue 14 as one prepared run, for a lent GPU machine (the device tool's `run`),
 # where device time is short (15 minutes a task, each machine start included) and every failed call
-# costs a start. Prepare here first (benchmarks/gpu/prepare.sh: wheels and stubs into .gpu/), then:
+# costs a start. Prepare here first (benchmarks/gpu/prepare.sh: wheels and stubs into .gpu/), then
+# one call:
 #
-#   run(command="bash benchmarks/gpu/check.sh quick", carry=[".gpu"], timeout_s=480)  # phases: at most 420 s, +10 s grace each
-#   run(command="bash benchmarks/gpu/check.sh bench", carry=[".gpu"], timeout_s=420)  # within 30 s: warm; at most 390 s
+#   run(command="bash benchmarks/gpu/check.sh once", carry=[".gpu"], timeout_s=570)
 #
-# Phases, each under its own time limit, each leaving its log under $OUT as it ends (what a
-# phase killed by its limit printed comes back too):
-#   setup  install .gpu's wheels into /tmp/site, copy the stubs, check the imports, print the
-#          machine (GPU, driver, torch, transformers, triton)
-#   smoke  benchmarks/gpu/smoke.py: the toolchain Triton needs, the attention kernel against a
-#          float64 reference (bf16 and fp32), the default CUDA engine against the reference engine,
-#          host syncs per captured step; one line each
-#   tests  the gpu-marked tests: CUDA-graph steps == eager (fp32), batched == alone, the bf16
-#          identity rate, exactness with the orchestrator on the GPU, one host sync per step
-#   steps  `specd steps` on random-weight Qwen2.5-0.5B and 7B: decode and verify steps, graphs
-#          and eager, fused layers on and off, as multiples of the bandwidth floor
-#   bench  `specd bench --pair synth-0.5b-7b`: target-only through the service, HF eager and
-#          static-cache generate, specdec's round costs, projected speedups, 1 and 8 streams
-# quick = setup smoke tests steps; bench = setup bench; all = every phase.
+# `once` runs every phase, most valuable first, within GPU_CHECK_BUDGET_S (default 540 s): each
+# phase runs under its own limit, cut to what the budget has left, and a phase that would get under
+# 20 s is skipped. A setup failure stops at once (cheap to fix and rerun); any other failure goes
+# on to the next phase. Each phase's log lands under $OUT as it ends (a phase killed by its limit
+# leaves what it printed too). Phases:
+#   setup   install .gpu's wheels into /tmp/site, copy the stubs, check the imports, print the
+#           machine (GPU, driver, torch, transformers, triton)
+#   smoke   benchmarks/gpu/smoke.py: the toolchain Triton needs, the attention kernel against a
+#           float64 reference (bf16 and fp32), the default CUDA engine against the reference engine,
+#           host syncs per captured step; one line each. If the attention kernel or the default
+#           engine fails here, the later phases run with the failing part off (SPECD_ATTENTION=sdpa,
+#           SPECD_FUSED_LAYERS=off) so their figures still come back, and phases.txt says so
+#   steps   `specd steps` on random-weight Qwen2.5-0.5B and 7B: decode and verify steps, graphs
+#           and eager, fused layers on and off, as multiples of the bandwidth floor
+#   bench   `specd bench --pair synth-0.5b-7b`: target-only through the service, HF eager
+#           generate, specdec's round costs at k = 2, 4, 6, projected speedups, 1 and 8 streams
+#   overhead `specd overhead` (issue 15) on this host's CPUs: in-process, then deployed
+#   tests   the gpu-marked tests: CUDA-graph steps == eager (fp32), batched == alone, the bf16
+#           identity rate, exactness with the orchestrator on the GPU, one host sync per step
+#   static  `specd bench --policies none --baselines hf-static`: HF generate on a static cache,
+#           compiled (the slowest phase to start, so last)
+# Other modes: quick = setup smoke tests steps; bench = setup bench static; all = once.
 #
 # GPU_CHECK_DEVICE=cpu runs the same phases on this machine's CPU with the tiny synthetic models (a
 # dry run of the plumbing: PYVER=3.11 DEST=.gpu-py311 prepare.sh first, GPU_CHECK_PREPARED=.gpu-py311, and a Python without the project
-# installed, to see what the GPU image lacks). $OUT (the device tool sets it) gets phases.txt,
-# the phase logs, the steps and bench summaries and results.tgz (everything, the services' logs
-# included); at most 8 files, as the device tool returns (quick leaves 8, bench 6).
+# installed, to see what the GPU image lacks). $OUT (the device tool sets it) gets at most 8
+# files, as the device tool returns: phases.txt, logs.txt (every phase's log, appended as each
+# ends), steps.md, bench-summary.md, static-summary.md and results.tgz (everything, the services'
+# logs included).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 root=$PWD
-mode=${1:-quick}
+mode=${1:-once}
+budget=${GPU_CHECK_BUDGET_S:-540}  # seconds for all phases of this call
 device=${GPU_CHECK_DEVICE:-cuda}
 out=${OUT:-$root/gpu-check-out}
 work=${GPU_CHECK_WORK:-/tmp/gpu-check}
@@ -41,24 +51,30 @@ export PYTHONUNBUFFERED=1
 
 if [ "$device" = cpu ]; then
   draft_model=synth:tiny target_model=synth:tiny pair=synth-tiny dtype=float32
-  bench_size=(--token-prompts 2 --max-tokens 16 --concurrency 1 2 --baselines service hf)
+  bench_size=(--token-prompts 2 --max-tokens 16 --concurrency 1 2)
 else
   draft_model=synth:qwen2.5-0.5b target_model=synth:qwen2.5-7b pair=synth-0.5b-7b dtype=bfloat16
-  bench_size=(--token-prompts 3 --max-tokens 64 --concurrency 1 8 --baselines service hf hf-static)
+  bench_size=(--token-prompts 3 --max-tokens 64 --concurrency 1 8)
   # The services and the HF baselines share one GPU: half the free memory each (the engine's
   # default) would leave the HF baselines none. 8 GiB holds 8 streams of a 7B at its full context.
   export SPECD_MAX_KV_BYTES=${SPECD_MAX_KV_BYTES:-$((8 << 30))}
 fi
 
-phase() {  # phase NAME LIMIT_S COMMAND...: run, log, record; never stops the script
-  local name=$1 limit=$2 t0=$SECONDS rc
+phase() {  # phase NAME LIMIT_S COMMAND...: run under min(LIMIT_S, what the budget has left), log, record
+  local name=$1 limit=$2 t0=$SECONDS rc left
   shift 2
+  left=$((budget - SECONDS - 5))
+  [ "$left" -lt "$limit" ] && limit=$left
+  if [ "$limit" -lt 20 ]; then
+    printf '%-8s skipped: %ss of the %ss budget left\n' "$name" "$((budget - SECONDS))" "$budget" | tee -a "$out/phases.txt"
+    return 125
+  fi
   echo "== $name (limit ${limit}s): $*"
-  timeout -k 10 "$limit" "$@" > "$work/$name.log" 2>&1
+  timeout -k 5 "$limit" "$@" > "$work/$name.log" 2>&1
   rc=$?
-  cp "$work/$name.log" "$out/$name.log"
-  [ "$rc" = 124 ] && echo "   (killed at its ${limit}s limit)" >> "$out/$name.log"
-  printf '%-6s rc=%-3s %4ss  %s\n' "$name" "$rc" "$((SECONDS - t0))" "$(tail -n 1 "$work/$name.log" | cut -c1-100)" \
+  [ "$rc" = 124 ] && echo "   (killed at its ${limit}s limit)" >> "$work/$name.log"
+  { echo "===== $name rc=$rc $((SECONDS - t0))s: $*"; cat "$work/$name.log"; } >> "$out/logs.txt"
+  printf '%-8s rc=%-3s %4ss  %s\n' "$name" "$rc" "$((SECONDS - t0))" "$(grep -v '^\s*$' "$work/$name.log" | tail -n 1 | cut -c1-100)" \
     | tee -a "$out/phases.txt"
   return "$rc"
 }
@@ -100,24 +116,49 @@ specd=("$python" -m specdec.cli.main)
 export python prepared site
 export -f setup
 
-echo "# $(date -u +%FT%TZ) mode=$mode device=$device commit=$(git rev-parse --short HEAD 2>/dev/null || echo '?')" >> "$out/phases.txt"
-phase setup 60 bash -c setup || { echo "setup failed: see $out/setup.log"; cat "$out/setup.log"; exit 1; }
-tail -n 3 "$out/setup.log"
+echo "# $(date -u +%FT%TZ) mode=$mode device=$device budget=${budget}s commit=$(git rev-parse --short HEAD 2>/dev/null || echo '?')" >> "$out/phases.txt"
+case "$mode" in
+  once|all) phases=(smoke steps bench overhead tests static) ;;
+  quick) phases=(smoke tests steps) ;;
+  bench) phases=(bench static) ;;
+  *) echo "unknown mode $mode: once, quick, bench or all" >&2; exit 2 ;;
+esac
+phase setup 60 bash -c setup || { echo "setup failed: see $out/logs.txt"; cat "$work/setup.log"; exit 1; }
+tail -n 3 "$work/setup.log"
 
-if [ "$mode" = quick ] || [ "$mode" = all ]; then
-  interpret=$([ "$device" = cpu ] && echo 1 || echo 0)  # Triton on a CPU: its interpreter
-  phase smoke 90 env SMOKE_DEVICE="$device" TRITON_INTERPRET="$interpret" "$python" benchmarks/gpu/smoke.py
-  phase tests 120 "$python" -m pytest -q -rs -p no:cacheprovider -o timeout=60 -m gpu \
-    tests/test_gpu_engine.py tests/test_device_picks.py
-  phase steps 150 "${specd[@]}" steps "$draft_model" "$target_model" --device "$device" --dtype "$dtype" \
-    --batches 1 8 --num-draft-tokens 4 --fused-layers auto off --out "$work/steps"
-  [ -f "$work/steps/steps.md" ] && cp "$work/steps/steps.md" "$out/steps.md"
-fi
-if [ "$mode" = bench ] || [ "$mode" = all ]; then
-  phase bench 330 "${specd[@]}" bench --pair "$pair" --device "$device" --dtype "$dtype" "${bench_size[@]}" \
-    --num-draft-tokens 2 4 6 --policies fixed --temperatures 0 --repeats 1 \
-    --assume-acceptance 0.7 0.8 0.85 --no-progress --out "$work/bench"
-  [ -f "$work/bench/summary.md" ] && cp "$work/bench/summary.md" "$out/bench-summary.md"
-fi
+bench=("${specd[@]}" bench --pair "$pair" --device "$device" --dtype "$dtype" --repeats 1 --no-progress)
+for name in "${phases[@]}"; do
+  case "$name" in
+    smoke)
+      interpret=$([ "$device" = cpu ] && echo 1 || echo 0)  # Triton on a CPU: its interpreter
+      phase smoke 75 env SMOKE_DEVICE="$device" TRITON_INTERPRET="$interpret" "$python" benchmarks/gpu/smoke.py
+      # What failed here stays off in the later phases, so they still measure the rest.
+      if [ "$device" != cpu ] && grep -q '^FAIL triton kernel' "$work/smoke.log"; then
+        export SPECD_ATTENTION=sdpa SPECD_FUSED_LAYERS=off
+        echo "         later phases: SPECD_ATTENTION=sdpa SPECD_FUSED_LAYERS=off (the attention kernel failed)" | tee -a "$out/phases.txt"
+      elif [ "$device" != cpu ] && grep -q '^FAIL engine: graphs+fused' "$work/smoke.log"; then
+        export SPECD_FUSED_LAYERS=off
+        echo "         later phases: SPECD_FUSED_LAYERS=off (the default engine failed)" | tee -a "$out/phases.txt"
+      fi ;;
+    steps)
+      phase steps 120 "${specd[@]}" steps "$draft_model" "$target_model" --device "$device" --dtype "$dtype" \
+        --batches 1 8 --num-draft-tokens 4 --fused-layers auto off --out "$work/steps"
+      [ -f "$work/steps/steps.md" ] && cp "$work/steps/steps.md" "$out/steps.md" ;;
+    bench)
+      phase bench 180 "${bench[@]}" "${bench_size[@]}" --baselines service hf \
+        --num-draft-tokens 2 4 6 --policies fixed --temperatures 0 \
+        --assume-acceptance 0.7 0.8 0.85 --out "$work/bench"
+      [ -f "$work/bench/summary.md" ] && cp "$work/bench/summary.md" "$out/bench-summary.md" ;;
+    overhead)
+      phase overhead 100 bash -c "$(printf '%q ' "${specd[@]}") overhead --reps 150 --in-process && $(printf '%q ' "${specd[@]}") overhead --reps 150" ;;
+    tests)
+      phase tests 90 "$python" -m pytest -q -rs -p no:cacheprovider -o timeout=60 -m gpu \
+        tests/test_gpu_engine.py tests/test_device_picks.py ;;
+    static)
+      phase static 120 "${bench[@]}" --token-prompts 3 --max-tokens 64 --concurrency 1 --baselines hf-static \
+        --policies none --temperatures 0 --out "$work/static"
+      [ -f "$work/static/summary.md" ] && cp "$work/static/summary.md" "$out/static-summary.md" ;;
+  esac
+done
 tar -C "$work" -czf "$out/results.tgz" . 2>/dev/null
 echo "== phases"; cat "$out/phases.txt"
