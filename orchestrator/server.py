@@ -91,8 +91,10 @@ def check_compatible(draft_info, target_info) -> None:
 
     Two models with tokenizers must share the tokenizer; their embedding rows
     may differ (Qwen2.5-0.5B pads to 151936 rows, the 7B to 152064), since each
-    engine emits only the ids its tokenizer knows. Without a tokenizer on both
-    sides the ids are all there is, so the vocabulary sizes must be equal.
+    engine emits only the ids its tokenizer knows. Without a tokenizer, a model
+    may name its family's ids (a synthetic Qwen2.5: `untokenized-qwen2.5-151665`),
+    and two that name the same pair like tokenized ones; otherwise the ids are
+    all there is, so the vocabulary sizes must be equal.
     """
     if draft_info.backend == "ngram":
         if draft_info.vocab_size != target_info.vocab_size:
@@ -103,7 +105,7 @@ def check_compatible(draft_info, target_info) -> None:
     if all(fp and not fp.startswith("untokenized") for fp in fingerprints):
         if fingerprints[0] != fingerprints[1]:
             raise FailedPrecondition(f"{names} have different tokenizers: the two models must share a tokenizer")
-    elif draft_info.vocab_size != target_info.vocab_size:
+    elif draft_info.vocab_size != target_info.vocab_size and not (fingerprints[0] and len(set(fingerprints)) == 1):
         raise FailedPrecondition(
             f"{names}: draft vocabulary size {draft_info.vocab_size} != target's {target_info.vocab_size}: "
             "the two models must share a tokenizer"

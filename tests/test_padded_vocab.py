@@ -15,7 +15,7 @@ from orchestrator.server import check_compatible
 from specdec.engine.config import EngineConfig
 from specdec.engine.engine import ExtendItem, ModelEngine
 from specdec.engine.loading import tokenizer_fingerprint
-from specdec.engine.vocab import (known_token_count, mask_padding_, usable_size, usable_size_of,
+from specdec.engine.vocab import (IdSpace, known_token_count, mask_padding_, usable_size, usable_size_of,
                                   usable_size_of_directory)
 from specdec.errors import FailedPrecondition, InvalidArgument
 from specdec.v1 import common_pb2
@@ -134,6 +134,16 @@ def test_pairs_are_judged_by_tokenizer_not_by_rows():
     check_compatible(info("a", 128, "untokenized-vocab-128"), info("b", 128, "untokenized-vocab-128"))
     with pytest.raises(FailedPrecondition, match="vocabulary size 128 != target's 192"):
         check_compatible(info("a", 128, "untokenized-vocab-128"), info("b", 192, "untokenized-vocab-192"))
+    # Without tokenizers, two models that name one family's ids pair whatever their padding
+    # (synthetic Qwen2.5 0.5B and 7B on a machine with no cached tokenizer) ...
+    check_compatible(info("a", 151936, "untokenized-qwen2.5-151665", 151665),
+                     info("b", 152064, "untokenized-qwen2.5-151665", 151665))
+    # ... but not with a model that names none, nor when no side says anything (an old service).
+    with pytest.raises(FailedPrecondition, match="vocabulary size 151936 != target's 152064"):
+        check_compatible(info("a", 151936, "untokenized-qwen2.5-151665", 151665),
+                         info("b", 152064, "untokenized-vocab-152064"))
+    with pytest.raises(FailedPrecondition, match="vocabulary size 128 != target's 192"):
+        check_compatible(info("a", 128, ""), info("b", 192, ""))
     # A model with fewer rows than its tokenizer has tokens cannot read all of the other's ids.
     with pytest.raises(FailedPrecondition, match=r"\[0, 150000\) and \[0, 151665\)"):
         check_compatible(info("a", 150000, "abc", 150000), info("b", 152064, "abc", 151665))
@@ -222,3 +232,30 @@ def test_a_pair_with_another_tokenizer_is_refused(padded_pair, tmp_path):
         with running_system(target, draft):
             pass
     assert str(tmp_path / "other") in str(err.value) and "target" in str(err.value)
+
+
+def test_models_of_one_family_without_a_tokenizer_emit_only_the_familys_ids():
+    """A synthetic model with no cached tokenizer (models/synth.py) names its
+    family's ids: both engines of a pair padded differently announce the same
+    fingerprint and usable size, and never emit or read a padded id."""
+    space = IdSpace("fam", 180)
+    engines = []
+    for rows, seed in ((192, 0), (256, 1)):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(tiny_config("qwen2", vocab_size=rows), dtype=torch.float32)
+        engines.append(ModelEngine(model, EngineConfig(dtype="float32", max_kv_bytes=1 << 24), id_space=space))
+    draft, target = engines
+    check_compatible(*(info(e.name, e.info.vocab_size, e.info.tokenizer_fingerprint, e.info.usable_vocab_size)
+                       for e in engines))
+    assert draft.info.tokenizer_fingerprint == target.info.tokenizer_fingerprint == "untokenized-fam-180"
+    assert draft.info.usable_vocab_size == target.info.usable_vocab_size == 180
+    hook = boost_padding(target)
+    try:
+        session = target.open_session([5, 6, 7])
+        logits = target.extend([ExtendItem(session.id, None, [8], num_logits=1)])[0]
+        assert torch.isneginf(logits[:, 180:]).all() and int(logits.argmax()) < 180
+        with pytest.raises(InvalidArgument, match="token id 180 outside the vocabulary"):
+            target.append_tokens(session.id, [180])
+        target.close(session.id)
+    finally:
+        hook.remove()

@@ -11,6 +11,7 @@ from orchestrator.server import load_tokenizer
 from specdec.cli.main import main
 from specdec.engine.config import EngineConfig
 from specdec.engine.engine import ExtendItem, ModelEngine
+from specdec.engine.vocab import IdSpace
 from specdec.errors import NotFound
 from specdec.models import synth
 from specdec.models.cache import Manifest, write_manifest
@@ -97,6 +98,13 @@ def test_a_qwen_family_model_takes_the_tokenizer_of_a_cached_catalog_model(tmp_p
     assert synth.tokenizer_dir("qwen2.5-7b", cache) == donor
     assert synth.tokenizer_dir("tiny", cache) is None  # a tiny one has none
     assert len(synth.load_tokenizer("synth:qwen2.5-0.5b", cache)) == len(trained_tokenizer())
+
+
+def test_without_a_tokenizer_a_qwen_family_model_names_its_familys_ids(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECD_CACHE_DIR", str(tmp_path))  # an empty cache: no donor tokenizer
+    assert synth.load_tokenizer("synth:qwen2.5-7b") is None
+    assert synth.id_space("qwen2.5-7b") == synth.id_space("qwen2.5-0.5b") == IdSpace("qwen2.5", 151665)
+    assert synth.id_space("tiny") is None  # of no family: its rows are its ids
 
 
 def test_the_orchestrator_reads_a_synth_targets_tokenizer_from_the_synth_module(monkeypatch):

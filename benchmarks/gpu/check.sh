@@ -23,6 +23,7 @@
 #   bench   `specd bench --pair synth-0.5b-7b`: target-only through the service, HF eager
 #           generate, specdec's round costs at k = 2, 4, 6, projected speedups, 1 and 8 streams
 #   overhead `specd overhead` (issue 15) on this host's CPUs: in-process, then deployed
+#           (deployed: that layout alone, for GPU_CHECK_PHASES)
 #   tests   the gpu-marked tests: CUDA-graph steps == eager (fp32), batched == alone, the bf16
 #           identity rate, exactness with the orchestrator on the GPU, one host sync per step
 #   static  `specd bench --policies none --baselines hf-static`: HF generate on a static cache,
@@ -123,6 +124,8 @@ case "$mode" in
   bench) phases=(bench static) ;;
   *) echo "unknown mode $mode: once, quick, bench or all" >&2; exit 2 ;;
 esac
+# A rerun of some phases only (say, after a fix): GPU_CHECK_PHASES="smoke bench deployed".
+[ -n "${GPU_CHECK_PHASES:-}" ] && read -r -a phases <<< "$GPU_CHECK_PHASES"
 phase setup 60 bash -c setup || { echo "setup failed: see $out/logs.txt"; cat "$work/setup.log"; exit 1; }
 tail -n 3 "$work/setup.log"
 
@@ -151,6 +154,8 @@ for name in "${phases[@]}"; do
       [ -f "$work/bench/summary.md" ] && cp "$work/bench/summary.md" "$out/bench-summary.md" ;;
     overhead)
       phase overhead 100 bash -c "$(printf '%q ' "${specd[@]}") overhead --reps 150 --in-process && $(printf '%q ' "${specd[@]}") overhead --reps 150" ;;
+    deployed)  # the overhead's deployed layout alone (each service a process)
+      phase deployed 100 "${specd[@]}" overhead --reps 150 ;;
     tests)
       phase tests 90 "$python" -m pytest -q -rs -p no:cacheprovider -o timeout=60 -m gpu \
         tests/test_gpu_engine.py tests/test_device_picks.py ;;

@@ -194,10 +194,6 @@ SYNTH_PAIRS = {
 }
 
 
-# Tokens of a synthetic family's tokenizer (all Qwen2.5 sizes share one).
-_FAMILY_TOKENS = {"qwen2.5": 151665}
-
-
 def _default_baselines(args) -> list[str]:
     """Every baseline; the static-cache HF one only on CUDA, where it is
     compiled (on a CPU it is uncompiled and adds little but time)."""
@@ -287,7 +283,7 @@ def _random_token_prompts(model_dir: str, n: int, length: int, seed: int) -> lis
 
     from transformers import AutoConfig
 
-    from specdec.models.synth import get_synth, is_synth_name
+    from specdec.models.synth import get_synth, id_space, is_synth_name
 
     config = get_synth(model_dir).config() if is_synth_name(model_dir) else AutoConfig.from_pretrained(model_dir)
     eos = config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id]
@@ -296,8 +292,8 @@ def _random_token_prompts(model_dir: str, n: int, length: int, seed: int) -> lis
     from specdec.engine.vocab import usable_size_of_directory
 
     if is_synth_name(model_dir):  # its tokenizer, if any, is its family's: ids below that family's size
-        family = get_synth(model_dir).tokenizer_family
-        vocab = min(int(config.vocab_size), _FAMILY_TOKENS.get(family, int(config.vocab_size)))
+        space = id_space(model_dir)
+        vocab = min(int(config.vocab_size), space.size) if space else int(config.vocab_size)
     else:
         vocab = usable_size_of_directory(model_dir, int(config.vocab_size))  # padded rows are refused as input
     out = []

@@ -82,7 +82,8 @@ def sdpa_rows(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, rows:
         mask = None if row.mask is None else row.mask.repeat(group, 1)  # [group·n, end]
         # 4D: the fused CPU kernel takes [batch, heads, length, dim] only.
         o = F.scaled_dot_product_attention(qr[None], k[None], v[None], attn_mask=mask, scale=scaling)[0]
-        outs.append(o.view(q_heads, n, v.shape[-1]))  # [Hkv, group·n, Dv] -> [Hq, n, Dv]
+        # reshape, not view: CUDA's SDPA kernels may return a transposed layout
+        outs.append(o.reshape(q_heads, n, v.shape[-1]))  # [Hkv, group·n, Dv] -> [Hq, n, Dv]
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)  # [Hq, T, Dv]
     return out.transpose(0, 1).unsqueeze(0)
 

@@ -88,7 +88,8 @@ class EngineInfo:
 class ModelEngine:
     """Sessions, the KV store and batched forward passes over one causal LM."""
 
-    def __init__(self, model: PreTrainedModel, cfg: EngineConfig, tokenizer=None, name: str = ""):
+    def __init__(self, model: PreTrainedModel, cfg: EngineConfig, tokenizer=None, name: str = "",
+                 id_space: vocab.IdSpace | None = None):
         cfg.validate()
         self.cfg = cfg
         self.model = model.eval()
@@ -97,7 +98,7 @@ class ModelEngine:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
-        self.usable_vocab_size = vocab.usable_size(self.vocab_size, tokenizer)
+        self.usable_vocab_size = vocab.usable_size(self.vocab_size, tokenizer, id_space)
         self.max_context = context_limit(model.config, cfg.max_context)
         self.kv_shape = probe_kv_shape(self.model, self.device)
         self.max_kv_bytes = cfg.max_kv_bytes or free_device_memory(self.device) // 2
@@ -124,7 +125,7 @@ class ModelEngine:
             vocab_size=self.vocab_size,
             max_context=self.max_context,
             eos_token_ids=eos_ids(self.model, self.vocab_size),
-            tokenizer_fingerprint=tokenizer_fingerprint(tokenizer, self.vocab_size),
+            tokenizer_fingerprint=tokenizer_fingerprint(tokenizer, self.vocab_size, id_space),
             device=str(self.device),
             dtype=str(self.dtype).removeprefix("torch."),
             kv_bytes_per_token=self.kv_shape.bytes_per_token,
@@ -136,7 +137,7 @@ class ModelEngine:
     @classmethod
     def load(cls, cfg: EngineConfig) -> "ModelEngine":
         loaded = load_model(cfg)
-        engine = cls(loaded.model, cfg, tokenizer=loaded.tokenizer, name=loaded.name)
+        engine = cls(loaded.model, cfg, tokenizer=loaded.tokenizer, name=loaded.name, id_space=loaded.id_space)
         if cfg.draft_vocab:
             engine.restrict_output(engine._ranked_subset(cfg.draft_vocab))
         if cfg.quantize != "none":

@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from specdec.engine.config import EngineConfig
-from specdec.engine.vocab import known_vocab, ships_tokenizer
+from specdec.engine.vocab import IdSpace, known_vocab, ships_tokenizer
 from specdec.errors import NotFound
 from specdec.models.cache import locate
 
@@ -26,6 +26,7 @@ class LoadedModel:
     model: PreTrainedModel
     tokenizer: object | None  # a transformers tokenizer, or None for bare test models
     name: str
+    id_space: IdSpace | None = None  # without a tokenizer: the family's ids (vocab.IdSpace)
 
 
 def cpu_has_native_bf16() -> bool:
@@ -92,14 +93,17 @@ def _load_synth(cfg: EngineConfig) -> LoadedModel:
     model = synth.build_model(cfg.model, cfg.device, resolve_dtype(cfg.dtype, cfg.device))
     log.info("%s: random weights, %.0f M parameters, on %s", cfg.model,
              sum(p.numel() for p in model.parameters()) / 1e6, cfg.device)
-    return LoadedModel(model=model, tokenizer=synth.load_tokenizer(cfg.model), name=cfg.model)
+    tokenizer = synth.load_tokenizer(cfg.model)
+    return LoadedModel(model=model, tokenizer=tokenizer, name=cfg.model,
+                       id_space=None if tokenizer is not None else synth.id_space(cfg.model))
 
 
-def tokenizer_fingerprint(tokenizer, vocab_size: int) -> str:
+def tokenizer_fingerprint(tokenizer, vocab_size: int, id_space: IdSpace | None = None) -> str:
     """sha256 of the token-to-id map, so two services can check they agree
-    (GGUF placeholder tokens left out: see engine/vocab.py)."""
+    (GGUF placeholder tokens left out: see engine/vocab.py); without a
+    tokenizer, the family's ids or else the row count."""
     if tokenizer is None:
-        return f"untokenized-vocab-{vocab_size}"
+        return id_space.fingerprint() if id_space else f"untokenized-vocab-{vocab_size}"
     items = sorted(known_vocab(tokenizer).items(), key=lambda kv: kv[1])
     digest = hashlib.sha256()
     for token, idx in items:

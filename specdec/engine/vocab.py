@@ -14,8 +14,10 @@ argmax, the draft's q, the target's p, recovery and bonus draws. It also
 refuses input ids >= that size (INVALID_ARGUMENT). Two models that share a
 tokenizer then read and emit exactly the same ids, whatever their padding.
 
-usable size = min(rows, ids the tokenizer knows) with a tokenizer, and the
-rows without one (tiny test models: there the ids are all there is).
+usable size = min(rows, ids the tokenizer knows) with a tokenizer; without
+one, min(rows, the family's token count) for a model that names its family's
+ids (an `IdSpace`: a synthetic Qwen2.5 with no tokenizer cached), and the rows
+otherwise (tiny test models: there the ids are all there is).
 
 A GGUF pads its tokenizer too: llama.cpp's converter fills the ids up to the
 row count with placeholder tokens spelled "[PAD<id>]" (a Qwen2.5 GGUF has
@@ -27,6 +29,7 @@ same fingerprint.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -67,11 +70,25 @@ def known_token_count(tokenizer) -> int:
     return max(ids) + 1 if ids else 0
 
 
-def usable_size(rows: int, tokenizer) -> int:
+@dataclass(frozen=True)
+class IdSpace:
+    """The token ids of a model family, for a model that has the family's
+    architecture but not its tokenizer (models/synth.py): ids [0, size) mean
+    what the family's tokenizer says, the rows beyond are padding. Two models
+    of one family then pair without a tokenizer, whatever their padding."""
+
+    family: str
+    size: int
+
+    def fingerprint(self) -> str:
+        return f"untokenized-{self.family}-{self.size}"
+
+
+def usable_size(rows: int, tokenizer, id_space: IdSpace | None = None) -> int:
     """Ids [0, n) a model with `rows` output rows may read and emit."""
-    if tokenizer is None:
-        return rows
-    return min(rows, known_token_count(tokenizer))
+    if tokenizer is not None:
+        return min(rows, known_token_count(tokenizer))
+    return min(rows, id_space.size) if id_space else rows
 
 
 def usable_size_of_directory(model_dir: str, rows: int) -> int:

@@ -15,8 +15,10 @@ The tokenizer: the Qwen2.5 models share one, so a synthetic Qwen2.5 carries
 the one of a cached catalog model that has it (`specd models fetch` gets one),
 and without one, none. With it, the 0.5B (151936 rows) may draft for the 7B
 (152064 rows): the orchestrator pairs models by tokenizer, and each engine
-emits only the ids the tokenizer knows (engine/vocab.py). Without it, only
-models with equal row counts pair.
+emits only the ids the tokenizer knows (engine/vocab.py). Without it, a
+synthetic model still names its family's ids (`id_space`: the Qwen2.5
+tokenizer's 151665), so the pair still pairs, on token-id prompts (a GPU
+machine has no model cache).
 
 Importing this module does not import torch or transformers.
 """
@@ -39,6 +41,10 @@ PREFIX = "synth:"
 MARKER_NAME = "specdec-synth.json"
 # Weights are drawn from this seed, so two builds of one name are the same model.
 SEED = 0
+
+# Tokens of each family's tokenizer: ids a synthetic model reads and emits
+# without one (engine/vocab.py's IdSpace).
+FAMILY_TOKENS: Mapping[str, int] = MappingProxyType({"qwen2.5": 151665})
 
 # Catalog models whose tokenizer a synthetic model of the family may carry.
 TOKENIZER_DONORS: Mapping[str, tuple[str, ...]] = MappingProxyType(
@@ -159,6 +165,17 @@ def tokenizer_dir(name: str, cache_dir: str | os.PathLike | None = None) -> Path
         if read_manifest(directory) is not None and (directory / "tokenizer.json").is_file():
             return directory
     return None
+
+
+def id_space(name: str):
+    """The token ids NAME's family gives, for when it has no tokenizer
+    (an engine.vocab.IdSpace), or None for a model of no family."""
+    family = get_synth(name).tokenizer_family
+    if family is None:
+        return None
+    from specdec.engine.vocab import IdSpace
+
+    return IdSpace(family, FAMILY_TOKENS[family])
 
 
 def load_tokenizer(name: str, cache_dir: str | os.PathLike | None = None):
