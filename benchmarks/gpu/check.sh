@@ -47,6 +47,7 @@ work=${GPU_CHECK_WORK:-/tmp/gpu-check}
 site=${GPU_CHECK_SITE:-/tmp/site}
 python=${PYTHON:-python3}
 prepared=${GPU_CHECK_PREPARED:-.gpu}  # what prepare.sh made (DEST there)
+rm -rf "$work"  # a warm machine keeps /tmp between calls; the bench refuses a used folder
 mkdir -p "$out" "$work"
 export PYTHONUNBUFFERED=1
 
@@ -148,8 +149,11 @@ for name in "${phases[@]}"; do
         --batches 1 8 --num-draft-tokens 4 --fused-layers auto off --out "$work/steps"
       [ -f "$work/steps/steps.md" ] && cp "$work/steps/steps.md" "$out/steps.md" ;;
     bench)
+      # Random weights: the draft's confidence in its first draft is ~1/vocab, so the default
+      # min confidence would end every round after one draft; 0 drafts all k, whose cost the
+      # projections need.
       phase bench 180 "${bench[@]}" "${bench_size[@]}" --baselines service hf \
-        --num-draft-tokens 2 4 6 --policies fixed --temperatures 0 \
+        --num-draft-tokens 2 4 6 --policies fixed --temperatures 0 0.7 --draft-min-confidence 0 \
         --assume-acceptance 0.7 0.8 0.85 --out "$work/bench"
       [ -f "$work/bench/summary.md" ] && cp "$work/bench/summary.md" "$out/bench-summary.md" ;;
     overhead)
