@@ -127,6 +127,25 @@ def test_bound_for_run_on_known_numbers():
     assert b["ideal"]["expected_speedup"] == pytest.approx(e / (3 * 0.08 + 0.15) / 3.0)
 
 
+def test_the_propose_cost_splits_into_a_part_per_call_and_a_part_per_drafted_token():
+    # Rounds that drafted all k = 3: the split adds up to the RPC time per round, as t_draft did.
+    pooled = A.pool_stats([_stats(), _stats()])
+    b = A.bound_for_run(pooled, nominal_k=3, measured_tokens_per_s=4.0, baseline_tokens_per_s=2.0,
+                        baseline_compute_tokens_per_s=3.0)
+    assert b["t_draft_token_s"] == pytest.approx(0.08)   # 4.8 s compute / 60 drafted
+    assert b["t_draft_call_s"] == pytest.approx(0.06)    # (6 − 4.8) s / 20 calls
+    assert b["t_draft_call_s"] + 3 * b["t_draft_token_s"] == pytest.approx(3 * b["t_draft_s"])
+    # Rounds that stopped after one draft (k = 4 configured; one round of k = 0 makes no call):
+    # per drafted token the RPC time is a whole call, the compute is not.
+    early = A.pool_stats([_stats(rounds=11, proposed_tokens=10, k={"histogram": [1, 10]}, accepted_per_position=[0],
+                                 accepted_tokens=0, draft_time_s=0.020, draft_compute_time_s=0.012)])
+    split = A.draft_cost_split(early, early["draft_time_s"] / early["proposed_tokens"])
+    assert split["t_draft_token_s"] == pytest.approx(0.0012) and split["t_draft_call_s"] == pytest.approx(0.0008)
+    # Without the draft's compute reported: all of it per token, as before.
+    assert A.draft_cost_split(dict(early, draft_compute_time_s=0.0), 0.002) == {"t_draft_token_s": 0.002,
+                                                                                "t_draft_call_s": 0.0}
+
+
 def test_bound_for_run_adaptive_uses_mean_k():
     pooled = A.pool_stats([_stats(k={"histogram": [0, 0, 5, 5]}, accepted_per_position=[8, 5, 2],
                                   proposed_tokens=25, accepted_tokens=15)])

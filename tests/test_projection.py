@@ -96,3 +96,41 @@ def test_request_time_matches_a_simulation_of_the_loop():
             total += c.sequential(k)
             left -= accepted + 1
     assert request_time(c, alpha, "one-gpu", n) == pytest.approx(total / trials, rel=0.01)
+
+
+def test_a_propose_calls_own_cost_is_paid_once_a_round_that_drafts():
+    split = RoundCosts(k=4, t_draft=0.0012, t_verify=0.005, overhead=0.0004, t_draft_call=0.0006)
+    assert split.sequential() == pytest.approx(0.0006 + 4 * 0.0012 + 0.005 + 0.0004)
+    assert split.sequential(0) == pytest.approx(0.0054)  # a round that drafts nothing makes no call
+    assert split.after_hit() == pytest.approx(max(0.0054, 0.0006 + 5 * 0.0012))
+    # The same Propose time charged per drafted token instead: the same round when all k are drafted ...
+    smeared = RoundCosts(k=4, t_draft=0.0012 + 0.0006 / 4, t_verify=0.005, overhead=0.0004)
+    assert smeared.sequential() == pytest.approx(split.sequential())
+    # ... but a round of one draft would be charged one call, not a quarter of one.
+    assert split.sequential(1) - smeared.sequential(1) == pytest.approx(0.0006 * 3 / 4)
+    # At α = 0 each round makes one token and drafts min(k, remaining − 1): every round but the last calls.
+    assert request_time(split, 0.0, "one-gpu", 10) == pytest.approx(
+        6 * split.sequential() + sum(split.sequential(k) for k in (3, 2, 1, 0)))
+
+
+def test_a_past_runs_projection_is_made_again_with_the_split_propose_cost(tmp_path, capsys):
+    """python -m specdec.bench.projection_report RUNS.jsonl: a run recorded before the
+    Propose cost was split gets the split from its pooled counters."""
+    import json
+
+    from specdec.bench.projection_report import main
+
+    pooled = {"rounds": 11, "proposed_tokens": 10, "k_histogram": [1, 10], "draft_time_s": 0.020,
+              "draft_compute_time_s": 0.012}
+    run = {"policy": "fixed", "pipeline": False, "concurrency": 1, "network": "direct", "temperature": 0.0,
+           "k": 4, "draft_vocab": None, "requests": 1, "completion_tokens": 11, "mean_k": 1.0,
+           "tokens_per_s": 140.0, "target_only_tokens_per_s": 180.0, "pooled_stats": pooled,
+           "bound": {"t_draft_s": 0.002, "t_verify_s": 0.005, "overhead_s": 0.0004, "alpha_hat": 0.0}}
+    path = tmp_path / "runs.jsonl"
+    path.write_text(json.dumps(run) + "\n")
+    assert main([str(path), "--assume-acceptance", "0.8"]) == 0
+    out = capsys.readouterr().out
+    assert "| 4 | 1.20 | 0.80 | 5.00 | 0.40 |" in out  # draft ms/token, call ms, verify, overhead
+    assert "| 4 | 1.00 | 0.00 |" in out  # the check shows the rounds drafted one, not four
+    path.write_text("")
+    assert main([str(path)]) == 1

@@ -321,6 +321,26 @@ def time_split(pooled: dict) -> dict:
     }
 
 
+def draft_cost_split(pooled: dict, t_draft: float) -> dict:
+    """A Propose's cost as a part per call and a part per drafted token, for
+    the projections (projection.py): per token, the draft's compute per
+    drafted token (what the draft service reports); per call, the rest of the
+    Propose RPC (wire, the service's loop) over the calls made. Without the
+    compute reported: all of it per token, as t_draft.
+
+    The split matters when rounds draft fewer tokens than k (a draft unsure of
+    its tokens ends the round early; a random draft after one token): then
+    t_draft, the RPC time per drafted token, charges each further token a
+    whole call. Compute per token still includes the call's first step (the
+    appended tokens): a sweep over k separates that."""
+    compute = pooled.get("draft_compute_time_s")
+    calls = speculative_rounds(pooled["k_histogram"]) or pooled["rounds"]
+    if not compute or not pooled["proposed_tokens"] or not calls:
+        return {"t_draft_token_s": t_draft, "t_draft_call_s": 0.0}
+    return {"t_draft_token_s": compute / pooled["proposed_tokens"],
+            "t_draft_call_s": max(0.0, pooled["draft_time_s"] - compute) / calls}
+
+
 def bound_for_run(pooled: dict, *, nominal_k: int | None, measured_tokens_per_s: float | None,
                   baseline_tokens_per_s: float | None, baseline_compute_tokens_per_s: float | None) -> dict:
     """The analytic bound of one run from its pooled counters.
@@ -356,12 +376,14 @@ def bound_for_run(pooled: dict, *, nominal_k: int | None, measured_tokens_per_s:
         out.pop("alpha", None)
         out["k"] = k
         out.update({"t_draft_s": None, "t_verify_s": None, "overhead_s": None, "efficiency": None,
+                    "t_draft_token_s": None, "t_draft_call_s": None,
                     "measured_speedup": ratio(measured_tokens_per_s, baseline_tokens_per_s),
                     "ideal": {"expected_tokens_per_s": None, "expected_speedup": None}})
         return out
     t_draft = pooled["draft_time_s"] / proposed
     t_verify = pooled["verify_time_s"] / rounds
     overhead = max(0.0, pooled["duration_s"] - pooled["draft_time_s"] - pooled["verify_time_s"]) / rounds
+    out.update(draft_cost_split(pooled, t_draft))
     out.update(analytic_bound(alpha=alpha, k=k, t_draft_s=t_draft, t_verify_s=t_verify, overhead_s=overhead,
                               baseline_tokens_per_s=baseline_tokens_per_s))
     out.pop("alpha", None)  # alpha_hat already says it

@@ -7,21 +7,23 @@ prints from here is labelled *projected*. The formulas use measured numbers
 only:
 
     E(α, k)  = (1 − α^(k+1)) / (1 − α)        expected tokens per round
-    t_d      = draft compute per drafted token (Propose compute ÷ k)
-    t_v(k)   = target compute of one verify of k + 1 tokens
-    o        = the rest of a round: round wall time − t_v − k·t_d
-               (round trips, the orchestrator's own work)
+    t_d      = the draft's compute per drafted token
+    t_c      = the rest of one Propose call (its wire and the draft service's
+               loop), paid once a round that drafts (analysis.draft_cost_split)
+    t_v(k)   = one verify of k + 1 tokens (the Verify RPC)
+    o        = the rest of a round: round wall time − t_v − the Propose call
+               (the orchestrator's own work)
 
 - **one GPU** (both models on one device, rounds strictly sequential):
-  cost = k·t_d + t_v(k) + o.
+  cost = t_c + k·t_d + t_v(k) + o.
 - **separate GPUs, pipelined drafting** (the rule `orchestrator/pipelining`
   implements): while the target verifies round r, the draft already makes
   k + 1 tokens as if all k drafts will be accepted. When round r is fully
   accepted and its bonus equals the first token drafted ahead (probability
   h = α^(k+1), taking the bonus match as one more acceptance), round r + 1
-  sends no Propose and costs max(t_v(k) + o, (k+1)·t_d); otherwise it costs
-  k·t_d + t_v(k) + o as without pipelining:
-  cost = h · max(t_v + o, (k+1)·t_d) + (1 − h) · (k·t_d + t_v + o).
+  sends no Propose and costs max(t_v(k) + o, t_c + (k+1)·t_d); otherwise it
+  costs t_c + k·t_d + t_v(k) + o as without pipelining:
+  cost = h · max(t_v + o, t_c + (k+1)·t_d) + (1 − h) · (t_c + k·t_d + t_v + o).
 
 The projected rate is E / cost in the steady state of a long request. A
 request of n tokens pays for its tail too: the loop drafts only
@@ -58,16 +60,18 @@ class RoundCosts:
     t_draft: float  # per drafted token
     t_verify: float  # one verify of k + 1 tokens
     overhead: float  # per round, outside both models
+    t_draft_call: float = 0.0  # per Propose call, beyond its tokens (0: counted in t_draft)
 
     def sequential(self, k: int | None = None) -> float:
-        """A round drafting k tokens (default: this k), then verifying them."""
+        """A round drafting k tokens (default: this k), then verifying them;
+        a round of k = 0 makes no Propose call."""
         k = self.k if k is None else k
-        return k * self.t_draft + self.t_verify + self.overhead
+        return (self.t_draft_call if k else 0.0) + k * self.t_draft + self.t_verify + self.overhead
 
     def after_hit(self, k: int | None = None) -> float:
         """A round whose drafts were made ahead during the previous verify."""
         k = self.k if k is None else k
-        return max(self.t_verify + self.overhead, (k + 1) * self.t_draft)
+        return max(self.t_verify + self.overhead, self.t_draft_call + (k + 1) * self.t_draft)
 
 
 def round_cost(costs: RoundCosts, alpha: float, layout: str) -> float:

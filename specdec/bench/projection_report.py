@@ -4,8 +4,9 @@ check of the same formula at the measured acceptance.
 
 Inputs are the runs `aggregate.build_runs` makes: the fixed-k specdec runs at
 one stream under the first network condition carry, in `bound`, the measured
-t_draft (per drafted token), t_verify (per round, k + 1 tokens) and overhead
-(per round); target-only's tokens/s is the baseline.
+Propose cost split per drafted token and per call (analysis.draft_cost_split),
+t_verify (per round, k + 1 tokens) and overhead (per round); target-only's
+tokens/s is the baseline.
 """
 from __future__ import annotations
 
@@ -15,6 +16,15 @@ from specdec.bench.projection import LAYOUTS, RoundCosts, check_row, projection_
 
 LAYOUT_LABELS = {"one-gpu": "both models on one device, sequential rounds",
                  "two-gpus-pipelined": "separate devices, pipelined drafting"}
+
+
+def round_costs(run: dict) -> RoundCosts:
+    """A fixed-k run's measured costs; its Propose split per call and per
+    token where the run recorded the split (runs.jsonl of older runs did not)."""
+    b = run["bound"]
+    if b.get("t_draft_token_s") is None:
+        return RoundCosts(int(run["k"]), b["t_draft_s"], b["t_verify_s"], b["overhead_s"])
+    return RoundCosts(int(run["k"]), b["t_draft_token_s"], b["t_verify_s"], b["overhead_s"], b["t_draft_call_s"])
 
 
 def _fixed_runs(runs: list[dict], temperature: float, head: int | None = None) -> list[dict]:
@@ -46,7 +56,7 @@ def measured_costs(runs: list[dict], temperature: float,
     """(round costs per measured k, target-only tokens/s, tokens per request)
     at one temperature, with one draft head (default: the first)."""
     fixed = _fixed_runs(runs, temperature, head)
-    costs = [RoundCosts(int(r["k"]), r["bound"]["t_draft_s"], r["bound"]["t_verify_s"], r["bound"]["overhead_s"])
+    costs = [round_costs(r)
              for r in fixed]
     base = fixed[0]["target_only_tokens_per_s"] if fixed else None
     n = request_tokens(fixed[0]) if fixed else None
@@ -71,9 +81,10 @@ def projection_markdown(runs: list[dict], alphas: list[float]) -> list[str]:
                   f"{n} tokens (this run's mean; the last rounds of a request draft fewer: projection.py); "
                   f"against target-only's measured {base:.2f} tok/s. Layouts: " + "; ".join(f"*{k}* = {v}" for k, v in LAYOUT_LABELS.items()) + ".",
                   ""]
-        lines += ["| measured k | t_draft ms/token | t_verify ms | overhead ms/round |", "|---|---|---|---|"]
-        lines += [f"| {c.k} | {c.t_draft * 1e3:.2f} | {c.t_verify * 1e3:.2f} | {c.overhead * 1e3:.2f} |"
-                  for c in costs] + [""]
+        lines += ["| measured k | draft ms/token | draft call ms | t_verify ms | overhead ms/round |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {c.k} | {c.t_draft * 1e3:.2f} | {c.t_draft_call * 1e3:.2f} | {c.t_verify * 1e3:.2f} | "
+                  f"{c.overhead * 1e3:.2f} |" for c in costs] + [""]
         rows = projection_table(costs, alphas, base, n)
         lines += ["| assumed α | layout | best k | projected tok/s | projected speedup |", "|---|---|---|---|---|"]
         lines += [f"| {p.alpha:g} | {p.layout} | {p.k} | {p.tokens_per_s:.2f} | **{p.speedup:.2f}x** (projected) |"
@@ -81,11 +92,18 @@ def projection_markdown(runs: list[dict], alphas: list[float]) -> list[str]:
         checks = check_rows(runs, temp, head)
         if checks:
             lines += ["Check: the same formula (one device) at the acceptance this run measured, against the "
-                      "speedup it measured:", "",
-                      "| k | measured α | projected speedup | measured speedup | error |", "|---|---|---|---|---|"]
-            lines += [f"| {c['k']} | {c['alpha']:.2f} | {c['projected_speedup']:.2f}x | "
+                      "speedup it measured. The formula drafts k a round (fewer only in a request's last "
+                      "rounds); where the rounds drafted fewer (the draft's min confidence ended them), it "
+                      "overcharges the drafting, and the drafts a round say by how much:", "",
+                      "| k | drafts a round | measured α | projected speedup | measured speedup | error |",
+                      "|---|---|---|---|---|---|"]
+            lines += [f"| {c['k']} | {_drafts(c.get('mean_k'))} | {c['alpha']:.2f} | {c['projected_speedup']:.2f}x | "
                       f"{c['measured_speedup']:.2f}x | {c['error']:+.1%} |" for c in checks] + [""]
     return lines
+
+
+def _drafts(mean_k: float | None) -> str:
+    return "-" if mean_k is None else f"{mean_k:.2f}"
 
 
 def check_rows(runs: list[dict], temperature: float, head: int | None = None) -> list[dict]:
@@ -94,9 +112,9 @@ def check_rows(runs: list[dict], temperature: float, head: int | None = None) ->
         alpha = r["bound"].get("alpha_hat")
         if alpha is None or not r.get("target_only_tokens_per_s") or not r.get("tokens_per_s"):
             continue
-        costs = RoundCosts(int(r["k"]), r["bound"]["t_draft_s"], r["bound"]["t_verify_s"], r["bound"]["overhead_s"])
+        costs = round_costs(r)
         out.append(check_row(costs, alpha, r["tokens_per_s"], r["target_only_tokens_per_s"],
-                             request_tokens=request_tokens(r)))
+                             request_tokens=request_tokens(r)) | {"mean_k": r.get("mean_k")})
     return out
 
 
@@ -131,3 +149,38 @@ def projection_plot(runs: list[dict], out_dir: Path, alphas_grid=None) -> list[s
     fig.savefig(Path(out_dir) / "projected_speedup.png")
     plt.close(fig)
     return ["projected_speedup.png"]
+
+
+def reproject(runs: list[dict]) -> list[dict]:
+    """A past run's runs, with each bound's Propose cost split again from
+    its pooled counters (runs.jsonl from before the split have none)."""
+    from specdec.bench.analysis import draft_cost_split
+
+    for r in runs:
+        bound, pooled = r.get("bound"), r.get("pooled_stats")
+        if bound and pooled and bound.get("t_draft_s") is not None:
+            bound.update(draft_cost_split(pooled, bound["t_draft_s"]))
+    return runs
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The projection of a past `specd bench` run, from its runs.jsonl, as the
+    current formulas make it:
+
+        python -m specdec.bench.projection_report RESULTS/runs.jsonl [--assume-acceptance 0.7 0.8 0.85]
+    """
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(prog="python -m specdec.bench.projection_report", description=main.__doc__)
+    parser.add_argument("runs", type=Path, help="a runs.jsonl that specd bench wrote")
+    parser.add_argument("--assume-acceptance", type=float, nargs="+", default=[0.7, 0.8, 0.85])
+    args = parser.parse_args(argv)
+    runs = reproject([json.loads(line) for line in args.runs.read_text().splitlines() if line.strip()])
+    lines = projection_markdown(runs, args.assume_acceptance)
+    print("\n".join(lines) if lines else "no fixed-k runs with measured costs in this file")
+    return 0 if lines else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
