@@ -110,3 +110,13 @@ def test_without_a_tokenizer_a_qwen_family_model_names_its_familys_ids(tmp_path,
 def test_the_orchestrator_reads_a_synth_targets_tokenizer_from_the_synth_module(monkeypatch):
     monkeypatch.setattr(synth, "load_tokenizer", lambda name, cache_dir=None: ("tokenizer of", name))
     assert load_tokenizer("synth:qwen2.5-7b") == ("tokenizer of", "synth:qwen2.5-7b")
+
+
+def test_a_trimmed_head_on_a_synthetic_model_keeps_the_lowest_ids_for_step_costs():
+    """No frequencies to rank on random weights: --draft-vocab still measures a head of that size."""
+    engine = ModelEngine.load(EngineConfig(model="synth:tiny", dtype="float32", max_kv_bytes=1 << 24, draft_vocab=100))
+    assert engine.output_ids == 100
+    session = engine.open_session([5, 6, 7])
+    logits = engine.extend([ExtendItem(session.id, None, [8], num_logits=1)])[0]
+    finite = torch.isfinite(logits[0]).nonzero()[:, 0].tolist()
+    assert len(finite) == 100 and set(finite) - set(range(100)) <= set(engine.info.eos_token_ids)

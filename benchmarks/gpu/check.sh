@@ -22,6 +22,8 @@
 #           and eager, fused layers on and off, as multiples of the bandwidth floor
 #   bench   `specd bench --pair synth-0.5b-7b`: target-only through the service, HF eager
 #           generate, specdec's round costs at k = 2, 4, 6, projected speedups, 1 and 8 streams
+#   heads   `specd steps` on the draft with its full head and heads of 32768, 16384 and 8192 ids
+#           (issue 15's trimmed draft vocabulary; the lowest ids on random weights: costs only)
 #   overhead `specd overhead` (issue 15) on this host's CPUs: in-process, then deployed
 #           (deployed: that layout alone, for GPU_CHECK_PHASES)
 #   tests   the gpu-marked tests: CUDA-graph steps == eager (fp32), batched == alone, the bf16
@@ -34,7 +36,7 @@
 # dry run of the plumbing: PYVER=3.11 DEST=.gpu-py311 prepare.sh first, GPU_CHECK_PREPARED=.gpu-py311, and a Python without the project
 # installed, to see what the GPU image lacks). $OUT (the device tool sets it) gets at most 8
 # files, as the device tool returns: phases.txt, logs.txt (every phase's log, appended as each
-# ends), steps.md, bench-summary.md, static-summary.md and results.tgz (everything, the services'
+# ends), steps.md, bench-summary.md, heads.md, static-summary.md and results.tgz (everything, the services'
 # logs included).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -54,9 +56,11 @@ export PYTHONUNBUFFERED=1
 if [ "$device" = cpu ]; then
   draft_model=synth:tiny target_model=synth:tiny pair=synth-tiny dtype=float32
   bench_size=(--token-prompts 2 --max-tokens 16 --concurrency 1 2)
+  heads=(0 256 128)
 else
   draft_model=synth:qwen2.5-0.5b target_model=synth:qwen2.5-7b pair=synth-0.5b-7b dtype=bfloat16
   bench_size=(--token-prompts 3 --max-tokens 64 --concurrency 1 8)
+  heads=(0 32768 16384 8192)
   # The services and the HF baselines share one GPU: half the free memory each (the engine's
   # default) would leave the HF baselines none. 8 GiB holds 8 streams of a 7B at its full context.
   export SPECD_MAX_KV_BYTES=${SPECD_MAX_KV_BYTES:-$((8 << 30))}
@@ -120,7 +124,7 @@ export -f setup
 
 echo "# $(date -u +%FT%TZ) mode=$mode device=$device budget=${budget}s commit=$(git rev-parse --short HEAD 2>/dev/null || echo '?')" >> "$out/phases.txt"
 case "$mode" in
-  once|all) phases=(smoke steps bench overhead tests static) ;;
+  once|all) phases=(smoke steps bench heads overhead tests static) ;;
   quick) phases=(smoke tests steps) ;;
   bench) phases=(bench static) ;;
   *) echo "unknown mode $mode: once, quick, bench or all" >&2; exit 2 ;;
@@ -156,6 +160,10 @@ for name in "${phases[@]}"; do
         --num-draft-tokens 2 4 6 --policies fixed --temperatures 0 0.7 --draft-min-confidence 0 \
         --assume-acceptance 0.7 0.8 0.85 --out "$work/bench"
       [ -f "$work/bench/summary.md" ] && cp "$work/bench/summary.md" "$out/bench-summary.md" ;;
+    heads)  # issue 15: the draft's step with its full head and trimmed heads (random weights: costs only)
+      phase heads 90 "${specd[@]}" steps "$draft_model" --device "$device" --dtype "$dtype" \
+        --batches 1 8 --num-draft-tokens 4 --draft-vocab "${heads[@]}" --out "$work/heads"
+      [ -f "$work/heads/steps.md" ] && cp "$work/heads/steps.md" "$out/heads.md" ;;
     overhead)
       phase overhead 100 bash -c "$(printf '%q ' "${specd[@]}") overhead --reps 150 --in-process && $(printf '%q ' "${specd[@]}") overhead --reps 150" ;;
     deployed)  # the overhead's deployed layout alone (each service a process)

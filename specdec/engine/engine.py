@@ -44,6 +44,7 @@ from specdec.engine.sessions import ContextRules, Session, SessionTable, new_ses
 from specdec.engine.static_steps import CaptureReport, StaticSteps
 from specdec.errors import InvalidArgument
 from specdec.models.cache import locate
+from specdec.models.synth import is_synth_name
 
 log = logging.getLogger(__name__)
 
@@ -147,10 +148,16 @@ class ModelEngine:
         return engine
 
     def _ranked_subset(self, size: int) -> torch.Tensor:
-        """The `size` most frequent ids of the ranking stored with the model."""
-        where, _ = locate(self.cfg.model)
+        """The `size` most frequent ids of the ranking stored with the model.
+        A synthetic model (random weights) has no frequencies to rank: its head
+        keeps the lowest ids, which costs what any head of that size costs."""
         try:
-            ranked = load_ranking(where, self.info.tokenizer_fingerprint)
+            if is_synth_name(self.cfg.model):
+                log.warning("%s: --draft-vocab %d on random weights: the head keeps ids 0.., for step costs only",
+                            self.cfg.model, size)
+                ranked = []
+            else:
+                ranked = load_ranking(locate(self.cfg.model)[0], self.info.tokenizer_fingerprint)
             return subset_ids(ranked, size, self.info.eos_token_ids, self.usable_vocab_size)
         except (OSError, ValueError) as exc:
             raise InvalidArgument(f"--draft-vocab {size}: {exc}") from None
