@@ -24,7 +24,8 @@
 #           generate, specdec's round costs at k = 2, 4, 6, projected speedups, 1 and 8 streams
 #   heads   `specd steps` on the draft with its full head and heads of 32768, 16384 and 8192 ids
 #           (issue 15's trimmed draft vocabulary; the lowest ids on random weights: costs only)
-#   overhead `specd overhead` (issue 15) on this host's CPUs: in-process, then deployed
+#   overhead `specd overhead` (issue 15) on this host's CPUs: in-process, deployed, and in-process
+#           with idle CPUs kept polling (--cpu-wake-latency-us 0: how much is wake-ups)
 #           (deployed: that layout alone, for GPU_CHECK_PHASES)
 #   tests   the gpu-marked tests: CUDA-graph steps == eager (fp32), batched == alone, the bf16
 #           identity rate, exactness with the orchestrator on the GPU, one host sync per step
@@ -165,7 +166,9 @@ for name in "${phases[@]}"; do
         --batches 1 8 --num-draft-tokens 4 --draft-vocab "${heads[@]}" --out "$work/heads"
       [ -f "$work/heads/steps.md" ] && cp "$work/heads/steps.md" "$out/heads.md" ;;
     overhead)
-      phase overhead 100 bash -c "$(printf '%q ' "${specd[@]}") overhead --reps 150 --in-process && $(printf '%q ' "${specd[@]}") overhead --reps 150" ;;
+      # Third: in-process with idle CPUs polling (root there), to tell wake-ups from our code.
+      sp=$(printf '%q ' "${specd[@]}")
+      phase overhead 150 bash -c "$sp overhead --reps 150 --in-process && $sp overhead --reps 150 && $sp overhead --reps 150 --in-process --cpu-wake-latency-us 0" ;;
     deployed)  # the overhead's deployed layout alone (each service a process)
       phase deployed 100 "${specd[@]}" overhead --reps 150 ;;
     tests)
