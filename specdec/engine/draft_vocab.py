@@ -21,12 +21,19 @@ ids, so the draft can propose the end of an answer.
 from __future__ import annotations
 
 import json
+import logging
 from collections import Counter
 from pathlib import Path
 from typing import Iterable, Sequence
 
 import torch
 from torch import nn
+
+from specdec.errors import InvalidArgument
+from specdec.models.cache import locate
+from specdec.models.synth import is_synth_name
+
+log = logging.getLogger(__name__)
 
 RANK_FILE = "vocab_rank.json"
 
@@ -96,6 +103,23 @@ def save_ranking(model_dir: str | Path, ranked: Sequence[int], fingerprint: str,
     path.write_text(json.dumps({"tokenizer_fingerprint": fingerprint, "corpus": corpus,
                                 "tokens_counted": tokens_counted, "ranked_ids": list(ranked)}))
     return path
+
+
+def ranked_subset(model: str, info, size: int) -> torch.Tensor:
+    """The `size` most frequent ids of the ranking stored with `model` (an
+    engine's EngineInfo gives its tokenizer, EOS ids and usable ids). A
+    synthetic model (random weights) has no frequencies to rank: its head
+    keeps the lowest ids, which costs what any head of that size costs."""
+    try:
+        if is_synth_name(model):
+            log.warning("%s: --draft-vocab %d on random weights: the head keeps ids 0.., for step costs only",
+                        model, size)
+            ranked = []
+        else:
+            ranked = load_ranking(locate(model)[0], info.tokenizer_fingerprint)
+        return subset_ids(ranked, size, info.eos_token_ids, info.usable_vocab_size)
+    except (OSError, ValueError) as exc:
+        raise InvalidArgument(f"--draft-vocab {size}: {exc}") from None
 
 
 def load_ranking(model_dir: str | Path, fingerprint: str) -> list[int]:

@@ -25,7 +25,7 @@ from transformers import PreTrainedModel
 from specdec.engine import vocab
 from specdec.engine.attention import STEP_KWARG, row_mask, use_store_attention
 from specdec.engine.config import EngineConfig
-from specdec.engine.draft_vocab import load_ranking, restrict_head, subset_ids
+from specdec.engine.draft_vocab import ranked_subset, restrict_head
 from specdec.engine.kv_store import (
     KVStore,
     RowSpan,
@@ -43,8 +43,6 @@ from specdec.engine.quantize import is_quantized, quantize_linears
 from specdec.engine.sessions import ContextRules, Session, SessionTable, new_session_id
 from specdec.engine.static_steps import CaptureReport, StaticSteps
 from specdec.errors import InvalidArgument
-from specdec.models.cache import locate
-from specdec.models.synth import is_synth_name
 
 log = logging.getLogger(__name__)
 
@@ -140,27 +138,12 @@ class ModelEngine:
         loaded = load_model(cfg)
         engine = cls(loaded.model, cfg, tokenizer=loaded.tokenizer, name=loaded.name, id_space=loaded.id_space)
         if cfg.draft_vocab:
-            engine.restrict_output(engine._ranked_subset(cfg.draft_vocab))
+            engine.restrict_output(ranked_subset(cfg.model, engine.info, cfg.draft_vocab))
         if cfg.quantize != "none":
             engine.quantize_weights(cfg.quantize)
         if wants_packing(cfg.packed_linears, engine.device, engine.dtype):
             engine.pack_weights()
         return engine
-
-    def _ranked_subset(self, size: int) -> torch.Tensor:
-        """The `size` most frequent ids of the ranking stored with the model.
-        A synthetic model (random weights) has no frequencies to rank: its head
-        keeps the lowest ids, which costs what any head of that size costs."""
-        try:
-            if is_synth_name(self.cfg.model):
-                log.warning("%s: --draft-vocab %d on random weights: the head keeps ids 0.., for step costs only",
-                            self.cfg.model, size)
-                ranked = []
-            else:
-                ranked = load_ranking(locate(self.cfg.model)[0], self.info.tokenizer_fingerprint)
-            return subset_ids(ranked, size, self.info.eos_token_ids, self.usable_vocab_size)
-        except (OSError, ValueError) as exc:
-            raise InvalidArgument(f"--draft-vocab {size}: {exc}") from None
 
     def use_static_steps(self, max_tokens: int) -> StaticSteps:
         """Run steps of up to max_tokens tokens at padded fixed shapes
