@@ -382,7 +382,9 @@ def test_bench_end_to_end_on_a_tiny_pair(tiny_pair_dirs, tmp_path, capsys):
         ident = by[(c, 0.0, 1, nets[0])]["identical_to_target_only"]
         assert ident["compared"] == 2 and ident["identical"] == 2, c
     fixed = by[("fixed-k2", 0.0, 1, nets[0])]
-    assert fixed["acceptance_rate"] is not None and fixed["bound"]["k"] == 2
+    # The bound drafts k = 2 a round, or the mean the rounds drafted when they mostly stopped early.
+    assert fixed["acceptance_rate"] is not None
+    assert fixed["bound"]["k"] == (2 if fixed["mean_k"] >= 0.9 * 2 else pytest.approx(fixed["mean_k"]))
     assert fixed["peak_mb"]["target"] > 0 and fixed["wire_bytes_per_token"] > 0
     assert by[("hf", 0.0, 1, nets[0])]["peak_mb"]["bench"] > 0
     requests = report.read_jsonl(out / "requests.jsonl")

@@ -146,6 +146,22 @@ def test_the_propose_cost_splits_into_a_part_per_call_and_a_part_per_drafted_tok
                                                                                 "t_draft_call_s": 0.0}
 
 
+def test_a_fixed_run_whose_rounds_stopped_early_is_bounded_at_the_drafts_it_made():
+    """A random draft on a GPU: every round of a fixed k = 4 stopped after one draft (min
+    confidence), so the bound at k = 4 would charge four drafts a round that no round made."""
+    early = A.pool_stats([_stats(rounds=11, proposed_tokens=10, k={"histogram": [1, 10]}, accepted_per_position=[0],
+                                 accepted_tokens=0, draft_time_s=0.020, draft_compute_time_s=0.012,
+                                 verify_time_s=0.055, duration_s=0.080)])
+    b = A.bound_for_run(early, nominal_k=4, measured_tokens_per_s=137.5, baseline_tokens_per_s=180.0,
+                        baseline_compute_tokens_per_s=200.0)
+    assert b["k"] == 1.0 and b["k_is_mean"]
+    assert b["cost_per_round_s"] == pytest.approx(0.002 + 0.005 + (0.080 - 0.020 - 0.055) / 11)
+    # Rounds that drafted k but for a request's short last rounds keep the configured k.
+    full = A.pool_stats([_stats(k={"histogram": [1, 0, 1, 0, 20]})])
+    assert A.bound_for_run(full, nominal_k=4, measured_tokens_per_s=4.0, baseline_tokens_per_s=2.0,
+                           baseline_compute_tokens_per_s=3.0)["k"] == 4
+
+
 def test_bound_for_run_adaptive_uses_mean_k():
     pooled = A.pool_stats([_stats(k={"histogram": [0, 0, 5, 5]}, accepted_per_position=[8, 5, 2],
                                   proposed_tokens=25, accepted_tokens=15)])

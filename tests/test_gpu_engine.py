@@ -146,3 +146,19 @@ def test_fused_kernels_on_the_gpu_round_as_the_reference_ops_do():
         torch.testing.assert_close(got, ref, atol=ulps, rtol=ulps)
         print(f"{dtype}: silu_mul bit-identical on {torch.eq(got, ref).float().mean().item():.4%} of elements; "
               f"rms_norm on {torch.eq(got_x, ref_x).float().mean().item():.4%}")
+
+
+def test_a_saved_checkpoint_loads_straight_onto_the_gpu_as_it_would_through_the_cpu(tmp_path):
+    """load_model on CUDA: device_map puts the weights on the GPU as they are read (no whole
+    model in host memory), with no dispatch hooks (they would run inside captured graphs),
+    and the engine computes what a model loaded on the CPU and moved computes."""
+    model = tiny_model("qwen2", seed=3, init_range=0.3)
+    model.save_pretrained(tmp_path)
+    engine = ModelEngine.load(EngineConfig(model=str(tmp_path), device="cuda", dtype="float32", max_context=256,
+                                           max_kv_bytes=1 << 28, graph_max_tokens=64))
+    assert all(p.device.type == "cuda" for p in engine.model.parameters())
+    assert not any(hasattr(m, "_hf_hook") for m in engine.model.modules())
+    engine.warmup()
+    moved = cuda_engine("float32", True, seed=3)  # the same weights, built on the CPU and moved
+    for a, b in zip(run_script(engine), run_script(moved)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)

@@ -249,13 +249,14 @@ def test_models_of_one_family_without_a_tokenizer_emit_only_the_familys_ids():
                        for e in engines))
     assert draft.info.tokenizer_fingerprint == target.info.tokenizer_fingerprint == "untokenized-fam-180"
     assert draft.info.usable_vocab_size == target.info.usable_vocab_size == 180
-    hook = boost_padding(target)
-    try:
-        session = target.open_session([5, 6, 7])
-        logits = target.extend([ExtendItem(session.id, None, [8], num_logits=1)])[0]
-        assert torch.isneginf(logits[:, 180:]).all() and int(logits.argmax()) < 180
-        with pytest.raises(InvalidArgument, match="token id 180 outside the vocabulary"):
-            target.append_tokens(session.id, [180])
-        target.close(session.id)
-    finally:
-        hook.remove()
+    for engine in engines:
+        hook = boost_padding(engine)
+        try:
+            session = engine.open_session([5, 6, 7])
+            logits = engine.extend([ExtendItem(session.id, None, [8], num_logits=1)])[0]
+            assert torch.isneginf(logits[:, 180:]).all() and int(logits.argmax()) < 180
+            with pytest.raises(InvalidArgument, match="token id 180 outside the vocabulary"):
+                engine.append_tokens(session.id, [180])
+            engine.close(session.id)
+        finally:
+            hook.remove()

@@ -107,6 +107,19 @@ def test_without_a_tokenizer_a_qwen_family_model_names_its_familys_ids(tmp_path,
     assert synth.id_space("tiny") is None  # of no family: its rows are its ids
 
 
+def test_a_synthetic_engine_without_a_tokenizer_announces_and_masks_its_familys_ids(tmp_path, monkeypatch):
+    """Loading wires the family's ids through to the engine (the path the first GPU bench needed):
+    the tiny synth (512 rows) as if its family had 300 tokens."""
+    monkeypatch.setenv("SPECD_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(synth, "id_space", lambda name: IdSpace("fam", 300))
+    engine = ModelEngine.load(EngineConfig(model="synth:tiny", dtype="float32", max_kv_bytes=1 << 24))
+    assert engine.tokenizer is None and engine.vocab_size == 512
+    assert engine.info.tokenizer_fingerprint == "untokenized-fam-300" and engine.info.usable_vocab_size == 300
+    session = engine.open_session([5, 6, 7])
+    logits = engine.extend([ExtendItem(session.id, None, [8], num_logits=1)])[0]
+    assert torch.isneginf(logits[0, 300:]).all() and torch.isfinite(logits[0, :300]).all()
+
+
 def test_the_orchestrator_reads_a_synth_targets_tokenizer_from_the_synth_module(monkeypatch):
     monkeypatch.setattr(synth, "load_tokenizer", lambda name, cache_dir=None: ("tokenizer of", name))
     assert load_tokenizer("synth:qwen2.5-7b") == ("tokenizer of", "synth:qwen2.5-7b")

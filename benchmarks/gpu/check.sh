@@ -50,6 +50,10 @@ work=${GPU_CHECK_WORK:-/tmp/gpu-check}
 site=${GPU_CHECK_SITE:-/tmp/site}
 python=${PYTHON:-python3}
 prepared=${GPU_CHECK_PREPARED:-.gpu}  # what prepare.sh made (DEST there)
+case "$work" in  # emptied below: only a folder of its own under /tmp
+  /tmp/?*) ;;
+  *) echo "GPU_CHECK_WORK must be a folder under /tmp (it is emptied first): $work" >&2; exit 2 ;;
+esac
 rm -rf "$work"  # a warm machine keeps /tmp between calls; the bench refuses a used folder
 mkdir -p "$out" "$work"
 export PYTHONUNBUFFERED=1
@@ -123,7 +127,7 @@ specd=("$python" -m specdec.cli.main)
 export python prepared site
 export -f setup
 
-echo "# $(date -u +%FT%TZ) mode=$mode device=$device budget=${budget}s commit=$(git rev-parse --short HEAD 2>/dev/null || echo '?')" >> "$out/phases.txt"
+echo "# $(date -u +%FT%TZ) mode=$mode device=$device budget=${budget}s commit=$(git describe --always --dirty 2>/dev/null || echo '?')" >> "$out/phases.txt"
 case "$mode" in
   once|all) phases=(smoke steps bench heads overhead tests static) ;;
   quick) phases=(smoke tests steps) ;;
@@ -141,11 +145,13 @@ for name in "${phases[@]}"; do
     smoke)
       interpret=$([ "$device" = cpu ] && echo 1 || echo 0)  # Triton on a CPU: its interpreter
       phase smoke 75 env SMOKE_DEVICE="$device" TRITON_INTERPRET="$interpret" "$python" benchmarks/gpu/smoke.py
-      # What failed here stays off in the later phases, so they still measure the rest.
-      if [ "$device" != cpu ] && grep -q '^FAIL triton kernel' "$work/smoke.log"; then
+      # What failed here stays off in the later phases, so they still measure the rest (a failure
+      # of the reference engine, which no later phase runs, switches nothing off).
+      if [ "$device" != cpu ] && [ -f "$work/smoke.log" ] && grep -q '^FAIL triton kernel' "$work/smoke.log"; then
         export SPECD_ATTENTION=sdpa SPECD_FUSED_LAYERS=off
         echo "         later phases: SPECD_ATTENTION=sdpa SPECD_FUSED_LAYERS=off (the attention kernel failed)" | tee -a "$out/phases.txt"
-      elif [ "$device" != cpu ] && grep -q '^FAIL engine: graphs+fused' "$work/smoke.log"; then
+      elif [ "$device" != cpu ] && [ -f "$work/smoke.log" ] && grep '^FAIL engine: graphs+fused' "$work/smoke.log" \
+          | grep -vq 'the reference engine failed'; then
         export SPECD_FUSED_LAYERS=off
         echo "         later phases: SPECD_FUSED_LAYERS=off (the default engine failed)" | tee -a "$out/phases.txt"
       fi ;;
@@ -168,7 +174,7 @@ for name in "${phases[@]}"; do
     overhead)
       # Third: in-process with idle CPUs polling (root there), to tell wake-ups from our code.
       sp=$(printf '%q ' "${specd[@]}")
-      phase overhead 150 bash -c "$sp overhead --reps 150 --in-process && $sp overhead --reps 150 && $sp overhead --reps 150 --in-process --cpu-wake-latency-us 0" ;;
+      phase overhead 200 bash -c "$sp overhead --reps 150 --in-process; $sp overhead --reps 150; $sp overhead --reps 150 --in-process --cpu-wake-latency-us 0" ;;
     deployed)  # the overhead's deployed layout alone (each service a process)
       phase deployed 100 "${specd[@]}" overhead --reps 150 ;;
     tests)
@@ -178,6 +184,7 @@ for name in "${phases[@]}"; do
       phase static 120 "${bench[@]}" --token-prompts 3 --max-tokens 64 --concurrency 1 --baselines hf-static \
         --policies none --temperatures 0 --out "$work/static"
       [ -f "$work/static/summary.md" ] && cp "$work/static/summary.md" "$out/static-summary.md" ;;
+    *) echo "unknown phase $name (GPU_CHECK_PHASES): skipped" | tee -a "$out/phases.txt" ;;
   esac
 done
 tar -C "$work" -czf "$out/results.tgz" . 2>/dev/null

@@ -321,6 +321,11 @@ def time_split(pooled: dict) -> dict:
     }
 
 
+# A fixed-k run whose rounds drafted fewer than this share of k on average (besides the few
+# short rounds at a request's end) stopped early: its bound uses the mean k.
+EARLY_STOPS = 0.9
+
+
 def draft_cost_split(pooled: dict, t_draft: float) -> dict:
     """A Propose's cost as a part per call and a part per drafted token, for
     the projections (projection.py): per token, the draft's compute per
@@ -345,8 +350,10 @@ def bound_for_run(pooled: dict, *, nominal_k: int | None, measured_tokens_per_s:
                   baseline_tokens_per_s: float | None, baseline_compute_tokens_per_s: float | None) -> dict:
     """The analytic bound of one run from its pooled counters.
 
-    α̂ from estimate_alpha; k = the configured k for a fixed policy, else the
-    mean k of the rounds that drafted (k_is_mean True). Measured costs, as the
+    α̂ from estimate_alpha; k = the configured k for a fixed policy, else
+    (and for a fixed run whose rounds drafted under EARLY_STOPS · k on
+    average: the draft's min confidence ended them) the mean k of the rounds
+    that drafted (k_is_mean True). Measured costs, as the
     orchestrator timed them: t_draft = draft_time_s / proposed tokens (the
     propose RPC per drafted token, network included), t_verify =
     verify_time_s / rounds, overhead = (duration − draft_time − verify_time)
@@ -366,8 +373,11 @@ def bound_for_run(pooled: dict, *, nominal_k: int | None, measured_tokens_per_s:
     else:
         alpha, rejections = estimate_alpha(pooled["accepted_tokens"], pooled["k_histogram"],
                                            pooled["accepted_per_position"])
-    k_is_mean = nominal_k is None
-    k = nominal_k if nominal_k is not None else mean_k(pooled["k_histogram"])
+    drafted = mean_k(pooled["k_histogram"])
+    # The bound drafts k a round. A fixed-k run whose rounds mostly stopped early (the draft's
+    # min confidence) is described by the drafts it made, as an adaptive run is.
+    k_is_mean = nominal_k is None or (drafted is not None and drafted < EARLY_STOPS * nominal_k)
+    k = drafted if k_is_mean else nominal_k
     rounds = pooled["rounds"]
     proposed = pooled["proposed_tokens"]
     out = {"alpha_hat": alpha, "rejected_rounds": rejections, "k": k, "k_is_mean": k_is_mean}

@@ -287,8 +287,9 @@ DEFINITIONS = (
     "the rejections of smaller rounds are estimated from the k histogram (analysis.estimate_alpha).",
     "expected speedup: E(α̂, k) / (k·t_draft + t_verify + overhead) ÷ measured target-only tok/s, with "
     "t_draft = draft_time_s / drafted tokens, t_verify = verify_time_s / rounds, overhead = (duration − "
-    "draft_time − verify_time) / rounds, all as the orchestrator measured them; for adaptive/goodput "
-    "k is the mean k. efficiency = measured speedup / expected speedup. ideal speedup: compute only "
+    "draft_time − verify_time) / rounds, all as the orchestrator measured them; for adaptive/goodput, "
+    "and for a fixed k whose rounds drafted under 0.9 k on average (stopped early by the draft's min "
+    "confidence), k is the mean k. efficiency = measured speedup / expected speedup. ideal speedup: compute only "
     "(draft_compute_time_s per drafted token, target_compute_time_s per round, no overhead) against "
     "target-only's compute-only rate. For pipelined configs draft and verify overlap: the bound is that of "
     "the unpipelined system, so efficiency can exceed 1.",

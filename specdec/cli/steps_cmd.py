@@ -37,7 +37,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--context", type=int, default=200, help="tokens each session holds (default 200)")
     p.add_argument("--repeat", type=int, default=10, help="timed runs per shape; the median is reported")
     p.add_argument("--draft-vocab", type=int, nargs="+", default=[0],
-                   help="output head sizes to measure (0: full; needs `specd models rank-vocab`)")
+                   help="output head sizes to measure (0: full; needs `specd models rank-vocab`, "
+                        "except a synth: model, whose head keeps the lowest ids: costs only)")
     p.add_argument("--quantize", nargs="+", default=["none"], choices=QUANTIZE_CHOICES,
                    help="weights to measure: none (the dtype's) and/or int8 (CPU; engine/quantize.py), "
                    "interleaved per step shape when several are given")

@@ -62,12 +62,7 @@ def load_model(cfg: EngineConfig) -> LoadedModel:
     where, gguf_file = locate(cfg.model)
     dtype = resolve_dtype(cfg.dtype, cfg.device)
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
-    try:
-        model = AutoModelForCausalLM.from_pretrained(
-            where, dtype=dtype, attn_implementation="sdpa", **kwargs
-        )
-    except OSError as exc:
-        raise NotFound(f"cannot load model {cfg.model!r}: {exc}") from exc
+    model = _from_pretrained(cfg, where, dtype, kwargs)
     model.to(cfg.device).eval()
     try:
         tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
@@ -96,6 +91,26 @@ def _load_synth(cfg: EngineConfig) -> LoadedModel:
     tokenizer = synth.load_tokenizer(cfg.model)
     return LoadedModel(model=model, tokenizer=tokenizer, name=cfg.model,
                        id_space=None if tokenizer is not None else synth.id_space(cfg.model))
+
+
+def _from_pretrained(cfg: EngineConfig, where: str, dtype: torch.dtype, kwargs: dict):
+    """The checkpoint as a model. On a GPU its weights go straight to the
+    device, a tensor at a time (`device_map`): loading on the CPU first would
+    hold the whole model in host memory, 15 GB for a 7B in bf16, over a GPU
+    pod's memory limit (deploy/overlays/gpu). A GGUF is dequantized on the CPU
+    by transformers either way, so it loads there and then moves."""
+    on_gpu = torch.device(cfg.device).type == "cuda" and "gguf_file" not in kwargs
+    try:
+        if on_gpu:
+            try:
+                return AutoModelForCausalLM.from_pretrained(where, dtype=dtype, attn_implementation="sdpa",
+                                                            device_map=cfg.device, **kwargs)
+            except (ImportError, TypeError, ValueError, RuntimeError) as exc:  # not a missing model: load as before
+                log.warning("%s: loading straight to %s failed (%s: %s); loading on the CPU, then moving",
+                            cfg.model, cfg.device, type(exc).__name__, exc)
+        return AutoModelForCausalLM.from_pretrained(where, dtype=dtype, attn_implementation="sdpa", **kwargs)
+    except OSError as exc:
+        raise NotFound(f"cannot load model {cfg.model!r}: {exc}") from exc
 
 
 def tokenizer_fingerprint(tokenizer, vocab_size: int, id_space: IdSpace | None = None) -> str:
