@@ -53,6 +53,8 @@ RUN pip install . \
 
 FROM ${PYTHON_IMAGE} AS runtime
 
+ARG TORCH_VARIANT=cuda
+
 LABEL org.opencontainers.image.title="specdec" \
       org.opencontainers.image.description="Distributed speculative decoding: draft, target and orchestrator roles (specd)" \
       org.opencontainers.image.source="https://github.com/specdec/specdec" \
@@ -66,6 +68,15 @@ RUN groupadd --system --gid 10001 specd \
       --create-home --shell /usr/sbin/nologin specd \
  && mkdir -p /models /cache \
  && chown 10001:10001 /models /cache
+
+# A GPU image needs a C compiler at run time: Triton builds a small launcher for each
+# kernel at its first launch (with the python image's own headers). Without one the
+# engine falls back to SDPA, without CUDA graphs (engine/model_facts.py). ~60 MB.
+RUN if [ "${TORCH_VARIANT}" != cpu ]; then \
+      apt-get update \
+      && apt-get install -y --no-install-recommends gcc libc6-dev \
+      && rm -rf /var/lib/apt/lists/*; \
+    fi
 
 COPY --from=build /opt/specd /opt/specd
 

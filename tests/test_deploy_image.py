@@ -67,6 +67,17 @@ def test_dockerfile_base_images_are_pinned():
                 assert tag and tag != "latest", f"FROM {image}: pin a tag (not latest)"
 
 
+def test_the_gpu_image_has_the_c_compiler_triton_builds_its_launchers_with():
+    """Triton compiles a launcher per kernel at its first launch; a slim base has no compiler,
+    so the final stage installs one, for every torch variant but the CPU one."""
+    final = _final_stage(_dockerfile_instructions())
+    assert ("ARG", "TORCH_VARIANT=cuda") in final, "the final stage must know the torch variant"
+    runs = [rest for keyword, rest in final if keyword == "RUN" and "gcc" in rest]
+    assert len(runs) == 1, "one RUN installs the compiler"
+    assert '"${TORCH_VARIANT}" != cpu' in runs[0] and "apt-get install" in runs[0] and "libc6-dev" in runs[0]
+    assert "rm -rf /var/lib/apt/lists/*" in runs[0]  # no apt lists left in the layer
+
+
 def test_dockerfile_bakes_in_no_model_and_starts_specd():
     instructions = _dockerfile_instructions()
     for keyword, rest in instructions:

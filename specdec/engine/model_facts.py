@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+import sysconfig
 
 import torch
 from transformers import DynamicCache
@@ -63,11 +65,17 @@ def choose_kernel(requested: str, device: torch.device) -> str:
     """The attention kernel: `auto` is the fused Triton kernel on CUDA (when
     triton is installed), SDPA otherwise."""
     if requested == "auto":
-        requested = "triton" if device.type == "cuda" and _triton_available() else "sdpa"
+        if device.type != "cuda":
+            return "sdpa"
+        missing = triton_missing()
+        if missing:
+            log.warning("attention on SDPA, without CUDA graphs or fused Triton layers (slower): %s", missing)
+            return "sdpa"
+        return "triton"
     if requested == "triton" and device.type != "cuda" and not _triton_interpreted():
         raise ValueError("--attention triton needs a CUDA device")
-    if requested == "triton" and not _triton_available():
-        raise ValueError("--attention triton needs the triton package")
+    if requested == "triton" and (missing := triton_missing()):
+        raise ValueError(f"--attention triton: {missing}")
     return requested
 
 
@@ -100,12 +108,26 @@ def wants_fused(setting: str, model) -> bool:
     return True
 
 
-def _triton_available() -> bool:
+def triton_missing() -> str | None:
+    """Why Triton's kernels cannot run here, or None. Besides the package,
+    Triton builds a small C launcher for each kernel at its first launch, with
+    the C compiler it finds as triton.runtime.build does ($CC, else gcc, else
+    clang) and Python's headers: a slim container image has neither, and the
+    first step would fail there (the Dockerfile installs a compiler into the
+    CUDA image). Under TRITON_INTERPRET=1 nothing is built."""
     try:
         import triton  # noqa: F401
     except ImportError:
-        return False
-    return True
+        return "the triton package is not installed"
+    if _triton_interpreted():
+        return None
+    if not (os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang")):
+        return "no C compiler (Triton builds a launcher at a kernel's first launch): install gcc, or set CC"
+    scheme = sysconfig.get_default_scheme()
+    include = sysconfig.get_paths(scheme="posix_prefix" if scheme == "posix_local" else scheme)["include"]  # as Triton
+    if not os.path.isfile(os.path.join(include, "Python.h")):
+        return f"no Python.h in {include} (Triton's launcher needs Python's headers): install the Python dev package"
+    return None
 
 
 def _triton_interpreted() -> bool:
