@@ -52,9 +52,14 @@ def check(name):
 
 @check("toolchain")
 def _():
+    from specdec.engine.model_facts import triton_missing  # what the engine itself checks
+
     inc = sysconfig.get_paths()["include"]
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang")
     import triton
+    missing = triton_missing()
+    if missing:
+        raise RuntimeError(f"the engine would run without Triton here: {missing}")
     return (f"torch {torch.__version__}, triton {triton.__version__}, cc={cc}, "
             f"Python.h={'yes' if os.path.exists(os.path.join(inc, 'Python.h')) else 'MISSING ' + inc}")
 
