@@ -71,7 +71,7 @@ RUN groupadd --system --gid 10001 specd \
 
 # A GPU image needs a C compiler at run time: Triton builds a small launcher for each
 # kernel at its first launch (with the python image's own headers). Without one the
-# engine falls back to SDPA, without CUDA graphs (engine/model_facts.py). ~60 MB.
+# engine falls back to SDPA, without CUDA graphs (engine/model_facts.py).
 RUN if [ "${TORCH_VARIANT}" != cpu ]; then \
       apt-get update \
       && apt-get install -y --no-install-recommends gcc libc6-dev \
