@@ -86,7 +86,7 @@ def wants_graphs(setting: str, device: torch.device, kernel: str) -> bool:
     if kernel != "triton":
         if setting == "on":
             raise ValueError("--cuda-graphs on needs the fused attention kernel (--attention triton)")
-        log.warning("CUDA graphs off: the fused attention kernel is unavailable (no triton package)")
+        log.warning("CUDA graphs off: they capture the fused Triton attention kernel, and attention runs on SDPA")
         return False
     return True
 
