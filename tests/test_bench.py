@@ -155,20 +155,24 @@ def test_schedule_runs_batcher_off_variants_only_in_waves():
                                                                   "fixed-k2/v64/batcher-off"}
 
 
-def test_draft_vocab_and_batcher_flags_are_checked():
+def _bench_args(**over):
+    """specd bench's parsed flags: a small tiny-pair run unless overridden."""
     import argparse
 
+    kw = {"quick": False, "max_tokens": 8, "prompts": None, "chat_prompts": None, "token_prompts": 2,
+          "token_prompt_len": 8, "num_draft_tokens": [2], "policies": ["fixed"], "baselines": ["service"],
+          "temperatures": [0.0], "concurrency": [1, 2], "repeats": 1, "concurrency_configs": None, "threads": 1,
+          "rtt_ms": None, "draft_rtt_ms": None, "target_rtt_ms": None, "jitter_ms": 0.0, "device": "cpu",
+          "draft_device": None, "target_device": None, "pair": "tiny", "draft": None, "target": None,
+          "draft_vocab": [0], "batcher": ["on"], "speculation_gate": ["on"], "draft_min_confidence": []}
+    kw.update(over)
+    return argparse.Namespace(**kw)
+
+
+def test_draft_vocab_and_batcher_flags_are_checked():
     from specdec.cli.bench_options import UsageError, resolve
 
-    def args(**over):
-        kw = {"quick": False, "max_tokens": 8, "prompts": None, "chat_prompts": None, "token_prompts": 2,
-              "token_prompt_len": 8, "num_draft_tokens": [2], "policies": ["fixed"], "baselines": ["service"],
-              "temperatures": [0.0], "concurrency": [1, 2], "repeats": 1, "concurrency_configs": None, "threads": 1,
-              "rtt_ms": None, "draft_rtt_ms": None, "target_rtt_ms": None, "jitter_ms": 0.0, "device": "cpu",
-              "draft_device": None, "target_device": None, "pair": "tiny", "draft": None, "target": None,
-              "draft_vocab": [0], "batcher": ["on"], "speculation_gate": ["on"], "draft_min_confidence": []}
-        kw.update(over)
-        return argparse.Namespace(**kw)
+    args = _bench_args
 
     o = resolve(args(draft_vocab=[0, 64], batcher=["on", "off"], concurrency_configs=["fixed-k2/v64"]))
     assert o["draft_vocabs"] == [0, 64] and o["batching"] == [True, False]
@@ -187,6 +191,21 @@ def test_draft_vocab_and_batcher_flags_are_checked():
                        ({"pair": "synth-0.5b-7b", "baselines": ["hf-assisted"]}, "151936 and 152064")):
         with pytest.raises(UsageError, match=match):
             resolve(args(**bad))
+
+
+def test_a_pair_whose_weights_cannot_fit_is_refused_before_anything_loads(monkeypatch):
+    """synth 0.5B + 7B on a CPU: the 7B's bf16 weights in its service and again in the bench's
+    HF baselines, 14.2 GiB each, against what the machine has free (faked here), named part by part."""
+    from specdec.cli.bench_options import UsageError, resolve
+    from specdec.engine import loading
+
+    monkeypatch.setattr(loading, "free_device_memory", lambda device: 20 * 2**30)
+    many = dict(pair="synth-0.5b-7b", baselines=["service", "hf"], concurrency=[1], dtype="bfloat16")
+    with pytest.raises(UsageError, match=r"need 29\.3 GiB on cpu \(target \(service\) 14\.2, target \(HF baselines\) "
+                                         r"14\.2, draft \(service\) 0\.9\) and 20\.0 GiB is free there"):
+        resolve(_bench_args(**many))
+    # Without the HF baselines the 7B loads once: 15.1 GiB fits in 20.
+    assert resolve(_bench_args(**dict(many, baselines=["service"])))["target_dir"] == "synth:qwen2.5-7b"
 
 
 # ------------------------------------------------------- records and runs
