@@ -208,6 +208,19 @@ def test_a_pair_whose_weights_cannot_fit_is_refused_before_anything_loads(monkey
     assert resolve(_bench_args(**dict(many, baselines=["service"])))["target_dir"] == "synth:qwen2.5-7b"
 
 
+def test_the_default_baselines_leave_out_hf_assisted_for_a_pair_whose_rows_differ(monkeypatch):
+    from specdec.cli.bench_options import resolve
+    from specdec.engine import loading
+
+    monkeypatch.setattr(loading, "free_device_memory", lambda device: 64 * 2**30)
+    o = resolve(_bench_args(pair="synth-0.5b-7b", baselines=None, concurrency=[1]))
+    assert "hf-assisted" not in o["baselines"] and "hf" in o["baselines"]
+    assert "hf-assisted" not in {c.name for c in o["configs"]}
+    assert o["notes"] == ["hf-assisted left out: transformers' assisted generation needs equal vocabulary rows, "
+                          "and this pair has 151936 and 152064"]
+    assert resolve(_bench_args(concurrency=[1]))["notes"] == []
+
+
 # ------------------------------------------------------- records and runs
 
 

@@ -143,6 +143,8 @@ def run(args: argparse.Namespace) -> int:
     started = time.time()
     try:
         o = resolve(args)
+        for note in o["notes"]:
+            print(f"specd bench: {note}", file=sys.stderr)
         if args.pair == "tiny":
             use_tiny_pair(o)
         out_dir = Path(args.out or Path("bench-results") / dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ"))

@@ -38,6 +38,7 @@ def _pick(args, name: str):
 def resolve(args: argparse.Namespace) -> dict:
     """Every setting, defaults filled in and checked; raises UsageError."""
     o = {name: _pick(args, name) for name in FULL}
+    o["notes"] = []  # what the bench prints before it starts: settings it changed on its own
     o["baselines"] = _default_baselines(args) if args.baselines is None else list(args.baselines)
     o["policies"] = [] if o["policies"] == ["none"] else list(o["policies"])
     o["token_prompt_len"] = args.token_prompt_len
@@ -129,7 +130,12 @@ def resolve(args: argparse.Namespace) -> dict:
         raise UsageError("the HF baselines run at concurrency 1: include 1 in --concurrency or drop them")
     if HF_ASSISTED in o["baselines"]:
         rows = _vocab_rows(o["draft_dir"]), _vocab_rows(o["target_dir"])
-        if None not in rows and rows[0] != rows[1]:
+        if None not in rows and rows[0] != rows[1] and args.baselines is None:  # the default set: leave it out
+            o["baselines"].remove(HF_ASSISTED)
+            o["configs"] = [c for c in o["configs"] if c.kind != HF_ASSISTED]
+            o["notes"].append(f"hf-assisted left out: transformers' assisted generation needs equal vocabulary "
+                              f"rows, and this pair has {rows[0]} and {rows[1]}")
+        elif None not in rows and rows[0] != rows[1]:
             raise UsageError(f"--baselines hf-assisted: transformers' assisted generation needs the draft's and the "
                              f"target's vocabularies to have the same rows ({rows[0]} and {rows[1]} here); "
                              "drop hf-assisted for this pair")
