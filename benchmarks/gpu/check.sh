@@ -90,6 +90,10 @@ phase() {  # phase NAME LIMIT_S COMMAND...: run under min(LIMIT_S, what the budg
   return "$rc"
 }
 
+keep() {  # keep SRC NAME: a phase's summary, when it wrote one, among the files $OUT returns
+  [ -f "$1" ] && cp "$1" "$out/$2"
+}
+
 setup() {
   set -e
   if [ -f "$prepared/python-version" ] && [ "$(cat "$prepared/python-version")" != "$("$python" -c 'import sys; print("%d.%d" % sys.version_info[:2])')" ]; then
@@ -158,7 +162,7 @@ for name in "${phases[@]}"; do
     steps)
       phase steps 120 "${specd[@]}" steps "$draft_model" "$target_model" --device "$device" --dtype "$dtype" \
         --batches 1 8 --num-draft-tokens 4 --fused-layers auto off --out "$work/steps"
-      [ -f "$work/steps/steps.md" ] && cp "$work/steps/steps.md" "$out/steps.md" ;;
+      keep "$work/steps/steps.md" steps.md ;;
     bench)
       # Random weights: the draft's confidence in its first draft is ~1/vocab, so the default
       # min confidence would end every round after one draft; 0 drafts all k, whose cost the
@@ -166,11 +170,11 @@ for name in "${phases[@]}"; do
       phase bench 180 "${bench[@]}" "${bench_size[@]}" --baselines service hf \
         --num-draft-tokens 2 4 6 --policies fixed --temperatures 0 0.7 --draft-min-confidence 0 \
         --assume-acceptance 0.7 0.8 0.85 --out "$work/bench"
-      [ -f "$work/bench/summary.md" ] && cp "$work/bench/summary.md" "$out/bench-summary.md" ;;
+      keep "$work/bench/summary.md" bench-summary.md ;;
     heads)  # issue 15: the draft's step with its full head and trimmed heads (random weights: costs only)
       phase heads 90 "${specd[@]}" steps "$draft_model" --device "$device" --dtype "$dtype" \
         --batches 1 8 --num-draft-tokens 4 --draft-vocab "${heads[@]}" --out "$work/heads"
-      [ -f "$work/heads/steps.md" ] && cp "$work/heads/steps.md" "$out/heads.md" ;;
+      keep "$work/heads/steps.md" heads.md ;;
     overhead)
       # Third: in-process with idle CPUs polling (root there), to tell wake-ups from our code.
       sp=$(printf '%q ' "${specd[@]}")
@@ -183,7 +187,7 @@ for name in "${phases[@]}"; do
     static)
       phase static 120 "${bench[@]}" --token-prompts 3 --max-tokens 64 --concurrency 1 --baselines hf-static \
         --policies none --temperatures 0 --out "$work/static"
-      [ -f "$work/static/summary.md" ] && cp "$work/static/summary.md" "$out/static-summary.md" ;;
+      keep "$work/static/summary.md" static-summary.md ;;
     *) echo "unknown phase $name (GPU_CHECK_PHASES): skipped" | tee -a "$out/phases.txt" ;;
   esac
 done

@@ -19,9 +19,7 @@ Each check prints one line, and the script keeps going after a failure, so one c
 from __future__ import annotations
 
 import os
-import shutil
 import sys
-import sysconfig
 import time
 import traceback
 import warnings
@@ -52,16 +50,15 @@ def check(name):
 
 @check("toolchain")
 def _():
-    from specdec.engine.model_facts import triton_missing  # what the engine itself checks
+    from specdec.engine.model_facts import triton_missing, triton_toolchain  # what the engine itself checks
 
-    inc = sysconfig.get_paths()["include"]
-    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang")
-    import triton
     missing = triton_missing()
     if missing:
         raise RuntimeError(f"the engine would run without Triton here: {missing}")
-    return (f"torch {torch.__version__}, triton {triton.__version__}, cc={cc}, "
-            f"Python.h={'yes' if os.path.exists(os.path.join(inc, 'Python.h')) else 'MISSING ' + inc}")
+    import triton
+
+    cc, include = triton_toolchain()
+    return f"torch {torch.__version__}, triton {triton.__version__}, cc={cc}, Python.h in {include}"
 
 
 def reference(q, key, value, base, pos, scale):

@@ -33,18 +33,31 @@ class Load:
     nbytes: int
 
 
-def parameter_count(model: str) -> int | None:
-    """Parameters of a synth:NAME model or a model directory, from its config
-    alone (None: no config here, e.g. a GGUF file or a hub id)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+def model_config(model: str):
+    """The transformers config of a synth:NAME model or a model directory
+    (None: none here, e.g. a GGUF file or a hub id)."""
+    from transformers import AutoConfig
 
     from specdec.models.synth import get_synth, is_synth_name
 
     try:
-        config = get_synth(model).config() if is_synth_name(model) else AutoConfig.from_pretrained(model)
+        return get_synth(model).config() if is_synth_name(model) else AutoConfig.from_pretrained(model)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def parameter_count(model: str) -> int | None:
+    """Parameters of a synth:NAME model or a model directory, from its config
+    alone (None: no config here)."""
+    from transformers import AutoModelForCausalLM
+
+    config = model_config(model)
+    if config is None:
+        return None
+    try:
         with torch.device("meta"):
             skeleton = AutoModelForCausalLM.from_config(config)
-    except (OSError, ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError):
         return None
     return sum(p.numel() for p in skeleton.parameters())  # a tied head counts once
 

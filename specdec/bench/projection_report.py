@@ -19,11 +19,9 @@ LAYOUT_LABELS = {"one-gpu": "both models on one device, sequential rounds",
 
 
 def round_costs(run: dict) -> RoundCosts:
-    """A fixed-k run's measured costs; its Propose split per call and per
-    token where the run recorded the split (runs.jsonl of older runs did not)."""
+    """A fixed-k run's measured costs, its Propose split per call and per
+    token (runs.jsonl from before the split: `reproject` first)."""
     b = run["bound"]
-    if b.get("t_draft_token_s") is None:
-        return RoundCosts(int(run["k"]), b["t_draft_s"], b["t_verify_s"], b["overhead_s"])
     return RoundCosts(int(run["k"]), b["t_draft_token_s"], b["t_verify_s"], b["overhead_s"], b["t_draft_call_s"])
 
 
@@ -56,8 +54,7 @@ def measured_costs(runs: list[dict], temperature: float,
     """(round costs per measured k, target-only tokens/s, tokens per request)
     at one temperature, with one draft head (default: the first)."""
     fixed = _fixed_runs(runs, temperature, head)
-    costs = [round_costs(r)
-             for r in fixed]
+    costs = [round_costs(r) for r in fixed]
     base = fixed[0]["target_only_tokens_per_s"] if fixed else None
     n = request_tokens(fixed[0]) if fixed else None
     return sorted(costs, key=lambda c: c.k), base, n

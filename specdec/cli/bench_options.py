@@ -8,8 +8,6 @@ mistake of the user's raises `UsageError` (one line, exit code 2).
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 
 from specdec.bench.runner import BASELINES, HF, HF_ASSISTED, HF_STATIC, SERVICE
 from specdec.errors import InvalidArgument
@@ -130,12 +128,14 @@ def resolve(args: argparse.Namespace) -> dict:
         raise UsageError("the HF baselines run at concurrency 1: include 1 in --concurrency or drop them")
     if HF_ASSISTED in o["baselines"]:
         rows = _vocab_rows(o["draft_dir"]), _vocab_rows(o["target_dir"])
-        if None not in rows and rows[0] != rows[1] and args.baselines is None:  # the default set: leave it out
+        if None in rows or rows[0] == rows[1]:
+            pass
+        elif args.baselines is None:  # the default set: leave it out
             o["baselines"].remove(HF_ASSISTED)
             o["configs"] = [c for c in o["configs"] if c.kind != HF_ASSISTED]
             o["notes"].append(f"hf-assisted left out: transformers' assisted generation needs equal vocabulary "
                               f"rows, and this pair has {rows[0]} and {rows[1]}")
-        elif None not in rows and rows[0] != rows[1]:
+        else:
             raise UsageError(f"--baselines hf-assisted: transformers' assisted generation needs the draft's and the "
                              f"target's vocabularies to have the same rows ({rows[0]} and {rows[1]} here); "
                              "drop hf-assisted for this pair")
@@ -305,11 +305,12 @@ def _tokenizer(model_dir: str):
 def _random_token_prompts(model_dir: str, n: int, length: int, seed: int) -> list[list[int]]:
     import random
 
-    from transformers import AutoConfig
+    from specdec.bench.memory_fit import model_config
+    from specdec.models.synth import id_space, is_synth_name
 
-    from specdec.models.synth import get_synth, id_space, is_synth_name
-
-    config = get_synth(model_dir).config() if is_synth_name(model_dir) else AutoConfig.from_pretrained(model_dir)
+    config = model_config(model_dir)
+    if config is None:
+        raise UsageError(f"--token-prompts: no config for {model_dir}")
     eos = config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id]
     special = {t for t in [*eos, config.bos_token_id, getattr(config, "pad_token_id", None)] if t is not None}
     rng = random.Random(seed)
@@ -333,13 +334,7 @@ def _random_token_prompts(model_dir: str, n: int, length: int, seed: int) -> lis
 
 def _vocab_rows(model: str | None) -> int | None:
     """The embedding rows of a synth:NAME model or a model directory (None: not known here)."""
-    from specdec.models.synth import get_synth, is_synth_name
+    from specdec.bench.memory_fit import model_config
 
-    if not model:
-        return None
-    if is_synth_name(model):
-        return get_synth(model).vocab_rows
-    try:
-        return int(json.loads((Path(model) / "config.json").read_text())["vocab_size"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+    config = model_config(model) if model else None
+    return getattr(config, "vocab_size", None)

@@ -100,15 +100,15 @@ def _from_pretrained(cfg: EngineConfig, where: str, dtype: torch.dtype, kwargs: 
     pod's memory limit (deploy/overlays/gpu). A GGUF is dequantized on the CPU
     by transformers either way, so it loads there and then moves."""
     on_gpu = torch.device(cfg.device).type == "cuda" and "gguf_file" not in kwargs
+    kwargs = dict(kwargs, dtype=dtype, attn_implementation="sdpa")
     try:
         if on_gpu:
             try:
-                return AutoModelForCausalLM.from_pretrained(where, dtype=dtype, attn_implementation="sdpa",
-                                                            device_map=cfg.device, **kwargs)
+                return AutoModelForCausalLM.from_pretrained(where, device_map=cfg.device, **kwargs)
             except (ImportError, TypeError, ValueError, RuntimeError) as exc:  # not a missing model: load as before
                 log.warning("%s: loading straight to %s failed (%s: %s); loading on the CPU, then moving",
                             cfg.model, cfg.device, type(exc).__name__, exc)
-        return AutoModelForCausalLM.from_pretrained(where, dtype=dtype, attn_implementation="sdpa", **kwargs)
+        return AutoModelForCausalLM.from_pretrained(where, **kwargs)
     except OSError as exc:
         raise NotFound(f"cannot load model {cfg.model!r}: {exc}") from exc
 

@@ -62,8 +62,8 @@ def eos_ids(model, vocab_size: int | None = None) -> tuple[int, ...]:
 
 
 def choose_kernel(requested: str, device: torch.device) -> str:
-    """The attention kernel: `auto` is the fused Triton kernel on CUDA (when
-    triton is installed), SDPA otherwise."""
+    """The attention kernel: `auto` is the fused Triton kernel on CUDA (where
+    Triton can run: `triton_missing`), SDPA otherwise."""
     if requested == "auto":
         if device.type != "cuda":
             return "sdpa"
@@ -121,13 +121,20 @@ def triton_missing() -> str | None:
         return "the triton package is not installed"
     if _triton_interpreted():
         return None
-    if not (os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang")):
+    cc, include = triton_toolchain()
+    if not cc:
         return "no C compiler (Triton builds a launcher at a kernel's first launch): install gcc, or set CC"
-    scheme = sysconfig.get_default_scheme()
-    include = sysconfig.get_paths(scheme="posix_prefix" if scheme == "posix_local" else scheme)["include"]  # as Triton
     if not os.path.isfile(os.path.join(include, "Python.h")):
         return f"no Python.h in {include} (Triton's launcher needs Python's headers): install the Python dev package"
     return None
+
+
+def triton_toolchain() -> tuple[str | None, str]:
+    """(the C compiler Triton would use, or None; the folder it takes Python.h
+    from), found as triton.runtime.build finds them."""
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang")
+    scheme = sysconfig.get_default_scheme()
+    return cc, sysconfig.get_paths(scheme="posix_prefix" if scheme == "posix_local" else scheme)["include"]
 
 
 def _triton_interpreted() -> bool:
