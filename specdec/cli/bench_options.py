@@ -164,21 +164,24 @@ def resolve(args: argparse.Namespace) -> dict:
         except ImportError as exc:
             raise UsageError(f"network conditions need specdec.latency_proxy, which cannot be imported: {exc}") from None
     if "draft_dir" in o:  # the tiny pair's models are made later, and are tiny
-        _check_memory(getattr(args, "dtype", "auto"), o)
+        _check_memory(getattr(args, "dtype", "auto"), getattr(args, "draft_quantize", "none"), o)
     return o
 
 
-def _check_memory(dtype: str, o: dict) -> None:
-    """Refuse a run whose weights cannot fit before anything loads (bench/memory_fit.py)."""
+def _check_memory(dtype: str, quantize: str, o: dict) -> None:
+    """Refuse a run whose weights cannot fit before anything loads (bench/memory_fit.py):
+    each model in its own device's dtype, one draft per --draft-vocab head, an int8 draft at int8."""
     import torch
 
     from specdec.bench import memory_fit
-    from specdec.engine.loading import free_device_memory, resolve_dtype
+    from specdec.engine.loading import free_device_memory
 
     hf = [b for b in o["baselines"] if b in (HF, HF_STATIC, HF_ASSISTED)]
-    run = memory_fit.loads(o["draft_dir"], o["target_dir"], o["draft_device"], o["target_device"],
-                           torch.empty(0, dtype=resolve_dtype(dtype, o["target_device"])).element_size(),
-                           services=o["uses_services"], hf_target=bool(hf), hf_draft=HF_ASSISTED in hf)
+    draft = memory_fit.Placement(o["draft_dir"], o["draft_device"], memory_fit.element_bytes(dtype, o["draft_device"]),
+                                 heads=tuple(o["draft_vocabs"]), int8=quantize == "int8")
+    target = memory_fit.Placement(o["target_dir"], o["target_device"],
+                                  memory_fit.element_bytes(dtype, o["target_device"]))
+    run = memory_fit.loads(draft, target, services=o["uses_services"], hf_target=bool(hf), hf_draft=HF_ASSISTED in hf)
     reason = memory_fit.overcommitted(run, lambda device: free_device_memory(torch.device(device)))
     if reason:
         raise UsageError(f"{reason}: pick a smaller pair or another --device, or drop the HF baselines")

