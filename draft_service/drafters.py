@@ -1,8 +1,9 @@
 """Drafters: what proposes the k tokens of a speculative round.
 
-Two kinds behind one interface: `ModelDrafter` runs a small causal LM through
-the shared engine; `NgramDrafter` (prompt lookup) needs no model and copies
-what followed the latest earlier occurrence of the context's last n tokens.
+Two kinds behind one interface: `ModelDrafter` (here) runs a small causal LM
+through the shared engine; `NgramDrafter` (prompt lookup, ngram_drafter.py)
+needs no model and copies what followed the latest earlier occurrence of the
+context's last n tokens.
 
 A Propose is a `DraftStream`: validated when it is created, then advanced one
 token at a time by `step_many`, which steps many streams (of different
@@ -10,6 +11,11 @@ sessions, each request's own) in ONE batched forward pass. The draft service
 drives it from `draft_service/step_batcher.py`, so concurrent requests share the
 draft's forward passes the way their verifications share the target's. A
 stream is also an iterator (one step per `next()`), for direct use.
+
+When the caller wants several steps at once, `ModelDrafter.chain_steps` runs
+them ahead: each step is fed the step before's tokens on the device and queued
+before the host reads them, so a GPU never idles between a Propose's steps
+waiting for the host (`--run-ahead`).
 
 Every drafted token comes with its exact proposal distribution q: the draft
 model's distribution after the request's sampling transform, truncated to its
@@ -28,18 +34,22 @@ drafted never changes the output distribution.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+import time
+from dataclasses import dataclass, field
 from typing import Iterator, Protocol, Sequence
 
 import torch
 
 from specdec.engine.engine import EngineInfo, ExtendItem, ModelEngine
-from specdec.engine.sessions import ContextRules, Session, SessionTable, new_session_id
-from specdec.errors import InvalidArgument, OutOfRange
+from specdec.engine.kv_store import to_device
+from specdec.errors import OutOfRange
 from specdec.limits import DEFAULT_MAX_DRAFT_TOKENS, check_min_confidence, check_num_draft_tokens
 from specdec.rpc.model_service import EngineBackend, SessionMeta
-from specdec.sampling.draft_picks import DraftPick, DraftRow, pick_drafts
+from specdec.sampling.draft_picks import DevicePicks, DraftPick, DraftRow, pick_drafts, pick_on_device
 from specdec.sampling.sparse import SparseDist
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -79,6 +89,11 @@ class DraftStream:
         if self.belief < self.min_confidence:
             self.k = self.produced
         return token
+
+    def ends_with(self, confidence: float) -> bool:
+        """Whether the next token, drafted with this confidence, is the
+        stream's last (`made` would end it)."""
+        return self.produced + 1 >= self.k or self.belief * confidence < self.min_confidence
 
     def __iter__(self) -> Iterator[DraftToken]:
         return self
@@ -136,11 +151,20 @@ class StreamGuard:
 class ModelDrafter(EngineBackend):
     """Drafts with a causal LM; one forward pass per drafted token."""
 
-    def __init__(self, engine: ModelEngine, max_draft_tokens: int = DEFAULT_MAX_DRAFT_TOKENS, max_q_tokens: int = 32):
+    def __init__(self, engine: ModelEngine, max_draft_tokens: int = DEFAULT_MAX_DRAFT_TOKENS, max_q_tokens: int = 32,
+                 run_ahead: str = "auto"):
         super().__init__(engine)
         self.max_draft_tokens = max_draft_tokens
         self.max_q_tokens = max_q_tokens
         self._streams = StreamGuard()
+        # Whether a job of several steps runs ahead (chain_steps). auto: on a
+        # GPU, where the device runs while the host reads; on a CPU each step
+        # runs as it is called, so a step queued ahead is a whole step's
+        # compute spent before the host knows whether the stream still wants it.
+        if run_ahead not in ("auto", "on", "off"):
+            raise ValueError(f"run_ahead must be auto, on or off, not {run_ahead!r}")
+        self.run_ahead = run_ahead == "on" or (run_ahead == "auto" and engine.device.type == "cuda")
+        self.steps_fed = 0  # steps run ahead: fed the step before's tokens on the device
 
     def propose(self, session_id, keep_length, append, k, min_confidence=0.0):
         """Validate now; the returned stream makes the k drafts one step at a
@@ -165,52 +189,125 @@ class ModelDrafter(EngineBackend):
         made, or a newer call took its session over); or the error that
         stream alone hit (a failing batch is retried stream by stream, so one
         request's problem never fails another's step)."""
-        results: list = [None] * len(streams)
+        return self._settle(streams, self._launch(streams))
+
+    def chain_steps(self, streams, more=None) -> list[tuple[list, float]]:
+        """Several of `step_many`'s steps in one engine job, run ahead: each
+        step after the first is fed the tokens the step before picked while
+        they are still on the device (`ModelEngine.feed`), and is queued on the
+        device before the host reads the step before's picks, so the device
+        never waits for the host between steps (on a GPU the host's work per
+        step, ~0.2 ms, otherwise leaves it idle; run_ahead below).
+
+        Returns [(results, seconds)] per step, each results list as
+        `step_many`'s. Like the draft service's job of several steps
+        (step_batcher._timed_steps): it steps while a stream still wants
+        tokens and either `more()` says no stream has arrived since or one
+        step is left; `more=None`: one step. The tokens, q and confidences
+        are those of `step_many` called step after step: the same forward
+        passes on the same inputs and the same picks. A step queued ahead
+        for a stream that then ends (its k, min_confidence, an error) is
+        dropped: its keys/values lie beyond the stream's context, and the
+        cost is that step's compute."""
+        launched = self._launch(streams)
+        clock = time.perf_counter()
+        out = []
+        while True:
+            if isinstance(launched.picks, DevicePicks):
+                launched.picks.start_copy()  # before the next step is queued behind it
+            ahead = self._launch_ahead(streams, launched, more)
+            results = self._settle(streams, launched, fed=ahead.where if ahead is not None else ())
+            now = time.perf_counter()
+            out.append((results, now - clock))
+            clock = now
+            if ahead is None:
+                return out
+            # A stream that ended at this step (its k, min_confidence, an error) takes nothing more.
+            launched = ahead.only(lambda i: isinstance(results[i], DraftToken) and not streams[i].done)
+            if not launched.where:
+                return out
+
+    def _launch(self, streams) -> "_Step":
+        """A step's forward pass and the device half of its picks (nothing is
+        read back yet)."""
+        step = _Step([None] * len(streams))
         live = [i for i, st in enumerate(streams) if not st.done and self._streams.holds(st.session_id, st.owner)]
         if not live:
-            return results
+            return step
         items = [streams[i].first or ExtendItem(streams[i].session_id, None, (), num_logits=1) for i in live]
         try:
             logits = self.engine.extend(items)
         except Exception as exc:  # noqa: BLE001 - isolate it: retry stream by stream
             if len(live) == 1:
-                results[live[0]] = exc
-                return results
+                step.results[live[0]] = exc
+                return step
             # Safe to retry: a stream's first step (cut + append) is repeated
             # whole until _commit clears it.
             for i in live:
-                results[i] = self.step_many([streams[i]])[0]
-            return results
-        sessions, rows, where = [], [], []
+                step.results[i] = self.step_many([streams[i]])[0]
+            return step
+        row_of = dict(zip(live, logits))
+        last = []
         for i in live:
             try:
                 session = self.engine.session(streams[i].session_id)
             except Exception as exc:  # noqa: BLE001 - closed meanwhile: this stream's problem only
-                results[i] = exc
+                step.results[i] = exc
                 continue
-            sessions.append(session)
-            rows.append(DraftRow(session.meta.params, session.meta.seed, session.length))
-            where.append(i)
-        if not where:
-            return results
-        row_of = dict(zip(live, logits))
-        last = [row_of[i][-1:] for i in where]
-        try:  # one sampling pass for every stream of the step, one transfer to the host
-            picks = pick_drafts(torch.cat(last), rows, self.max_q_tokens)
-        except Exception:  # noqa: BLE001 - unexpected: isolate it, stream by stream
-            picks = [_pick_alone(row, r, self.max_q_tokens) for row, r in zip(last, rows)]
-        for i, session, pick in zip(where, sessions, picks):
-            try:
-                results[i] = self._commit(streams[i], session, pick)
-            except Exception as exc:  # noqa: BLE001 - this stream's problem only
-                results[i] = exc
-        return results
+            step.add(i, session, DraftRow(session.meta.params, session.meta.seed, session.length))
+            last.append(row_of[i][-1:])
+        if step.where:
+            step.pick(torch.cat(last), self.max_q_tokens)
+        return step
 
-    def _commit(self, stream: DraftStream, session, pick: DraftPick | Exception) -> DraftToken:
-        """Append a stream's drafted token to its session."""
+    def _launch_ahead(self, streams, step: "_Step", more) -> "_Step | None":
+        """The next step for the streams of `step` that want a token after
+        it, fed `step`'s picks on the device and queued before they are read;
+        None when the job ends with `step` (see chain_steps) or the next step
+        could not be queued (`step`'s tokens are then appended as not yet
+        computed, as after `step_many`)."""
+        if more is None or not step.where or not isinstance(step.picks, DevicePicks):
+            return None
+        left = {i: streams[i].k - streams[i].produced - 1 for i in step.where}  # after `step`
+        going = step.only(lambda i: left[i] >= 1)
+        if not going.where or not (more() or min(left[i] for i in going.where) <= 1):
+            return None
+        try:
+            logits = self.engine.feed([s.id for s in going.sessions], going.tokens())
+        except Exception:  # noqa: BLE001 - then `step` ends the job, and step_many's path takes over
+            log.exception("a chained draft step could not be queued")
+            return None
+        self.steps_fed += 1
+        ahead = _Step([None] * len(streams))
+        for i, session, row in zip(going.where, going.sessions, going.rows):
+            ahead.add(i, session, DraftRow(row.params, row.seed, row.position + 1))
+        ahead.pick(logits, self.max_q_tokens)
+        return ahead
+
+    def _settle(self, streams, step: "_Step", fed=()) -> list:
+        """Read a launched step's picks (the step's one host sync) and append
+        each stream's token; `fed`: the streams whose token the step after
+        has fed already."""
+        if not step.where:
+            return step.results
+        for i, session, pick in zip(step.where, step.sessions, step.read()):
+            try:
+                step.results[i] = self._commit(streams[i], session, pick, i in fed)
+            except Exception as exc:  # noqa: BLE001 - this stream's problem only
+                step.results[i] = exc
+        return step.results
+
+    def _commit(self, stream: DraftStream, session, pick: DraftPick | Exception, fed: bool = False) -> DraftToken:
+        """Append a stream's drafted token to its session. `fed`: its
+        keys/values are in the slot already (ModelEngine.feed), and count as
+        computed unless the stream ends with it: the next Propose's first
+        pass then computes it with the tokens it appends, as after
+        `step_many`, so that the contexts' caches hold the same values bit
+        for bit whether steps ran ahead or not."""
         if isinstance(pick, Exception):
             raise pick
-        self.engine.append_tokens(session.id, [pick.token_id])
+        computed = 1 if fed and not stream.ends_with(pick.confidence) else 0
+        self.engine.append_tokens(session.id, [pick.token_id], computed=computed)
         stream.first = None
         return stream.made(DraftToken(index=stream.produced, token_id=pick.token_id, q=pick.q,
                                       length=session.length, confidence=pick.confidence))
@@ -237,91 +334,49 @@ def _pick_alone(logits, row: DraftRow, max_q_tokens: int) -> DraftPick | Excepti
         return exc
 
 
-class NgramDrafter:
-    """Prompt lookup: propose the continuation of the latest earlier match of
-    the context's last n tokens (n from max_ngram down to min_ngram).
+@dataclass
+class _Step:
+    """One launched draft step: per stream its result so far (None, or an
+    error met before the pass); for the streams in the pass (`where`) their
+    sessions, rows and picks (on the device until read). `rows_of`: which of
+    the picks' rows are theirs (None: all, in order)."""
 
-    Its proposal is deterministic, so q is a point mass on each drafted token:
-    acceptance is then p(x), and a rejection resamples from norm(max(0, p - q)).
-    It may propose fewer than k tokens, or none when nothing matches.
-    Limitation: the search is a linear scan of the context per round.
-    """
+    results: list
+    where: list = field(default_factory=list)
+    sessions: list = field(default_factory=list)
+    rows: list = field(default_factory=list)
+    picks: DevicePicks | list | None = None
+    rows_of: list[int] | None = None
 
-    def __init__(self, vocab_size: int, max_context: int = 4096, max_sessions: int = 256,
-                 max_draft_tokens: int = DEFAULT_MAX_DRAFT_TOKENS, min_ngram: int = 1, max_ngram: int = 3):
-        self.info = EngineInfo(
-            model_name="ngram", vocab_size=vocab_size, max_context=max_context, eos_token_ids=(),
-            tokenizer_fingerprint="", device="cpu", dtype="none", kv_bytes_per_token=0,
-        )
-        self.max_draft_tokens = max_draft_tokens
-        self.min_ngram, self.max_ngram = min_ngram, max_ngram
-        self._sessions: SessionTable[Session] = SessionTable(max_sessions)
-        self.rules = ContextRules(vocab_size, max_context)
-        self._streams = StreamGuard()
+    def add(self, index: int, session, row: DraftRow) -> None:
+        self.where.append(index)
+        self.sessions.append(session)
+        self.rows.append(row)
 
-    def open(self, prompt, meta, max_new_tokens):
-        self.rules.check_open(prompt, max_new_tokens)
-        session = self._sessions.add(Session(id=new_session_id(), tokens=list(prompt), meta=meta))
-        return session.id, session.length, 0
+    def pick(self, logits: torch.Tensor, max_q_tokens: int) -> None:
+        """The device half of the rows' picks; an unexpected failure is
+        isolated row by row (read at once)."""
+        try:
+            self.picks = pick_on_device(logits, self.rows, max_q_tokens)
+        except Exception:  # noqa: BLE001 - unexpected: isolate it, row by row
+            self.picks = [_pick_alone(logits[j: j + 1], row, max_q_tokens) for j, row in enumerate(self.rows)]
 
-    def propose(self, session_id, keep_length, append, k, min_confidence=0.0):
-        """A looked-up token is certain (confidence 1): `min_confidence` never ends it early."""
-        check_num_draft_tokens(k, self.max_draft_tokens)
-        check_min_confidence(min_confidence)
-        session = self._sessions.get(session_id)
-        if keep_length is None:
-            keep_length = session.length
-        self.rules.check_keep(session, keep_length)
-        self.rules.check_tokens(append, "appended tokens")
-        if keep_length + len(append) < 1:  # as the model drafter: an empty context has nothing to draft from
-            raise InvalidArgument("nothing to draft from (a context of 0 tokens): keep or append at least one token")
-        self.rules.check_length(session, keep_length + len(append) + k)
-        del session.tokens[keep_length:]
-        session.tokens.extend(append)
-        drafts = self.lookup(session.tokens, k)
-        return DraftStream(self, session_id, len(drafts), self._streams.take(session_id), planned=drafts)
+    def read(self) -> list:
+        """The streams' picks, in `where` order (waits for the device)."""
+        picks = self.picks.read() if isinstance(self.picks, DevicePicks) else self.picks
+        return picks if self.rows_of is None else [picks[j] for j in self.rows_of]
 
-    def step_many(self, streams):
-        """The next looked-up token of each stream (no model: nothing to batch)."""
-        results: list = []
-        for st in streams:
-            session = self._sessions.peek(st.session_id)
-            if st.done or session is None or not self._streams.holds(st.session_id, st.owner):
-                results.append(None)
-                continue
-            token = st.planned[st.produced]
-            session.tokens.append(token)
-            q = None if session.meta.params.greedy else SparseDist.from_lists([token], [1.0])
-            results.append(st.made(DraftToken(index=st.produced, token_id=token, q=q, length=len(session.tokens))))
-        return results
+    def tokens(self) -> torch.Tensor:
+        """The streams' drafted ids, still on the device, in `where` order."""
+        tokens = self.picks.tokens
+        return tokens if self.rows_of is None else tokens[to_device(self.rows_of, tokens.device)]
 
-    def lookup(self, tokens: list[int], k: int) -> list[int]:
-        """The up-to-k tokens that followed the latest earlier occurrence of
-        the longest matching suffix n-gram."""
-        for n in range(min(self.max_ngram, len(tokens) - 1), self.min_ngram - 1, -1):
-            suffix = tokens[-n:]
-            for start in range(len(tokens) - n - 1, -1, -1):
-                if tokens[start : start + n] == suffix:
-                    return tokens[start + n : start + n + k]
-        return []
-
-    def rollback(self, session_id, length):
-        session = self._sessions.get(session_id)
-        self.rules.check_rollback(session, length)
-        self._streams.take(session_id)
-        del session.tokens[length:]
-        return session.length
-
-    def close(self, session_id):
-        self._streams.release(session_id)
-        return self._sessions.pop(session_id) is not None
-
-    def expire_idle(self, ttl_s):
-        stale = [s.id for s in self._sessions.idle(ttl_s)]
-        for sid in stale:
-            self._sessions.pop(sid)
-        self._streams.release(*stale)
-        return stale
-
-    def usage(self):
-        return len(self._sessions), 0
+    def only(self, wanted) -> "_Step":
+        """This step for the streams `wanted(index)` says yes to; the others'
+        rows are still read with the rest (one transfer) and ignored."""
+        keep = [j for j, i in enumerate(self.where) if wanted(i)]
+        if len(keep) == len(self.where):
+            return self
+        base = self.rows_of or list(range(len(self.where)))
+        return _Step(self.results, [self.where[j] for j in keep], [self.sessions[j] for j in keep],
+                     [self.rows[j] for j in keep], self.picks, [base[j] for j in keep])

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from draft_service.drafters import ModelDrafter, NgramDrafter
+from draft_service.drafters import ModelDrafter
+from draft_service.ngram_drafter import NgramDrafter
 from draft_service.servicer import DraftServicer
 from specdec.config import opt
 from specdec.engine.config import EngineConfig
@@ -25,6 +26,9 @@ class DrafterConfig:
     max_q_tokens: int = opt(32, "tokens kept in each sent proposal distribution q")
     ngram_min: int = opt(1, "ngram drafter: shortest suffix to match")
     ngram_max: int = opt(3, "ngram drafter: longest suffix to match")
+    run_ahead: str = opt("auto", "model drafter: run a Propose's steps ahead on the device, each fed the step "
+                         "before's tokens there and queued before the host reads them (auto: on a GPU)",
+                         choices=("auto", "on", "off"))
 
 
 def build_drafter(engine_cfg: EngineConfig, drafter_cfg: DrafterConfig, limits: SessionLimits,
@@ -38,7 +42,8 @@ def build_drafter(engine_cfg: EngineConfig, drafter_cfg: DrafterConfig, limits: 
     if engine is None:
         engine = ModelEngine.load(engine_cfg)
         engine.warmup()
-    return ModelDrafter(engine, max_draft_tokens=limits.max_draft_tokens, max_q_tokens=drafter_cfg.max_q_tokens)
+    return ModelDrafter(engine, max_draft_tokens=limits.max_draft_tokens, max_q_tokens=drafter_cfg.max_q_tokens,
+                        run_ahead=drafter_cfg.run_ahead)
 
 
 def _vocab_size(model: str) -> int:

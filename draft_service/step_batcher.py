@@ -20,8 +20,10 @@ from draft_service.drafters import DraftStream, DraftToken
 
 log = logging.getLogger(__name__)
 
-# The kind of job one draft step is, for EngineWorker.run_short / is_short.
+# The kinds of job for EngineWorker.run_short / is_short: one draft step, and
+# a lone stream's steps run ahead as one job (ModelDrafter.chain_steps).
 STEP = "draft step"
+CHAIN = "draft steps, run ahead"
 
 # A session whose Propose came within this many seconds of another session's
 # may be drafting beside it: its steps go where they can share passes.
@@ -42,6 +44,7 @@ class DraftStepBatcher:
         self._recent: dict[str, float] = {}  # session id -> when it last asked for drafts (note_caller)
         self.passes = 0  # forward passes run (for tests and metrics)
         self.steps = 0  # draft tokens made
+        self._run_ahead = bool(getattr(drafter, "run_ahead", False))
 
     async def stream(self, stream: DraftStream) -> AsyncIterator[tuple[DraftToken, float]]:
         """Yield (token, compute seconds of the pass that made it) until the stream ends;
@@ -108,27 +111,40 @@ class DraftStepBatcher:
         if self._active:
             return await self.collect(await self.worker.run(start))
         arrivals = self._arrivals
-        if alone and self.worker.is_short(STEP):
-            return await self._steps_on_the_loop(start, arrivals)
         more = lambda: self._arrivals == arrivals  # noqa: E731
-        stream, steps = await self.worker.run(_start_and_step, start, self.drafter.step_many, more)
+        if alone and self.worker.is_short(CHAIN if self._run_ahead else STEP):
+            return await self._steps_on_the_loop(start, arrivals, more)
+        stream, steps = await self.worker.run(_start_and_step, start, self._job, more)
         if steps:
             self.worker.note(STEP, max(seconds for _, seconds in steps))
+            self.worker.note(CHAIN, sum(seconds for _, seconds in steps))
         return await self._take(stream, steps, [])
 
-    async def _steps_on_the_loop(self, start, arrivals: int) -> list[tuple[DraftToken, float]]:
-        """A lone stream's steps one at a time, each on the event loop while
-        the engine is idle and its steps short (on the engine thread, queued,
-        otherwise), yielding to the loop between steps; a stream arriving
-        meanwhile makes the rest join the shared passes."""
+    async def _steps_on_the_loop(self, start, arrivals: int, more) -> list[tuple[DraftToken, float]]:
+        """A lone stream's steps on the event loop while the engine is idle
+        and its steps short (on the engine thread, queued, otherwise): run
+        ahead, all of them as one job; else one at a time, yielding to the
+        loop between steps. A stream arriving meanwhile makes the rest join
+        the shared passes."""
         stream = await self.worker.run_quick(start)
         tokens: list[tuple[DraftToken, float]] = []
         while True:
-            steps = await self.worker.run_short(STEP, _timed_steps, self.drafter.step_many, [stream], None)
+            if self._run_ahead:
+                steps = await self.worker.run_short(CHAIN, self._job, [stream], more)
+            else:
+                steps = await self.worker.run_short(STEP, self._job, [stream], None)
             if stream.done or self._arrivals != arrivals or any(not isinstance(r, DraftToken) for (r,), _ in steps):
                 return await self._take(stream, steps, tokens)
             await self._take(None, steps, tokens)
             await asyncio.sleep(0)  # let the loop answer other calls between steps
+
+    def _job(self, streams: list[DraftStream], more) -> list[tuple[list, float]]:
+        """An engine-thread job of one or several steps (see _timed_steps):
+        run ahead on the device when the drafter does (ModelDrafter.chain_steps),
+        else step after step."""
+        if self._run_ahead:
+            return self.drafter.chain_steps(streams, more)
+        return _timed_steps(self.drafter.step_many, streams, more)
 
     async def _take(self, stream: DraftStream | None, steps, tokens: list) -> list[tuple[DraftToken, float]]:
         """Append the tokens of a lone stream's `steps` to `tokens`; raise its
@@ -164,7 +180,7 @@ class DraftStepBatcher:
         # Read on the engine thread between steps: an int read is atomic.
         more = (lambda: self._arrivals == arrivals) if all(s in self._collecting for s in streams) else None
         try:
-            steps = await self.worker.run(_timed_steps, self.drafter.step_many, streams, more)
+            steps = await self.worker.run(self._job, streams, more)
         except Exception as exc:  # a bug, not one stream's problem: fail this pass, keep serving
             log.exception("draft step failed")
             steps = [([exc] * len(streams), 0.0)]
@@ -210,6 +226,6 @@ def _timed_steps(step_many, streams: list[DraftStream], more) -> list[tuple[list
             return steps
 
 
-def _start_and_step(start, step_many, more) -> tuple[DraftStream, list[tuple[list, float]]]:
+def _start_and_step(start, job, more) -> tuple[DraftStream, list[tuple[list, float]]]:
     stream = start()
-    return stream, _timed_steps(step_many, [stream], more)
+    return stream, job([stream], more)

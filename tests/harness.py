@@ -10,7 +10,8 @@ from contextlib import contextmanager
 
 import grpc
 
-from draft_service.drafters import ModelDrafter, NgramDrafter
+from draft_service.drafters import ModelDrafter
+from draft_service.ngram_drafter import NgramDrafter
 from draft_service.server import start_draft_service
 from specdec.rpc.model_service import SessionLimits
 from specdec.rpc.serving import ServerConfig
@@ -60,14 +61,15 @@ def running_target(engine, limits: SessionLimits | None = None, server_cfg: Serv
 
 @contextmanager
 def running_draft(engine=None, limits: SessionLimits | None = None, ngram_vocab: int = 0,
-                  server_cfg: ServerConfig | None = None, max_q_tokens: int = 32, telemetry=NOOP):
+                  server_cfg: ServerConfig | None = None, max_q_tokens: int = 32, telemetry=NOOP,
+                  run_ahead: str = "auto"):
     """A draft service over `engine` (or an n-gram drafter when ngram_vocab > 0)."""
     limits = limits or SessionLimits()
     loop = BackgroundLoop()
     if ngram_vocab:
         build, kind = (lambda: NgramDrafter(ngram_vocab, max_draft_tokens=limits.max_draft_tokens)), "ngram"
     else:
-        build, kind = (lambda: ModelDrafter(engine, limits.max_draft_tokens, max_q_tokens)), "model"
+        build, kind = (lambda: ModelDrafter(engine, limits.max_draft_tokens, max_q_tokens, run_ahead)), "model"
     service = loop.run(start_draft_service(server_cfg or local_config(), limits, build, backend_kind=kind,
                                            telemetry=telemetry))
     channel = grpc.insecure_channel(f"127.0.0.1:{service.port}")
@@ -81,7 +83,8 @@ def running_draft(engine=None, limits: SessionLimits | None = None, ngram_vocab:
 
 @contextmanager
 def running_system(target_engine, draft_engine=None, ngram: bool = False, tokenizer=None,
-                   limits: SessionLimits | None = None, telemetry: dict | None = None, http=None, **orch_kwargs):
+                   limits: SessionLimits | None = None, telemetry: dict | None = None, http=None,
+                   draft_run_ahead: str = "auto", **orch_kwargs):
     """Target + draft (model, ngram, or none) + orchestrator, all on port 0.
     `telemetry` maps a role (draft, target, orchestrator) to its Telemetry;
     `http` (an HttpConfig) adds the orchestrator's HTTP front door
@@ -101,7 +104,7 @@ def running_system(target_engine, draft_engine=None, ngram: bool = False, tokeni
     orch_kwargs.setdefault("draft_min_confidence", 0.0)
     with running_target(target_engine, limits, telemetry=tel["target"]) as (target, _, _tl):
         draft_cm = (running_draft(limits=limits, ngram_vocab=target_engine.vocab_size, telemetry=tel["draft"])
-                    if ngram else running_draft(draft_engine, limits, telemetry=tel["draft"])
+                    if ngram else running_draft(draft_engine, limits, telemetry=tel["draft"], run_ahead=draft_run_ahead)
                     if draft_engine is not None else None)
         draft = draft_cm.__enter__() if draft_cm else None
         loop = BackgroundLoop()

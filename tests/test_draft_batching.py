@@ -84,10 +84,10 @@ def test_an_unexpected_error_in_one_streams_step_stays_with_that_stream(peaked_e
     streams = [drafter.propose(drafter.open(p, meta, 16)[0], None, [], 3) for p in PROMPTS[:3]]
     append_tokens = peaked_engine.append_tokens
 
-    def flaky(session_id, tokens):  # the step's batched pass succeeds; keeping one stream's draft fails
+    def flaky(session_id, tokens, **kwargs):  # the step's batched pass succeeds; keeping one stream's draft fails
         if session_id == streams[1].session_id:
             raise RuntimeError("a fault in one stream's step")
-        return append_tokens(session_id, tokens)
+        return append_tokens(session_id, tokens, **kwargs)
 
     monkeypatch.setattr(peaked_engine, "append_tokens", flaky)
     results = drafter.step_many(streams)

@@ -13,7 +13,8 @@ import grpc
 import pytest
 import torch
 
-from draft_service.drafters import ModelDrafter, NgramDrafter
+from draft_service.drafters import ModelDrafter
+from draft_service.ngram_drafter import NgramDrafter
 from specdec.errors import InvalidArgument
 from specdec.rpc.model_service import SessionMeta
 from specdec.sampling.draft_picks import DraftRow, pick_drafts

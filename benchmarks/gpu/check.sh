@@ -23,7 +23,9 @@
 #   bench   `specd bench --pair synth-0.5b-7b`: target-only through the service, HF eager
 #           generate, specdec's round costs at k = 2, 4, 6, projected speedups, 1 and 8 streams
 #   heads   `specd steps` on the draft with its full head and heads of 32768, 16384 and 8192 ids
-#           (issue 15's trimmed draft vocabulary; the lowest ids on random weights: costs only)
+#           (issue 15's trimmed draft vocabulary; the lowest ids on random weights: costs only),
+#           and with each a Propose of 4 per drafted token, its steps one at a time vs run ahead
+#           (--propose: each step fed the step before's picks on the device, no sync between)
 #   overhead `specd overhead` (issue 15) on this host's CPUs: in-process, deployed, and in-process
 #           with idle CPUs kept polling (--cpu-wake-latency-us 0: how much is wake-ups)
 #           (deployed: that layout alone, for GPU_CHECK_PHASES)
@@ -173,7 +175,7 @@ for name in "${phases[@]}"; do
       keep "$work/bench/summary.md" bench-summary.md ;;
     heads)  # issue 15: the draft's step with its full head and trimmed heads (random weights: costs only)
       phase heads 90 "${specd[@]}" steps "$draft_model" --device "$device" --dtype "$dtype" \
-        --batches 1 8 --num-draft-tokens 4 --draft-vocab "${heads[@]}" --out "$work/heads"
+        --batches 1 8 --num-draft-tokens 4 --draft-vocab "${heads[@]}" --propose --out "$work/heads"
       keep "$work/heads/steps.md" heads.md ;;
     overhead)
       # Third: in-process with idle CPUs polling (root there), to tell wake-ups from our code.
@@ -183,7 +185,7 @@ for name in "${phases[@]}"; do
       phase deployed 100 "${specd[@]}" overhead --reps 150 ;;
     tests)
       phase tests 90 "$python" -m pytest -q -rs -p no:cacheprovider -o timeout=60 -m gpu \
-        tests/test_gpu_engine.py tests/test_device_picks.py ;;
+        tests/test_gpu_engine.py tests/test_device_picks.py tests/test_draft_run_ahead.py ;;
     static)
       phase static 120 "${bench[@]}" --token-prompts 3 --max-tokens 64 --concurrency 1 --baselines hf-static \
         --policies none --temperatures 0 --out "$work/static"

@@ -70,9 +70,9 @@ def _median_s(fn, repeat: int, sync=lambda: None) -> float:
 
 
 def _sync_of(engine):
-    from specdec.bench.step_costs import _sync
+    from specdec.bench.step_costs import sync
 
-    return lambda: _sync(engine.device)
+    return lambda: sync(engine.device)
 
 
 def prefill_s(engine, tokens: int, repeat: int) -> float:

@@ -52,10 +52,10 @@ def copy_bandwidth(device: torch.device, megabytes: int = 512, repeat: int = 5) 
     dst.copy_(src)
     times = []
     for _ in range(repeat):
-        _sync(device)
+        sync(device)
         start = time.perf_counter()
         dst.copy_(src)
-        _sync(device)
+        sync(device)
         times.append(time.perf_counter() - start)
     return 2 * src.nbytes / statistics.median(times)
 
@@ -77,7 +77,7 @@ def weight_bytes(model) -> int:
     return total + sum(m.weight_nbytes for m in model.modules() if hasattr(m, "weight_nbytes"))
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -133,10 +133,10 @@ def measure_interleaved(engines, *, ks=(4,), batches=(1, 8), context: int = 200,
 
 
 def _timed_once(engine, items) -> float:
-    _sync(engine.device)
+    sync(engine.device)
     start = time.perf_counter()
     engine.extend(items)
-    _sync(engine.device)
+    sync(engine.device)
     return time.perf_counter() - start
 
 
@@ -144,6 +144,8 @@ def markdown(costs: list[StepCost]) -> str:
     lines = ["| model | path | step | ms | floor ms | × floor |", "|---|---|---|---|---|---|"]
     for c in costs:
         lines.append(f"| {c.model} | {c.path} | {c.shape} | {c.ms:.2f} | {c.floor_ms:.2f} | {c.over_floor:.1f} |")
+    if any(c.shape.startswith("propose") for c in costs):
+        lines.append("\nA propose row's ms is per drafted token (bench/propose_costs.py).")
     return "\n".join(lines)
 
 

@@ -48,6 +48,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--fused-layers", nargs="+", default=["auto"], choices=AUTO_ON_OFF,
                    help="Llama-family layers as fused kernels (engine/fused_decoder.py; auto: where the model allows): auto, on "
                    "and/or off, interleaved like --quantize (default auto)")
+    p.add_argument("--propose", action="store_true",
+                   help="also time a Propose of each --num-draft-tokens k greedy drafts per session, per drafted "
+                   "token, its steps one at a time vs run ahead on the device (bench/propose_costs.py)")
     life = p.add_argument_group("--lifecycle: the engine's costs around the steps")
     life.add_argument("--lifecycle", action="store_true",
                       help="also measure load time, prefill of a --context-token prompt, rollback at "
@@ -65,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from specdec.bench import lifecycle
+    from specdec.bench import lifecycle, propose_costs
     from specdec.bench.step_costs import copy_bandwidth, markdown, measure_interleaved, plot
     from specdec.engine.config import EngineConfig
     from specdec.engine.engine import ModelEngine
@@ -105,6 +108,10 @@ def run(args: argparse.Namespace) -> int:
             bandwidth = bandwidth or copy_bandwidth(engines[0].device)
             costs += measure_interleaved(engines, ks=args.num_draft_tokens, batches=args.batches, context=args.context,
                                          repeat=args.repeat, bandwidth=bandwidth)
+            if args.propose:
+                for engine in engines:
+                    costs += propose_costs.measure(engine, ks=args.num_draft_tokens, batches=args.batches,
+                                                   context=args.context, repeat=args.repeat, bandwidth=bandwidth)
             if args.lifecycle:
                 for engine, load_s in zip(engines, load_times):
                     try:

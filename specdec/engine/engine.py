@@ -25,7 +25,7 @@ from transformers import PreTrainedModel
 from specdec.engine import vocab
 from specdec.engine.attention import STEP_KWARG, row_mask, use_store_attention
 from specdec.engine.config import EngineConfig
-from specdec.engine.draft_vocab import ranked_subset, restrict_head
+from specdec.engine.draft_vocab import ranked_subset
 from specdec.engine.kv_store import (
     KVStore,
     RowSpan,
@@ -38,10 +38,10 @@ from specdec.engine.loading import free_device_memory, load_model, tokenizer_fin
 from specdec.engine.fused_decoder import FusedDecoder
 from specdec.engine.model_facts import (choose_kernel, context_limit, eos_ids, probe_kv_shape, wants_fused,
                                        wants_graphs)
-from specdec.engine.packed_linear import is_packed, pack_linears, packable, wants_packing
-from specdec.engine.quantize import is_quantized, quantize_linears
+from specdec.engine.packed_linear import wants_packing
 from specdec.engine.sessions import ContextRules, Session, SessionTable, new_session_id
 from specdec.engine.static_steps import CaptureReport, StaticSteps
+from specdec.engine.weight_forms import WeightForms
 from specdec.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
@@ -84,8 +84,9 @@ class EngineInfo:
     usable_vocab_size: int = 0
 
 
-class ModelEngine:
-    """Sessions, the KV store and batched forward passes over one causal LM."""
+class ModelEngine(WeightForms):
+    """Sessions, the KV store and batched forward passes over one causal LM
+    (and, from WeightForms, what may be done to its weights once loaded)."""
 
     def __init__(self, model: PreTrainedModel, cfg: EngineConfig, tokenizer=None, name: str = "",
                  id_space: vocab.IdSpace | None = None):
@@ -151,42 +152,6 @@ class ModelEngine:
         self.steps = StaticSteps(self.forward_model, self.store, max_tokens, self.kernel, self._keeps_logits)
         return self.steps
 
-    def restrict_output(self, ids: torch.Tensor) -> None:
-        """Compute logits for these token ids only, -inf for the rest (a
-        trimmed draft vocabulary, draft_vocab.py). Before warmup: a captured
-        graph keeps the head it was captured with."""
-        assert self.steps is None or not self.steps.captured, "restrict the head before capturing graphs"
-        if is_quantized(self.model) or is_packed(self.model):
-            raise ValueError("restrict the output head before quantizing or packing the model")
-        restrict_head(self.model, ids)
-        self.output_ids = int(ids.numel())
-        log.info("output head restricted to %d of %d token ids", self.output_ids, self.vocab_size)
-
-    def quantize_weights(self, kind: str) -> None:
-        """Run every linear layer, the output head included (trimmed or not),
-        with int8 weights (quantize.py). The draft's q stays its real
-        distribution: that of the quantized model."""
-        if kind != "int8":
-            raise ValueError(f"quantize must be none or int8, not {kind!r}")
-        if self.device.type != "cpu":
-            raise ValueError("--quantize int8 runs on the CPU only (fbgemm has no CUDA kernel)")
-        assert self.steps is None or not self.steps.captured, "quantize before capturing graphs"
-        if is_packed(self.model):
-            raise ValueError("quantize the model before packing its linears")
-        with torch.inference_mode(False), torch.no_grad():
-            replaced = quantize_linears(self.model)
-        self.quantized = kind
-        log.info("%d linear layers quantized to int8 (fbgemm)", replaced)
-
-    def pack_weights(self) -> None:
-        """Run the bf16 linear layers on weights blocked once for oneDNN
-        (packed_linear.py): the same products, bit for bit, read faster."""
-        if not packable(self.device, self.dtype):
-            raise ValueError("packed linears are for bf16 models on the CPU")
-        with torch.inference_mode(False), torch.no_grad():
-            replaced = pack_linears(self.model)
-        log.info("%d bf16 linear layers packed for oneDNN", replaced)
-
     def warmup(self) -> None:
         """Run the prefill, batched and single-token paths once, so the first
         real request does not pay for lazy initialization."""
@@ -242,14 +207,39 @@ class ModelEngine:
         session.tokens = prompt
         return session
 
-    def append_tokens(self, session_id: str, tokens: Sequence[int]) -> int:
+    def append_tokens(self, session_id: str, tokens: Sequence[int], computed: int = 0) -> int:
         """Append to the context without a forward pass (the next extend
-        computes them); returns the new length."""
+        computes them); returns the new length. `computed`: the first so
+        many are in the slot already (fed by `feed` before the host read them)."""
         session = self.session(session_id)
         self.rules.check_tokens(tokens, "appended tokens")
         self.rules.check_length(session, session.length + len(tokens))
+        if computed:
+            assert 0 < computed <= len(tokens) and session.cached == session.length, (computed, session.cached)
+            session.cached += computed
         session.tokens.extend(int(t) for t in tokens)
         return session.length
+
+    def feed(self, session_ids: Sequence[str], tokens: torch.Tensor) -> torch.Tensor:
+        """One decode step in which session b's next token is tokens[b], a
+        device tensor the host has not read (a chained draft step's pick):
+        its keys/values go to the session's next position and its logits
+        [B, V] come back, with no host sync. The contexts do not change: the
+        caller appends each token once read, `append_tokens(..., computed=1)`.
+        Each session must be computed up to its length (as after `extend`)."""
+        sessions = [self.session(sid) for sid in session_ids]
+        for session in sessions:
+            assert session.cached == session.length, (session.cached, session.length)
+            self.rules.check_length(session, session.length + 1)
+        positions = [s.length for s in sessions]
+        bases = [self.store.base(s.slot) for s in sessions]
+        if self.steps is not None and self.steps.fits(len(sessions)):
+            logits = self.steps.run(tokens, positions, bases)
+        else:
+            spans = [RowSpan(b, b + 1, base, p) for b, (p, base) in enumerate(zip(positions, bases))]
+            logits = self._call_model(tokens, self._eager_layout(spans, positions, bases), list(range(len(sessions))))
+        vocab.mask_padding_(logits, self.usable_vocab_size)
+        return logits
 
     def rollback(self, session_id: str, length: int) -> int:
         """Keep the first `length` tokens of the context: O(1)."""
@@ -371,7 +361,7 @@ class ModelEngine:
         return StepLayout(rows=spans, write_index=key_base + position, key_base=key_base, position=position,
                           kernel=self.kernel)
 
-    def _call_model(self, tokens: list[int], layout: StepLayout, wanted: list[int]) -> torch.Tensor:
+    def _call_model(self, tokens: list[int] | torch.Tensor, layout: StepLayout, wanted: list[int]) -> torch.Tensor:
         kwargs = {}
         if self._keeps_logits:
             # Only the wanted rows go through the LM head (at least one:
@@ -379,7 +369,7 @@ class ModelEngine:
             kwargs["logits_to_keep"] = to_device(wanted or [len(tokens) - 1], self.device)
         with torch.inference_mode():
             out = self.forward_model(
-                input_ids=to_device([tokens], self.device),
+                input_ids=tokens[None] if isinstance(tokens, torch.Tensor) else to_device([tokens], self.device),
                 position_ids=layout.position.unsqueeze(0),
                 past_key_values=StoreCache(self.store, layout),
                 use_cache=True,

@@ -73,12 +73,17 @@ class StaticSteps:
     def bucket(self, num_tokens: int) -> int:
         return self.buckets[bisect.bisect_left(self.buckets, num_tokens)]
 
-    def run(self, tokens: list[int], positions: list[int], bases: list[int]) -> torch.Tensor:
+    def run(self, tokens: list[int] | torch.Tensor, positions: list[int], bases: list[int]) -> torch.Tensor:
         """Logits [n, V] of the n given tokens (each at its position in the
-        slot whose flat base is given), padded to a bucket."""
+        slot whose flat base is given), padded to a bucket. The tokens may be
+        a tensor on the device the host has not read (a chained draft step)."""
         n = len(tokens)
         size = self.bucket(n)
-        self._fill(tokens, positions, bases, size)
+        if isinstance(tokens, torch.Tensor):
+            self._fill([0] * n, positions, bases, size)
+            self.input_ids[:n].copy_(tokens)
+        else:
+            self._fill(tokens, positions, bases, size)
         graph = self._graphs.get(size)
         if graph is not None:
             graph[0].replay()

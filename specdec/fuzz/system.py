@@ -106,7 +106,8 @@ class FuzzSystem:
 def start(roles: tuple[str, ...] = ("target", "draft", "orchestrator"), http: bool = False) -> FuzzSystem:
     """Start the roles asked for (an orchestrator needs both services; "ngram"
     is a second draft service, over the prompt-lookup drafter)."""
-    from draft_service.drafters import ModelDrafter, NgramDrafter
+    from draft_service.drafters import ModelDrafter
+    from draft_service.ngram_drafter import NgramDrafter
     from draft_service.server import start_draft_service
     from specdec.rpc.model_service import SessionLimits
     from specdec.rpc.serving import ServerConfig

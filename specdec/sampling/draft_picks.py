@@ -5,7 +5,10 @@ step needs its drafted token x and, when it samples, its proposal q (the
 truncated `SparseDist`, sparse.py). `pick_drafts` makes them all where the
 logits are, on the GPU for a GPU draft, and brings them to the host in ONE
 transfer: the host syncs once per step, whatever the batch size, never
-inside the step, and no full-vocabulary row crosses.
+inside the step, and no full-vocabulary row crosses. It is two halves:
+`pick_on_device` (nothing waits) and `DevicePicks.read` (the sync), so that a
+drafter running its steps ahead can queue the next step, fed the picked
+tokens where they are, before it waits for this one's picks.
 
 Per row it does exactly what the one-row path does (`truncate`, then
 `draw_draft` with the DRAFT uniform at the token's position): greedy rows
@@ -55,6 +58,62 @@ class NoMass(ValueError):
 def pick_drafts(logits: torch.Tensor, rows: Sequence[DraftRow], max_q_tokens: int) -> list[DraftPick | NoMass]:
     """For logits [B, V] (row b the last logits of session b), each row's pick,
     or NoMass for a row that cannot be sampled (that row only)."""
+    return pick_on_device(logits, rows, max_q_tokens).read()
+
+
+@dataclass
+class DevicePicks:
+    """A step's picks where its logits are: `tokens` [B] (the drafted ids,
+    what a chained step feeds the model next without the host reading them)
+    and everything the host needs packed in one float64 tensor, read by
+    `read()` in one transfer. `start_copy()` begins that transfer without
+    waiting for it (CUDA: pinned memory and an event), so the host can queue
+    more work on the device before it waits."""
+
+    tokens: torch.Tensor
+    packed: torch.Tensor
+    batch: int
+    sampled: list[tuple[list[int], int]]  # (rows of a sampled group, its q width)
+    _host: torch.Tensor | None = None
+    _ready: object = None  # the CUDA event after the copy, or None
+
+    def start_copy(self) -> None:
+        if self._host is not None:
+            return
+        if self.packed.device.type == "cuda":
+            self._host = torch.empty(self.packed.shape, dtype=self.packed.dtype, pin_memory=True)
+            self._host.copy_(self.packed, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        else:
+            self._host = self.packed.cpu()
+
+    def read(self) -> list[DraftPick | NoMass]:
+        """Each row's pick: the one host sync of the step (a blocking copy,
+        or the wait for the one `start_copy` began)."""
+        if self._host is None:
+            self._host = self.packed.cpu()
+        elif self._ready is not None:
+            self._ready.synchronize()
+        host, batch = self._host, self.batch
+        out: list[DraftPick | NoMass] = [DraftPick(int(t), None, c) for t, c in
+                                         zip(host[:batch].long().tolist(), host[batch: 2 * batch].tolist())]
+        at = 2 * batch
+        for members, n in self.sampled:
+            g = len(members)
+            ids = host[at: at + g * n].long().view(g, n)
+            q = host[at + g * n: at + 2 * g * n].float().view(g, n)
+            ok = host[at + 2 * g * n: at + 2 * g * n + g].tolist()
+            at += 2 * g * n + g
+            for j, i in enumerate(members):
+                out[i] = DraftPick(out[i].token_id, kept(ids[j], q[j]), out[i].confidence) if ok[j] else NoMass(
+                    "the draft model's distribution has no finite mass at this position (NaN or inf logits)")
+        return out
+
+
+def pick_on_device(logits: torch.Tensor, rows: Sequence[DraftRow], max_q_tokens: int) -> DevicePicks:
+    """The device half of `pick_drafts`: every row's token and what the host
+    will read, computed where the logits are; nothing waits for the device."""
     assert logits.dim() == 2 and logits.shape[0] == len(rows), (tuple(logits.shape), len(rows))
     batch = len(rows)
     tokens = torch.zeros(batch, dtype=torch.long, device=logits.device)
@@ -82,24 +141,14 @@ def pick_drafts(logits: torch.Tensor, rows: Sequence[DraftRow], max_q_tokens: in
         sampled.append((members, ids.shape[1]))
         # float64 holds every token id (< 2**53) and every float32 exactly
         packed += [ids.double().flatten(), q.double().flatten(), ok.double()]
-    host = torch.cat([tokens.double(), confidence, *packed]).cpu()  # the one device-to-host transfer of the step
-    out: list[DraftPick | NoMass] = [DraftPick(int(t), None, c) for t, c in
-                                     zip(host[:batch].long().tolist(), host[batch: 2 * batch].tolist())]
-    at = 2 * batch
-    for members, n in sampled:
-        g = len(members)
-        ids = host[at: at + g * n].long().view(g, n)
-        q = host[at + g * n: at + 2 * g * n].float().view(g, n)
-        ok = host[at + 2 * g * n: at + 2 * g * n + g].tolist()
-        at += 2 * g * n + g
-        for j, i in enumerate(members):
-            out[i] = DraftPick(out[i].token_id, kept(ids[j], q[j]), out[i].confidence) if ok[j] else NoMass(
-                "the draft model's distribution has no finite mass at this position (NaN or inf logits)")
-    return out
+    return DevicePicks(tokens, torch.cat([tokens.double(), confidence, *packed]), batch, sampled)
 
 
 def _index(members: list[int], batch: int, device) -> torch.Tensor | slice:
     if len(members) == batch:
         return slice(None)
-    return torch.tensor(members, dtype=torch.long).to(device, non_blocking=True)
+    index = torch.tensor(members, dtype=torch.long)
+    # From pinned memory: a copy from pageable memory would wait for the work
+    # already queued (a chained step's forward), a host sync.
+    return (index.pin_memory() if device.type == "cuda" else index).to(device, non_blocking=True)
 

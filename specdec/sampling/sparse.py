@@ -155,7 +155,10 @@ def pick_rows(rows: torch.Tensor, us: Sequence[float]) -> tuple[torch.Tensor, to
     vocab = weights.shape[-1]
     cumulative = torch.cumsum(weights, dim=-1)  # [R, V]
     totals = cumulative[:, -1]  # [R]
-    u = torch.tensor(list(us), dtype=torch.float64).to(weights.device, non_blocking=True)
+    u = torch.tensor(list(us), dtype=torch.float64)
+    # From pinned memory: a copy from pageable memory waits for the work
+    # already queued on the device, a host sync.
+    u = (u.pin_memory() if weights.device.type == "cuda" else u).to(weights.device, non_blocking=True)
     picked = torch.searchsorted(cumulative, (u * totals)[:, None], right=True)[:, 0]  # [R]
     last_positive = vocab - 1 - torch.argmax((weights > 0).flip(-1).to(torch.int8), dim=-1)
     picked = torch.where(picked >= vocab, last_positive, picked)

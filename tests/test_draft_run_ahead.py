@@ -1,0 +1,223 @@
+"""A Propose's draft steps run ahead (ModelDrafter.chain_steps): each step is
+fed the step before's picks on the device and queued before the host reads
+them. These tests force it on the CPU (`run_ahead="on"`; auto is on for a GPU
+only) and check that it drafts exactly what stepping one at a time drafts:
+the same tokens, proposal distributions q, confidences and context lengths,
+round after round (so the sessions' caches stay right), across batches of
+streams with different k, sampling settings and min_confidence stops, and
+through the services, where greedy output equals target-only and a seeded
+sampled request gives the same tokens with and without it."""
+from __future__ import annotations
+
+import concurrent.futures
+
+import pytest
+import torch
+
+from draft_service.drafters import DraftToken, ModelDrafter
+from specdec.engine.engine import ExtendItem
+from specdec.errors import NotFound
+from specdec.rpc.model_service import SessionMeta
+from specdec.sampling.params import SamplingParams
+from tests.conftest import tiny_engine, tiny_model
+from tests.harness import running_system
+from tests.test_orchestrator import GREEDY_PROMPTS, greedy_reference, perturbed
+
+PROMPTS = [[5 + (7 * i + j) % 90 for j in range(3 + 2 * i)] for i in range(5)]
+METAS = [
+    SessionMeta(params=SamplingParams(0.0, 0, 1.0), seed=1),
+    SessionMeta(params=SamplingParams(0.9, 0, 1.0), seed=7),
+    SessionMeta(params=SamplingParams(0.7, 20, 1.0), seed=11),
+    SessionMeta(params=SamplingParams(1.1, 0, 0.8), seed=5),
+    SessionMeta(params=SamplingParams(0.0, 0, 1.0), seed=3),
+]
+
+
+def pair_of_drafters(**kwargs):
+    """Two drafters over engines of the same weights: one steps one at a
+    time, one runs ahead."""
+    def engine():
+        return tiny_engine(model=tiny_model(seed=2, init_range=0.3), **kwargs)
+
+    return ModelDrafter(engine(), run_ahead="off"), ModelDrafter(engine(), run_ahead="on")
+
+
+def summary(token):
+    q = None if token.q is None else (token.q.token_ids.tolist(), token.q.probs.tolist())
+    return token.index, token.token_id, q, token.confidence, token.length
+
+
+def one_by_one(drafter, streams):
+    got = [[] for _ in streams]
+    while not all(s.done for s in streams):
+        for i, result in enumerate(drafter.step_many(streams)):
+            if result is not None:
+                got[i].append(summary(result))
+    return got
+
+
+def chained(drafter, streams, more=lambda: True):
+    got, jobs = [[] for _ in streams], 0
+    while not all(s.done for s in streams):
+        jobs += 1
+        for results, seconds in drafter.chain_steps(streams, more):
+            assert seconds >= 0
+            for i, result in enumerate(results):
+                assert not isinstance(result, Exception), result
+                if result is not None:
+                    got[i].append(summary(result))
+    return got, jobs
+
+
+def rounds(drafter, ks, min_confidence, run, together=True):
+    """Three rounds of Proposes on five sessions (`together`: stepped as one
+    batch; else one at a time); between rounds each session keeps part of
+    its drafts and appends a token, as after a verify."""
+    sids = [drafter.open(p, m, 64)[0] for p, m in zip(PROMPTS, METAS)]
+    out = []
+    for r in range(3):
+        streams = []
+        for j, sid in enumerate(sids):
+            session = drafter.engine.session(sid)
+            keep = None if r == 0 else session.length - (j + r) % 3
+            streams.append(drafter.propose(sid, keep, [] if r == 0 else [40 + j], ks[(j + r) % len(ks)],
+                                           min_confidence=min_confidence))
+        out.append(run(drafter, streams) if together else [run(drafter, [st])[0] for st in streams])
+    return out
+
+
+@pytest.mark.parametrize("ks,min_confidence,together", [((4,), 0.0, True), ((1, 3, 5, 2), 0.0, True),
+                                                        ((6, 4), 0.05, False)])
+def test_chained_steps_draft_what_steps_one_at_a_time_draft(ks, min_confidence, together):
+    stepwise, ahead = pair_of_drafters()
+    expected = rounds(stepwise, ks, min_confidence, one_by_one, together)
+    got = rounds(ahead, ks, min_confidence, lambda d, s: chained(d, s)[0], together)
+    assert got == expected
+    if min_confidence:
+        lengths = [len(tokens) for one_round in expected for tokens in one_round]
+        assert min(lengths) < min(ks), "no stream stopped early: the min_confidence case is not exercised"
+
+
+def test_a_batch_whose_streams_stop_early_drafts_the_same_tokens_within_rounding():
+    """When a stream of a batch stops on min_confidence, the step queued
+    ahead still had it in its batch, where stepping one at a time would not:
+    the other streams' values may then differ in their last bits (a batch's
+    size is not bit-neutral for the kernels), and nothing more."""
+    stepwise, ahead = pair_of_drafters()
+    expected = rounds(stepwise, (6, 4), 0.05, one_by_one)
+    got = rounds(ahead, (6, 4), 0.05, lambda d, s: chained(d, s)[0])
+    lengths = [len(tokens) for one_round in expected for tokens in one_round]
+    assert min(lengths) < 4 and max(lengths) > min(lengths), "no stream stopped early beside one that went on"
+    for one_got, one_expected in zip(got, expected):
+        for g_stream, e_stream in zip(one_got, one_expected):
+            assert [t[:2] + t[4:] for t in g_stream] == [t[:2] + t[4:] for t in e_stream], "tokens or lengths differ"
+            for g, e in zip(g_stream, e_stream):
+                assert g[3] == pytest.approx(e[3], rel=1e-4)
+                if e[2] is not None:
+                    assert g[2][0] == e[2][0] and g[2][1] == pytest.approx(e[2][1], rel=1e-4, abs=1e-7)
+
+
+def test_chained_steps_through_padded_fixed_shape_steps():
+    """The static steps (CUDA graphs on a GPU; run eagerly here) take the fed
+    tokens as a device tensor into their padded input buffer."""
+    stepwise, ahead = pair_of_drafters()
+    for drafter in (stepwise, ahead):
+        drafter.engine.use_static_steps(8)
+    assert rounds(ahead, (3, 5), 0.0, lambda d, s: chained(d, s)[0]) == rounds(stepwise, (3, 5), 0.0, one_by_one)
+
+
+def test_one_job_runs_all_steps_while_no_stream_arrives_and_one_step_without_more():
+    stepwise, ahead = pair_of_drafters()
+    sid = ahead.open(PROMPTS[1], METAS[1], 16)[0]
+    stream = ahead.propose(sid, None, [], 5)
+    assert len(ahead.chain_steps([stream], None)) == 1, "more=None: one step, as step_many"
+    steps = ahead.chain_steps([stream], lambda: True)
+    assert len(steps) == 4 and stream.done
+    # An arrival (more() false) ends the job early, unless one step is left.
+    stream = ahead.propose(sid, None, [], 5)
+    assert len(ahead.chain_steps([stream], lambda: False)) == 1
+    stream = ahead.propose(sid, None, [], 2)
+    assert len(ahead.chain_steps([stream], lambda: False)) == 2
+
+
+def test_a_stream_whose_session_is_gone_gets_its_error_and_the_others_run_ahead():
+    stepwise, ahead = pair_of_drafters()
+    results = []
+    for drafter in (stepwise, ahead):
+        sids = [drafter.open(p, m, 32)[0] for p, m in zip(PROMPTS[:3], METAS[:3])]
+        streams = [drafter.propose(sid, None, [], 4) for sid in sids]
+        drafter.engine.close(sids[1])  # behind the drafter's back: the batch fails, retried stream by stream
+        first = drafter.chain_steps(streams, lambda: True) if drafter is ahead else [(drafter.step_many(streams), 0)]
+        assert isinstance(first[0][0][1], NotFound)
+        # As the draft service does: the failed stream leaves, the others go on.
+        others = [streams[0], streams[2]]
+        rest = chained(drafter, others)[0] if drafter is ahead else one_by_one(drafter, others)
+        made = [[summary(r) for r in res if isinstance(r, DraftToken)] for res, _ in first]
+        results.append((made, rest))
+    assert results[0][0] == results[1][0][:1] and results[0][1] == results[1][1]
+
+
+def test_feed_writes_what_an_extend_writes_and_gives_its_logits():
+    a, b = (tiny_engine(model=tiny_model(seed=4, init_range=0.3)) for _ in range(2))
+    sa, sb = a.open_session(PROMPTS[2]), b.open_session(PROMPTS[2])
+    for engine, session in ((a, sa), (b, sb)):
+        engine.extend([ExtendItem(session.id, None, (), 1)])
+    token = 17
+    a.append_tokens(sa.id, [token])
+    by_extend = a.extend([ExtendItem(sa.id, None, (), 1)])[0]
+    by_feed = b.feed([sb.id], torch.tensor([token]))
+    assert torch.equal(by_extend, by_feed)
+    b.append_tokens(sb.id, [token], computed=1)
+    assert (sb.length, sb.cached) == (sa.length, sa.cached) == (len(PROMPTS[2]) + 1,) * 2
+    nxt = [ExtendItem(s.id, None, [23, 24], 2) for s in (sa, sb)]
+    assert torch.equal(a.extend(nxt[:1])[0], b.extend(nxt[1:])[0]), "the fed token's keys/values differ"
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = tiny_model(seed=0, init_range=0.3)
+    return target, perturbed(target, 0.05, seed=1)
+
+
+def test_through_the_services_greedy_output_equals_target_only_and_sampled_tokens_do_not_change(pair):
+    target, draft = pair
+    n = 20
+    prompts = GREEDY_PROMPTS[:6]
+    outputs = {}
+    for run_ahead in ("on", "off"):
+        with running_system(tiny_engine(model=target), tiny_engine(model=draft), draft_run_ahead=run_ahead) as s:
+            def run(i, s=s):
+                client = s.client.__class__(f"127.0.0.1:{s.orchestrator.port}")
+                try:
+                    greedy = client.complete(prompts[i], max_tokens=n, temperature=0, policy="fixed",
+                                             num_draft_tokens=2 + i % 4)
+                    sampled = client.complete(prompts[i], max_tokens=n, temperature=0.8, seed=100 + i,
+                                              policy="fixed", num_draft_tokens=2 + i % 4)
+                finally:
+                    client.close()
+                return greedy.token_ids, sampled.token_ids
+
+            with concurrent.futures.ThreadPoolExecutor(3) as pool:
+                outputs[run_ahead] = list(pool.map(run, range(len(prompts))))
+            fed = s.draft.servicer.backend.steps_fed
+            assert (fed > 0) if run_ahead == "on" else (fed == 0), fed
+    for i, (greedy, _) in enumerate(outputs["on"]):
+        ref = greedy_reference(target, prompts[i], n)
+        assert greedy == ref[: len(greedy)], f"prompt {i}"
+    assert [s for _, s in outputs["on"]] == [s for _, s in outputs["off"]]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_with_cuda_graphs_run_ahead_drafts_what_steps_one_at_a_time_draft():
+    """On the GPU (auto turns it on there), through captured steps, fp32:
+    the same drafts, q and lengths, round after round."""
+    from tests.test_gpu_engine import cuda_engine
+
+    stepwise = ModelDrafter(cuda_engine("float32", graphs=True, arch="llama", seed=2), run_ahead="off")
+    ahead = ModelDrafter(cuda_engine("float32", graphs=True, arch="llama", seed=2))
+    assert ahead.run_ahead and ahead.engine.steps.captured
+    for ks, together in (((4,), True), ((1, 3, 5, 2), True), ((6, 4), False)):
+        expected = rounds(stepwise, ks, 0.0, one_by_one, together)
+        assert rounds(ahead, ks, 0.0, lambda d, s: chained(d, s)[0], together) == expected, ks
+    assert ahead.steps_fed > 0
