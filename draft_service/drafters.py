@@ -209,12 +209,11 @@ class ModelDrafter(EngineBackend):
         for a stream that then ends (its k, min_confidence, an error) is
         dropped: its keys/values lie beyond the stream's context, and the
         cost is that step's compute."""
-        launched = self._launch(streams)
         clock = time.perf_counter()
+        launched = self._launch(streams)
         out = []
         while True:
-            if isinstance(launched.picks, DevicePicks):
-                launched.picks.start_copy()  # before the next step is queued behind it
+            launched.start_copy()  # before the next step is queued behind it
             ahead = self._launch_ahead(streams, launched, more)
             results = self._settle(streams, launched, fed=ahead.where if ahead is not None else ())
             now = time.perf_counter()
@@ -222,8 +221,13 @@ class ModelDrafter(EngineBackend):
             clock = now
             if ahead is None:
                 return out
-            # A stream that ended at this step (its k, min_confidence, an error) takes nothing more.
-            launched = ahead.only(lambda i: isinstance(results[i], DraftToken) and not streams[i].done)
+            ended = [i for i in launched.where if not isinstance(results[i], DraftToken) or streams[i].done]
+            if ended:
+                # As a job stepping one at a time: a stream that ended here (its k,
+                # min_confidence, an error) ends the job after the step already
+                # queued, so that its caller is not kept waiting for the others.
+                more = None
+            launched = ahead.only(lambda i: i not in ended)
             if not launched.where:
                 return out
 
@@ -347,6 +351,11 @@ class _Step:
     rows: list = field(default_factory=list)
     picks: DevicePicks | list | None = None
     rows_of: list[int] | None = None
+    # What the picks were made from (their rows, all of them, and logits), to
+    # pick row by row if reading them fails.
+    picked_rows: list = field(default_factory=list)
+    logits: torch.Tensor | None = None
+    max_q_tokens: int = 0
 
     def add(self, index: int, session, row: DraftRow) -> None:
         self.where.append(index)
@@ -354,17 +363,33 @@ class _Step:
         self.rows.append(row)
 
     def pick(self, logits: torch.Tensor, max_q_tokens: int) -> None:
-        """The device half of the rows' picks; an unexpected failure is
-        isolated row by row (read at once)."""
+        """The device half of the rows' picks; an unexpected failure, here
+        or when they are read, is isolated row by row."""
+        self.picked_rows, self.logits, self.max_q_tokens = list(self.rows), logits, max_q_tokens
         try:
             self.picks = pick_on_device(logits, self.rows, max_q_tokens)
         except Exception:  # noqa: BLE001 - unexpected: isolate it, row by row
-            self.picks = [_pick_alone(logits[j: j + 1], row, max_q_tokens) for j, row in enumerate(self.rows)]
+            self.picks = self._one_by_one()
+
+    def _one_by_one(self) -> list:
+        return [_pick_alone(self.logits[j: j + 1], row, self.max_q_tokens) for j, row in enumerate(self.picked_rows)]
+
+    def start_copy(self) -> None:
+        """Start bringing the picks to the host (a failure leaves it to `read`)."""
+        if isinstance(self.picks, DevicePicks):
+            try:
+                self.picks.start_copy()
+            except Exception:  # noqa: BLE001 - read() copies them then, or picks row by row
+                log.exception("could not start copying a draft step's picks")
 
     def read(self) -> list:
         """The streams' picks, in `where` order (waits for the device)."""
-        picks = self.picks.read() if isinstance(self.picks, DevicePicks) else self.picks
-        return picks if self.rows_of is None else [picks[j] for j in self.rows_of]
+        if isinstance(self.picks, DevicePicks):
+            try:
+                self.picks = self.picks.read()
+            except Exception:  # noqa: BLE001 - unexpected: isolate it, row by row
+                self.picks = self._one_by_one()
+        return self.picks if self.rows_of is None else [self.picks[j] for j in self.rows_of]
 
     def tokens(self) -> torch.Tensor:
         """The streams' drafted ids, still on the device, in `where` order."""
@@ -379,4 +404,5 @@ class _Step:
             return self
         base = self.rows_of or list(range(len(self.where)))
         return _Step(self.results, [self.where[j] for j in keep], [self.sessions[j] for j in keep],
-                     [self.rows[j] for j in keep], self.picks, [base[j] for j in keep])
+                     [self.rows[j] for j in keep], self.picks, [base[j] for j in keep], self.picked_rows,
+                     self.logits, self.max_q_tokens)

@@ -10,6 +10,7 @@ sampled request gives the same tokens with and without it."""
 from __future__ import annotations
 
 import concurrent.futures
+import time
 
 import pytest
 import torch
@@ -221,3 +222,84 @@ def test_on_a_gpu_with_cuda_graphs_run_ahead_drafts_what_steps_one_at_a_time_dra
         expected = rounds(stepwise, ks, 0.0, one_by_one, together)
         assert rounds(ahead, ks, 0.0, lambda d, s: chained(d, s)[0], together) == expected, ks
     assert ahead.steps_fed > 0
+
+
+def test_a_job_ends_one_step_after_a_stream_ends_as_stepping_one_at_a_time_does():
+    """A stream that has its tokens is not kept waiting for the longest
+    stream of its pass: the job ends as _timed_steps ends it."""
+    from draft_service.step_batcher import _timed_steps
+
+    stepwise, ahead = pair_of_drafters()
+    jobs = []
+    for drafter, job in ((stepwise, lambda st: _timed_steps(stepwise.step_many, st, lambda: True)),
+                         (ahead, lambda st: ahead.chain_steps(st, lambda: True))):
+        sids = [drafter.open(p, m, 32)[0] for p, m in zip(PROMPTS[:2], METAS[:2])]
+        steps = job([drafter.propose(sids[0], None, [], 2), drafter.propose(sids[1], None, [], 7)])
+        jobs.append([[None if r is None else summary(r) for r in results] for results, _ in steps])
+    assert len(jobs[0]) == 3 and jobs[1] == jobs[0]
+
+
+def test_a_steps_time_includes_its_forward_pass(monkeypatch):
+    _, ahead = pair_of_drafters()
+    extend = ahead.engine.extend
+
+    def slow_extend(items):
+        time.sleep(0.05)
+        return extend(items)
+
+    monkeypatch.setattr(ahead.engine, "extend", slow_extend)
+    sid = ahead.open(PROMPTS[0], METAS[0], 16)[0]
+    steps = ahead.chain_steps([ahead.propose(sid, None, [], 3)], lambda: True)
+    assert len(steps) == 3 and steps[0][1] >= 0.05
+
+
+def test_picks_that_cannot_be_read_together_are_picked_row_by_row(monkeypatch):
+    from specdec.sampling import draft_picks
+
+    stepwise, ahead = pair_of_drafters()
+    expected = rounds(stepwise, (3, 4), 0.0, one_by_one)
+
+    read = draft_picks.DevicePicks.read
+
+    def broken(self):  # a fault in reading a batch's picks; one row alone reads fine
+        if self.batch > 1:
+            raise RuntimeError("a fault reading a step's picks")
+        return read(self)
+
+    monkeypatch.setattr(draft_picks.DevicePicks, "read", broken)
+    assert rounds(ahead, (3, 4), 0.0, lambda d, s: chained(d, s)[0]) == expected
+
+
+def test_the_draft_service_runs_a_lone_streams_steps_ahead_on_its_event_loop():
+    """Through the step batcher: the first Propose (its cost unknown) runs
+    as an engine-thread job, the next ones right on the event loop, both run
+    ahead, with the drafts of stepping one at a time."""
+    import asyncio
+    import threading
+
+    from draft_service.step_batcher import DraftStepBatcher
+    from specdec.rpc.serving import EngineWorker
+
+    stepwise, ahead = pair_of_drafters()
+    sid_s = stepwise.open(PROMPTS[3], METAS[3], 32)[0]
+    expected = [one_by_one(stepwise, [stepwise.propose(sid_s, len(PROMPTS[3]), [], k)])[0] for k in (4, 4, 3)]
+    sid = ahead.open(PROMPTS[3], METAS[3], 32)[0]
+    threads = []
+    feed = ahead.engine.feed
+    ahead.engine.feed = lambda *a: threads.append(threading.current_thread().name) or feed(*a)
+
+    async def run():
+        worker = EngineWorker("eng", inline_max_s=1.0)
+        batcher = DraftStepBatcher(worker, ahead)
+        try:
+            got = []
+            for k in (4, 4, 3):
+                made = await batcher.start_and_collect(lambda k=k: ahead.propose(sid, len(PROMPTS[3]), [], k), sid)
+                got.append([summary(token) for token, _ in made])
+            return got, threading.current_thread().name
+        finally:
+            worker.shutdown()
+
+    got, loop_thread = asyncio.run(run())
+    assert got == expected
+    assert threads[:3] == ["eng_0"] * 3 and threads[3:] == [loop_thread] * 5

@@ -81,10 +81,11 @@ class DevicePicks:
         if self._host is not None:
             return
         if self.packed.device.type == "cuda":
-            self._host = torch.empty(self.packed.shape, dtype=self.packed.dtype, pin_memory=True)
-            self._host.copy_(self.packed, non_blocking=True)
-            self._ready = torch.cuda.Event()
-            self._ready.record()
+            host = torch.empty(self.packed.shape, dtype=self.packed.dtype, pin_memory=True)
+            host.copy_(self.packed, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.packed.device))  # the copy's device, not the current one
+            self._host, self._ready = host, ready
         else:
             self._host = self.packed.cpu()
 
