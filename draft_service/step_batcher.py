@@ -115,9 +115,9 @@ class DraftStepBatcher:
         if alone and self.worker.is_short(CHAIN if self._run_ahead else STEP):
             return await self._steps_on_the_loop(start, arrivals, more)
         stream, steps = await self.worker.run(_start_and_step, start, self._job, more)
-        if steps:
-            self.worker.note(STEP, max(seconds for _, seconds in steps))
-            self.worker.note(CHAIN, sum(seconds for _, seconds in steps))
+        if steps:  # what the loop path's is_short reads: one step, or a whole job run ahead
+            self.worker.note(*((CHAIN, sum(s for _, s in steps)) if self._run_ahead
+                               else (STEP, max(s for _, s in steps))))
         return await self._take(stream, steps, [])
 
     async def _steps_on_the_loop(self, start, arrivals: int, more) -> list[tuple[DraftToken, float]]:
