@@ -26,6 +26,8 @@
 #           (issue 15's trimmed draft vocabulary; the lowest ids on random weights: costs only),
 #           and with each a Propose of 4 per drafted token, its steps one at a time vs run ahead
 #           (--propose: each step fed the step before's picks on the device, no sync between)
+#   ahead   the bench's fixed k = 4 rows again with SPECD_RUN_AHEAD=off (the draft's steps one at
+#           a time, a host sync each), against the bench phase's, run ahead (the default on CUDA)
 #   overhead `specd overhead` (issue 15) on this host's CPUs: in-process, deployed, and in-process
 #           with idle CPUs kept polling (--cpu-wake-latency-us 0: how much is wake-ups)
 #           (deployed: that layout alone, for GPU_CHECK_PHASES)
@@ -135,7 +137,7 @@ export -f setup
 
 echo "# $(date -u +%FT%TZ) mode=$mode device=$device budget=${budget}s commit=$(git describe --always --dirty 2>/dev/null || echo '?')" >> "$out/phases.txt"
 case "$mode" in
-  once|all) phases=(smoke steps bench heads overhead tests static) ;;
+  once|all) phases=(smoke steps bench heads ahead overhead tests static) ;;
   quick) phases=(smoke tests steps) ;;
   bench) phases=(bench static) ;;
   *) echo "unknown mode $mode: once, quick, bench or all" >&2; exit 2 ;;
@@ -177,6 +179,10 @@ for name in "${phases[@]}"; do
       phase heads 90 "${specd[@]}" steps "$draft_model" --device "$device" --dtype "$dtype" \
         --batches 1 8 --num-draft-tokens 4 --draft-vocab "${heads[@]}" --propose --out "$work/heads"
       keep "$work/heads/steps.md" heads.md ;;
+    ahead)  # the bench's fixed k = 4 rows again with the draft's steps one at a time: run ahead's effect end to end
+      SPECD_RUN_AHEAD=off phase ahead 90 "${bench[@]}" "${bench_size[@]}" --baselines service \
+        --num-draft-tokens 4 --policies fixed --temperatures 0 0.7 --draft-min-confidence 0 --out "$work/ahead-off"
+      keep "$work/ahead-off/summary.md" ahead-off-summary.md ;;
     overhead)
       # Third: in-process with idle CPUs polling (root there), to tell wake-ups from our code.
       sp=$(printf '%q ' "${specd[@]}")
