@@ -36,17 +36,17 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterator, Protocol, Sequence
 
 import torch
 
+from draft_service.launched_step import LaunchedStep
 from specdec.engine.engine import EngineInfo, ExtendItem, ModelEngine
-from specdec.engine.kv_store import to_device
 from specdec.errors import OutOfRange
 from specdec.limits import DEFAULT_MAX_DRAFT_TOKENS, check_min_confidence, check_num_draft_tokens
 from specdec.rpc.model_service import EngineBackend, SessionMeta
-from specdec.sampling.draft_picks import DevicePicks, DraftPick, DraftRow, pick_drafts, pick_on_device
+from specdec.sampling.draft_picks import DevicePicks, DraftPick, DraftRow
 from specdec.sampling.sparse import SparseDist
 
 log = logging.getLogger(__name__)
@@ -231,10 +231,10 @@ class ModelDrafter(EngineBackend):
             if not launched.where:
                 return out
 
-    def _launch(self, streams) -> "_Step":
+    def _launch(self, streams) -> LaunchedStep:
         """A step's forward pass and the device half of its picks (nothing is
         read back yet)."""
-        step = _Step([None] * len(streams))
+        step = LaunchedStep([None] * len(streams))
         live = [i for i, st in enumerate(streams) if not st.done and self._streams.holds(st.session_id, st.owner)]
         if not live:
             return step
@@ -264,7 +264,7 @@ class ModelDrafter(EngineBackend):
             step.pick(torch.cat(last), self.max_q_tokens)
         return step
 
-    def _launch_ahead(self, streams, step: "_Step", more) -> "_Step | None":
+    def _launch_ahead(self, streams, step: LaunchedStep, more) -> LaunchedStep | None:
         """The next step for the streams of `step` that want a token after
         it, fed `step`'s picks on the device and queued before they are read;
         None when the job ends with `step` (see chain_steps) or the next step
@@ -282,13 +282,13 @@ class ModelDrafter(EngineBackend):
             log.exception("a chained draft step could not be queued")
             return None
         self.steps_fed += 1
-        ahead = _Step([None] * len(streams))
+        ahead = LaunchedStep([None] * len(streams))
         for i, session, row in zip(going.where, going.sessions, going.rows):
             ahead.add(i, session, DraftRow(row.params, row.seed, row.position + 1))
         ahead.pick(logits, self.max_q_tokens)
         return ahead
 
-    def _settle(self, streams, step: "_Step", fed=()) -> list:
+    def _settle(self, streams, step: LaunchedStep, fed=()) -> list:
         """Read a launched step's picks (the step's one host sync) and append
         each stream's token; `fed`: the streams whose token the step after
         has fed already."""
@@ -329,80 +329,3 @@ class ModelDrafter(EngineBackend):
         stale = super().expire_idle(ttl_s)
         self._streams.release(*stale)
         return stale
-
-
-def _pick_alone(logits, row: DraftRow, max_q_tokens: int) -> DraftPick | Exception:
-    try:
-        return pick_drafts(logits, [row], max_q_tokens)[0]
-    except Exception as exc:  # noqa: BLE001 - reported as this stream's error
-        return exc
-
-
-@dataclass
-class _Step:
-    """One launched draft step: per stream its result so far (None, or an
-    error met before the pass); for the streams in the pass (`where`) their
-    sessions, rows and picks (on the device until read). `rows_of`: which of
-    the picks' rows are theirs (None: all, in order)."""
-
-    results: list
-    where: list = field(default_factory=list)
-    sessions: list = field(default_factory=list)
-    rows: list = field(default_factory=list)
-    picks: DevicePicks | list | None = None
-    rows_of: list[int] | None = None
-    # What the picks were made from (their rows, all of them, and logits), to
-    # pick row by row if reading them fails.
-    picked_rows: list = field(default_factory=list)
-    logits: torch.Tensor | None = None
-    max_q_tokens: int = 0
-
-    def add(self, index: int, session, row: DraftRow) -> None:
-        self.where.append(index)
-        self.sessions.append(session)
-        self.rows.append(row)
-
-    def pick(self, logits: torch.Tensor, max_q_tokens: int) -> None:
-        """The device half of the rows' picks; an unexpected failure, here
-        or when they are read, is isolated row by row."""
-        self.picked_rows, self.logits, self.max_q_tokens = list(self.rows), logits, max_q_tokens
-        try:
-            self.picks = pick_on_device(logits, self.rows, max_q_tokens)
-        except Exception:  # noqa: BLE001 - unexpected: isolate it, row by row
-            self.picks = self._one_by_one()
-
-    def _one_by_one(self) -> list:
-        return [_pick_alone(self.logits[j: j + 1], row, self.max_q_tokens) for j, row in enumerate(self.picked_rows)]
-
-    def start_copy(self) -> None:
-        """Start bringing the picks to the host (a failure leaves it to `read`)."""
-        if isinstance(self.picks, DevicePicks):
-            try:
-                self.picks.start_copy()
-            except Exception:  # noqa: BLE001 - read() copies them then, or picks row by row
-                log.exception("could not start copying a draft step's picks")
-
-    def read(self) -> list:
-        """The streams' picks, in `where` order (waits for the device)."""
-        if isinstance(self.picks, DevicePicks):
-            try:
-                self.picks = self.picks.read()
-            except Exception:  # noqa: BLE001 - unexpected: isolate it, row by row
-                self.picks = self._one_by_one()
-        return self.picks if self.rows_of is None else [self.picks[j] for j in self.rows_of]
-
-    def tokens(self) -> torch.Tensor:
-        """The streams' drafted ids, still on the device, in `where` order."""
-        tokens = self.picks.tokens
-        return tokens if self.rows_of is None else tokens[to_device(self.rows_of, tokens.device)]
-
-    def only(self, wanted) -> "_Step":
-        """This step for the streams `wanted(index)` says yes to; the others'
-        rows are still read with the rest (one transfer) and ignored."""
-        keep = [j for j, i in enumerate(self.where) if wanted(i)]
-        if len(keep) == len(self.where):
-            return self
-        base = self.rows_of or list(range(len(self.where)))
-        return _Step(self.results, [self.where[j] for j in keep], [self.sessions[j] for j in keep],
-                     [self.rows[j] for j in keep], self.picks, [base[j] for j in keep], self.picked_rows,
-                     self.logits, self.max_q_tokens)
