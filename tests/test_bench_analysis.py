@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 
+from specdec.bench import acceptance as AC
 from specdec.bench import analysis as A
 
 
@@ -25,43 +26,43 @@ def test_inter_token_samples_split_chunks_evenly_and_skip_the_first():
 
 def test_acceptance_per_position_fixed_k():
     hist, apos = [0, 0, 0, 10], [8, 6, 4]
-    assert A.acceptance_per_position(apos, hist) == pytest.approx([0.8, 0.6, 0.4])
-    assert A.conditional_acceptance_per_position(apos, hist) == pytest.approx([0.8, 0.75, 4 / 6])
+    assert AC.acceptance_per_position(apos, hist) == pytest.approx([0.8, 0.6, 0.4])
+    assert AC.conditional_acceptance_per_position(apos, hist) == pytest.approx([0.8, 0.75, 4 / 6])
 
 
 def test_acceptance_per_position_mixed_k_uses_rounds_that_drafted_there():
     # 5 rounds of k=2 and 10 of k=3; position 3 (index 2) is reached only by the k=3 rounds
     hist, apos = [2, 0, 5, 10], [12, 8, 4]
-    assert A.acceptance_per_position(apos, hist) == pytest.approx([12 / 15, 8 / 15, 0.4])
-    assert A.rounds_reaching(hist, 2) == 10
-    assert A.speculative_rounds(hist) == 15
+    assert AC.acceptance_per_position(apos, hist) == pytest.approx([12 / 15, 8 / 15, 0.4])
+    assert AC.rounds_reaching(hist, 2) == 10
+    assert AC.speculative_rounds(hist) == 15
     assert A.mean_k([1, 0, 2, 2]) == 2.5
     assert A.mean_k([4]) is None
 
 
 def test_alpha_mle_one_k():
-    assert A.alpha_mle(18, 6) == 0.75
-    assert A.alpha_mle(0, 0) is None
-    alpha, rejections = A.estimate_alpha(18, [0, 0, 0, 10], [8, 6, 4])
+    assert AC.alpha_mle(18, 6) == 0.75
+    assert AC.alpha_mle(0, 0) is None
+    alpha, rejections = AC.estimate_alpha(18, [0, 0, 0, 10], [8, 6, 4])
     assert alpha == 0.75 and rejections == 6
     # k = 0 rounds (fallback, last token) are left out
-    assert A.estimate_alpha(18, [7, 0, 0, 10], [8, 6, 4]) == (0.75, 6)
-    assert A.estimate_alpha(0, [5], []) == (None, 0.0)
+    assert AC.estimate_alpha(18, [7, 0, 0, 10], [8, 6, 4]) == (0.75, 6)
+    assert AC.estimate_alpha(0, [5], []) == (None, 0.0)
 
 
 def test_alpha_from_moments():
-    assert A.alpha_from_moments(7.5, [0, 0, 10]) == pytest.approx(0.5)   # 10 (a + a^2) = 7.5
-    assert A.alpha_from_moments(0, [0, 3]) == 0.0
-    assert A.alpha_from_moments(6, [0, 0, 3]) == 1.0
-    assert A.alpha_from_moments(3, [4]) is None
+    assert AC.alpha_from_moments(7.5, [0, 0, 10]) == pytest.approx(0.5)   # 10 (a + a^2) = 7.5
+    assert AC.alpha_from_moments(0, [0, 3]) == 0.0
+    assert AC.alpha_from_moments(6, [0, 0, 3]) == 1.0
+    assert AC.alpha_from_moments(3, [4]) is None
 
 
 def test_alpha_with_a_capped_round():
     # k=3 x 10 rounds plus one round capped to k=1 near max_tokens; 19 accepted.
     # The k=3 rounds had 10 - 4 = 6 rejections; the k=1 round is expected to have 1 - a_m,
     # where 10 (a + a^2 + a^3) + a = 19 gives a_m.
-    alpha, rejections = A.estimate_alpha(19, [0, 1, 0, 10], [9, 6, 4])
-    a_m = A.alpha_from_moments(19, [0, 1, 0, 10])
+    alpha, rejections = AC.estimate_alpha(19, [0, 1, 0, 10], [9, 6, 4])
+    a_m = AC.alpha_from_moments(19, [0, 1, 0, 10])
     assert 10 * (a_m + a_m**2 + a_m**3) + a_m == pytest.approx(19)
     assert rejections == pytest.approx(6 + 1 - a_m)
     assert alpha == pytest.approx(19 / (19 + rejections))
@@ -69,7 +70,7 @@ def test_alpha_with_a_capped_round():
 
 def test_alpha_mixed_k_without_rejections_in_the_largest_rounds_stays_below_one():
     # adaptive/goodput: the k=5 rounds were all accepted, the rejections were in smaller rounds
-    alpha, rejections = A.estimate_alpha(24, [0, 0, 2, 4, 0, 2], [8, 7, 5, 2, 2])
+    alpha, rejections = AC.estimate_alpha(24, [0, 0, 2, 4, 0, 2], [8, 7, 5, 2, 2])
     assert alpha is not None and alpha < 1 and rejections > 0
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Iterable
 
+from specdec.bench import acceptance as AC
 from specdec.bench import analysis as A
 from specdec.bench.runner import HF_ASSISTED, SERVICE, TARGET_ONLY
 
@@ -90,9 +91,9 @@ def summarize_run(records: list[dict]) -> dict:
             "mean_k": A.mean_k(pooled["k_histogram"]),
             "k_histogram": pooled["k_histogram"],
             "accepted_per_position": pooled["accepted_per_position"],
-            "acceptance_per_position": A.acceptance_per_position(pooled["accepted_per_position"],
-                                                                 pooled["k_histogram"]) if speculative else [],
-            "conditional_acceptance_per_position": A.conditional_acceptance_per_position(
+            "acceptance_per_position": AC.acceptance_per_position(pooled["accepted_per_position"],
+                                                                  pooled["k_histogram"]) if speculative else [],
+            "conditional_acceptance_per_position": AC.conditional_acceptance_per_position(
                 pooled["accepted_per_position"], pooled["k_histogram"]) if speculative else [],
             "time_split": A.time_split(pooled),
             "wire_bytes_per_token": A.ratio(pooled["wire_bytes"], tokens),

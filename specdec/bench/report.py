@@ -284,7 +284,7 @@ DEFINITIONS = (
     "(gRPC, batching window, session close, acceptance, added network delay).",
     "α̂: per-draft acceptance MLE = accepted / (accepted + rounds ending in a rejection), with the "
     "rejections counted by the orchestrator (GenerateStats.rejected_rounds); for records without that count, "
-    "the rejections of smaller rounds are estimated from the k histogram (analysis.estimate_alpha).",
+    "the rejections of smaller rounds are estimated from the k histogram (acceptance.estimate_alpha).",
     "expected speedup: E(α̂, k) / (k·t_draft + t_verify + overhead) ÷ measured target-only tok/s, with "
     "t_draft = draft_time_s / drafted tokens, t_verify = verify_time_s / rounds, overhead = (duration − "
     "draft_time − verify_time) / rounds, all as the orchestrator measured them; for adaptive/goodput, "
