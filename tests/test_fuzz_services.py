@@ -56,6 +56,21 @@ def test_fuzzed_messages_break_nothing(fuzzed, service):
         assert len(sent) >= (3 if service == "target" else 2), sent
 
 
+def test_fuzzed_messages_break_nothing_with_the_draft_steps_run_ahead(one_thread):
+    """The draft service and the orchestrator over a model drafter whose
+    steps run ahead (ModelDrafter.chain_steps, forced on: auto is on for a
+    GPU only), with the same oracles."""
+    with fuzz_system.start(("draft", "orchestrator"), draft_run_ahead="on") as running:
+        for service in ("draft", "orchestrator"):
+            tally = Tally(strict=True)
+            wanted = max(20, int(MESSAGES * SCALE[service] / 2))
+            summary = fuzz_service(running, service, wanted, tally, seed=1)
+            assert not tally.violations, tally.report()
+            assert summary["messages"] >= wanted and summary["witness_runs"] >= 1
+            assert tally.by_status(service)["OK"] > wanted // 10, tally.report()
+        assert running.model_drafter.steps_fed > 0, "no step ran ahead"
+
+
 # ------------------------------------------------------- the oracles themselves
 
 def test_the_status_oracles_flag_what_they_must():

@@ -21,6 +21,9 @@ def main(argv=None) -> int:
                         help="messages to send to each service at least (env SPECD_FUZZ_MESSAGES)")
     parser.add_argument("--seed", type=int, default=0, help="hypothesis seed of the first round")
     parser.add_argument("--json", metavar="FILE", help="also write the summary as JSON here")
+    parser.add_argument("--draft-run-ahead", choices=("auto", "on", "off"), default="auto",
+                        help="the model drafter's --run-ahead (auto: off on the CPU; on: its steps run ahead, "
+                        "as on a GPU)")
     args = parser.parse_args(argv)
     chosen = tuple(args.service or ("target", "draft", "orchestrator"))
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -31,7 +34,7 @@ def main(argv=None) -> int:
     roles = (*chosen, "orchestrator") if {"orchestrator", "http"} & set(chosen) else chosen
     tally = Tally()
     runs = []
-    with system.start(roles, http="http" in chosen) as running:
+    with system.start(roles, http="http" in chosen, draft_run_ahead=args.draft_run_ahead) as running:
         print(f"servers up in {time.monotonic() - started:.1f} s", flush=True)
         for service in chosen:
             runs.append(fuzz_service(running, service, args.messages, tally, seed=args.seed))

@@ -74,6 +74,7 @@ class FuzzSystem:
     target_port: int = 0
     draft_port: int = 0
     ngram_port: int = 0  # a draft service over the prompt-lookup drafter
+    model_drafter: object = None  # the draft service's ModelDrafter
     orchestrator_port: int = 0
     http_port: int = 0
     tokenizer: object = None
@@ -103,9 +104,11 @@ class FuzzSystem:
         self.close()
 
 
-def start(roles: tuple[str, ...] = ("target", "draft", "orchestrator"), http: bool = False) -> FuzzSystem:
+def start(roles: tuple[str, ...] = ("target", "draft", "orchestrator"), http: bool = False,
+          draft_run_ahead: str = "auto") -> FuzzSystem:
     """Start the roles asked for (an orchestrator needs both services; "ngram"
-    is a second draft service, over the prompt-lookup drafter)."""
+    is a second draft service, over the prompt-lookup drafter).
+    `draft_run_ahead`: the model drafter's --run-ahead (auto: off here, on the CPU)."""
     from draft_service.drafters import ModelDrafter
     from draft_service.ngram_drafter import NgramDrafter
     from draft_service.server import start_draft_service
@@ -131,8 +134,8 @@ def start(roles: tuple[str, ...] = ("target", "draft", "orchestrator"), http: bo
             system.target_port = target.port
         if "draft" in roles:
             d_engine = engine(1, tok)
-            draft = system._loop.run(start_draft_service(
-                local(), limits, lambda: ModelDrafter(d_engine, limits.max_draft_tokens)))
+            system.model_drafter = ModelDrafter(d_engine, limits.max_draft_tokens, run_ahead=draft_run_ahead)
+            draft = system._loop.run(start_draft_service(local(), limits, lambda: system.model_drafter))
             system._stops.append(lambda: draft.stop(0))
             system.usage["draft"] = lambda: (d_engine.num_sessions, 0)
             system.draft_port = draft.port
