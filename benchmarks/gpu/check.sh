@@ -162,6 +162,10 @@ for name in "${phases[@]}"; do
           | grep -vq 'the reference engine failed'; then
         export SPECD_FUSED_LAYERS=off
         echo "         later phases: SPECD_FUSED_LAYERS=off (the default engine failed)" | tee -a "$out/phases.txt"
+      fi
+      if [ "$device" != cpu ] && [ -f "$work/smoke.log" ] && grep -q '^FAIL draft: run ahead' "$work/smoke.log"; then
+        export SPECD_RUN_AHEAD=off
+        echo "         later phases: SPECD_RUN_AHEAD=off (the draft's steps run ahead drafted differently)" | tee -a "$out/phases.txt"
       fi ;;
     steps)
       phase steps 120 "${specd[@]}" steps "$draft_model" "$target_model" --device "$device" --dtype "$dtype" \

@@ -15,6 +15,7 @@ Each check prints one line, and the script keeps going after a failure, so one c
   3. an engine as CUDA runs it by default (fused layers, the fused attention kernel, CUDA graphs)
      against the reference (transformers' layers, SDPA per session, no graphs), fp32 and bf16, and
      the host syncs per captured step (torch.cuda sync debug mode)
+  4. the draft's steps run ahead (fed on the device) against stepping one at a time, fp32 and bf16
 """
 from __future__ import annotations
 
@@ -154,6 +155,30 @@ def _():
         torch.cuda.set_sync_debug_mode(0)
     n = len([w for w in caught if "synchroniz" in str(w.message)])
     return f"{n} sync(s) in one decode step (0 expected: kv_store.to_device copies without waiting)"
+
+
+@check("draft: run ahead vs steps one at a time")
+def _():
+    """The GPU's draft path (ModelDrafter.chain_steps): the same drafts, q and
+    lengths as stepping one at a time, round after round, fp32 and bf16 with
+    CUDA graphs; greedy and sampled rows in one batch, streams of different k."""
+    if SMALL:
+        return "skipped on cpu"
+    from draft_service.drafters import ModelDrafter
+    from tests.test_draft_run_ahead import chained, one_by_one, rounds
+    from tests.test_gpu_engine import cuda_engine
+    out = []
+    for dtype in ("float32", "bfloat16"):
+        stepwise = ModelDrafter(cuda_engine(dtype, True, arch="llama", seed=2), run_ahead="off")
+        ahead = ModelDrafter(cuda_engine(dtype, True, arch="llama", seed=2))
+        assert ahead.run_ahead, "auto did not turn run ahead on for a CUDA draft"
+        expected = rounds(stepwise, (4, 2, 5), 0.0, one_by_one)
+        got = rounds(ahead, (4, 2, 5), 0.0, lambda d, st: chained(d, st)[0])
+        same = sum(g == e for g_round, e_round in zip(got, expected) for g, e in zip(g_round, e_round))
+        total = sum(len(e_round) for e_round in expected)
+        assert same == total, f"{dtype}: {total - same} of {total} streams drafted differently"
+        out.append(f"{dtype}: {total}/{total} streams the same, {ahead.steps_fed} steps fed on the device")
+    return "; ".join(out)
 
 
 if __name__ == "__main__":
