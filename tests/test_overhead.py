@@ -124,3 +124,35 @@ def test_services_in_processes_of_their_own_serve_traced_rounds_and_stop(tmp_pat
     assert stack.target.process.poll() == 0 and stack.draft.process.poll() == 0
     names = {span["name"] for span in read_spans(tmp_path / "spans.jsonl")}
     assert {"propose", "verify", "prefill"} <= names, names
+
+
+def test_the_bare_server_in_a_process_of_its_own_answers_and_stops():
+    """The deployed layout's reference for the no-op: a bare call that, like
+    the no-op, crosses into another process (bare_grpc.ChildServer)."""
+    from specdec.bench.bare_grpc import ChildServer, calls
+
+    child = ChildServer()
+    try:
+        async def one_call():
+            references, close = await calls(child.port)
+            try:
+                return await references["bare unary"]()
+            finally:
+                await close()
+
+        assert eventloop.run(one_call()) == b"0123456789abcdef"
+    finally:
+        child.stop()
+    assert child.process.returncode == 0
+
+
+def test_the_deployed_report_puts_the_no_op_against_the_bare_call_to_a_child_server():
+    from specdec.bench.overhead import Figures
+
+    figures = eventloop.run(measure(reps=2, k=2, in_process=True))
+    m = dict(figures.medians)
+    assert "bare unary, child server (calls)" not in m  # in-process: no child server
+    m["bare unary, child server (calls)"] = m["plain noop (calls)"] / 1.25
+    text = report(Figures(m, figures.k, in_process=False), reps=2)
+    assert "| bare grpc.aio unary call to a server in a process of its own (as each service is) |" in text
+    assert "| no-op unary (target Rollback), tracing off, ÷ that call | " in text and "| 1.25x | <= 1.3x |" in text

@@ -7,9 +7,12 @@ Run as a module, it measures the same references in a process of its own,
 under the grpc I/O engine its environment chooses (specdec/rpc/grpc_io.py),
 and prints them as JSON: `specd overhead` uses that to show, in one run,
 the references under grpcio's default EventEngine beside those of the
-process it measures in.
+process it measures in. With `--serve` it only serves the echo server, in a
+process of its own as the deployed services are (`ChildServer`), until its
+stdin closes: the bare call a deployed service's no-op compares with.
 
     python -m specdec.bench.bare_grpc --reps 200 --gaps 0.0057 0.0022
+    python -m specdec.bench.bare_grpc --serve      # prints {"port": N}
 """
 from __future__ import annotations
 
@@ -85,6 +88,43 @@ def cold_floor(one_message: Call, gaps: tuple[float, float]) -> Call:
     return call
 
 
+class ChildServer:
+    """The echo server in a process of its own (`--serve`), started by the
+    measuring process and stopped by it: it ends when its stdin closes."""
+
+    def __init__(self):
+        import subprocess
+        import sys
+
+        self.process = subprocess.Popen([sys.executable, "-m", "specdec.bench.bare_grpc", "--serve"],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        line = self.process.stdout.readline()
+        if not line:
+            self.stop()
+            raise RuntimeError(f"the bare echo server's process exited with {self.process.returncode}")
+        self.port = int(json.loads(line)["port"])
+
+    def stop(self) -> None:
+        import subprocess
+
+        if self.process.poll() is None:
+            self.process.stdin.close()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+async def _serve() -> None:
+    import sys
+
+    server, port = await start_server()
+    print(json.dumps({"port": port}), flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until the parent closes it
+    await server.stop(0)
+
+
 async def _measure_alone(reps: int, gaps: tuple[float, float]) -> dict[str, float]:
     from specdec.bench.overhead_stack import BackgroundLoop
 
@@ -109,7 +149,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=200)
     p.add_argument("--gaps", type=float, nargs=2, default=(0.005, 0.002),
                    help="seconds of idle before each of the cold floor's two messages")
+    p.add_argument("--serve", action="store_true", help="only serve the echo server until stdin closes")
     args = p.parse_args(argv)
+    if args.serve:
+        eventloop.run(_serve())
+        return 0
     medians = eventloop.run(_measure_alone(args.reps, tuple(args.gaps)))
     print(json.dumps({"grpc_io": grpc_io.describe(), "medians": medians}))
     return 0

@@ -55,7 +55,7 @@ from pathlib import Path
 from specdec import eventloop
 from specdec.rpc import grpc_io
 from specdec.bench.bare_grpc import calls as bare_calls
-from specdec.bench.bare_grpc import cold_floor
+from specdec.bench.bare_grpc import ChildServer, cold_floor
 from specdec.bench.bare_grpc import start_server as start_bare_server
 from specdec.bench.interleave import OUTSIDE, Call, ReportedCompute, interleave
 from specdec.bench.overhead_stack import DEADLINE_S, BackgroundLoop, Stack, StackSpec, start_stacks
@@ -183,6 +183,9 @@ async def measure(reps: int, k: int, tls: bool = False, in_process: bool = False
         try:
             bare_server, bare_port = bg.run(start_bare_server())
             bare, close_bare = await bare_calls(bare_port)
+            # The deployed layout's no-op crosses into another process: so does this bare call.
+            child = None if in_process else ChildServer()
+            child_bare, close_child = (await bare_calls(child.port)) if child else ({}, None)
             calls: dict[str, Call] = {}
             noops: dict[str, Call] = {}
             greedy_compute: list[tuple[float, float]] = []
@@ -212,7 +215,8 @@ async def measure(reps: int, k: int, tls: bool = False, in_process: bool = False
             # compute churns the caches and the scheduler, a no-op measured
             # 1.1-1.3 ms before and after the changes of issue 15 alike), then
             # the rounds.
-            medians = {f"{name} (calls)": t for name, t in (await interleave(bare | noops, reps)).items()}
+            no_op_phase = bare | noops | ({"bare unary, child server": child_bare["bare unary"]} if child else {})
+            medians = {f"{name} (calls)": t for name, t in (await interleave(no_op_phase, reps)).items()}
             for _ in range(10):  # what a greedy round's two services compute, for the cold floor's waits
                 await calls["plain greedy round"]()
             gaps = (statistics.median(d for d, _ in greedy_compute), statistics.median(t for _, t in greedy_compute))
@@ -221,9 +225,13 @@ async def measure(reps: int, k: int, tls: bool = False, in_process: bool = False
             medians |= {f"{name} (event engine)": t for name, t in (await _event_engine_references(reps, gaps)).items()}
             medians |= await interleave(bare | calls, reps)
             await close_bare()
+            if close_child:
+                await close_child()
             for stack in stacks:
                 await stack.close_clients()
         finally:
+            if child:
+                child.stop()
             for stack in stacks:
                 bg.run(stack.target.stop(0))
                 bg.run(stack.draft.stop(0))
@@ -262,6 +270,12 @@ def report(fig: Figures, reps: int) -> str:
         ("no-op unary (target Rollback), tracing on", m["traced noop (calls)"],
          f"{m['traced noop (calls)'] / calls_unary:.2f}x", ""),
     ]
+    child = m.get("bare unary, child server (calls)")
+    if child:  # the deployed layout: the same comparison with the bare server in a process of its own
+        rows += [("bare grpc.aio unary call to a server in a process of its own (as each service is)", child,
+                  f"{child / calls_unary:.2f}x", ""),
+                 ("no-op unary (target Rollback), tracing off, ÷ that call", m["plain noop (calls)"],
+                  f"{m['plain noop (calls)'] / child:.2f}x", "<= 1.3x")]
     for sampling in ("greedy", "T=0.7"):
         plain = fig.round_overhead("plain", sampling)
         traced = fig.round_overhead("traced", sampling)
