@@ -94,5 +94,5 @@ class LaunchedStep:
             return self
         base = self.rows_of or list(range(len(self.where)))
         return LaunchedStep(self.results, [self.where[j] for j in keep], [self.sessions[j] for j in keep],
-                     [self.rows[j] for j in keep], self.picks, [base[j] for j in keep], self.picked_rows,
-                     self.logits, self.max_q_tokens)
+                            [self.rows[j] for j in keep], self.picks, [base[j] for j in keep], self.picked_rows,
+                            self.logits, self.max_q_tokens)

@@ -172,11 +172,14 @@ def _():
         stepwise = ModelDrafter(cuda_engine(dtype, True, arch="llama", seed=2), run_ahead="off")
         ahead = ModelDrafter(cuda_engine(dtype, True, arch="llama", seed=2))
         assert ahead.run_ahead, "auto did not turn run ahead on for a CUDA draft"
+        assert ahead.engine.steps is not None and ahead.engine.steps.captured, "no CUDA graphs captured"
         expected = rounds(stepwise, (4, 2, 5), 0.0, one_by_one)
         got = rounds(ahead, (4, 2, 5), 0.0, lambda d, st: chained(d, st)[0])
         same = sum(g == e for g_round, e_round in zip(got, expected) for g, e in zip(g_round, e_round))
         total = sum(len(e_round) for e_round in expected)
+        # "drafted differently" is what check.sh reads to turn run ahead off for the later phases.
         assert same == total, f"{dtype}: {total - same} of {total} streams drafted differently"
+        assert ahead.steps_fed > 0, f"{dtype}: no step ran ahead (the chain fell back to stepping one at a time)"
         out.append(f"{dtype}: {total}/{total} streams the same, {ahead.steps_fed} steps fed on the device")
     return "; ".join(out)
 

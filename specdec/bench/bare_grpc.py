@@ -19,6 +19,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import select
+import subprocess
+import sys
+import tempfile
 import time
 from typing import Awaitable, Callable
 
@@ -26,6 +30,7 @@ from specdec.bench.interleave import Call, ReportedCompute, interleave
 
 SERVICE = "specdec.bench.Bare"
 DEADLINE_S = 60.0
+START_S = 30.0  # the most a child server may take to report its port
 
 async def start_server():
     """A grpc.aio server with two generic echo handlers: unary and bidi."""
@@ -92,21 +97,26 @@ class ChildServer:
     """The echo server in a process of its own (`--serve`), started by the
     measuring process and stopped by it: it ends when its stdin closes."""
 
-    def __init__(self):
-        import subprocess
-        import sys
-
+    def __init__(self, start_s: float = START_S):
+        self._stderr = tempfile.TemporaryFile()
         self.process = subprocess.Popen([sys.executable, "-m", "specdec.bench.bare_grpc", "--serve"],
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-        line = self.process.stdout.readline()
-        if not line:
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr)
+        try:
+            ready, _, _ = select.select([self.process.stdout], [], [], start_s)
+            line = self.process.stdout.readline() if ready else b""
+            if not line:
+                raise RuntimeError(f"the bare echo server's process gave no port within {start_s:.0f} s "
+                                   f"(exit code {self.process.poll()}): {self._stderr_tail()}")
+            self.port = int(json.loads(line)["port"])
+        except BaseException:
             self.stop()
-            raise RuntimeError(f"the bare echo server's process exited with {self.process.returncode}")
-        self.port = int(json.loads(line)["port"])
+            raise
+
+    def _stderr_tail(self) -> str:
+        self._stderr.seek(0)
+        return self._stderr.read()[-500:].decode(errors="replace").strip() or "no output"
 
     def stop(self) -> None:
-        import subprocess
-
         if self.process.poll() is None:
             self.process.stdin.close()
             try:
@@ -114,11 +124,11 @@ class ChildServer:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        for pipe in (self.process.stdin, self.process.stdout, self._stderr):
+            pipe.close()
 
 
 async def _serve() -> None:
-    import sys
-
     server, port = await start_server()
     print(json.dumps({"port": port}), flush=True)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until the parent closes it
