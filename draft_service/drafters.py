@@ -191,7 +191,7 @@ class ModelDrafter(EngineBackend):
         request's problem never fails another's step)."""
         return self._settle(streams, self._launch(streams))
 
-    def chain_steps(self, streams, more=None) -> list[tuple[list, float]]:
+    def chain_steps(self, streams, more=None, on_step=None) -> list[tuple[list, float]]:
         """Several of `step_many`'s steps in one engine job, run ahead: each
         step after the first is fed the tokens the step before picked while
         they are still on the device (`ModelEngine.feed`), and is queued on the
@@ -208,7 +208,9 @@ class ModelDrafter(EngineBackend):
         passes on the same inputs and the same picks. A step queued ahead
         for a stream that then ends (its k, min_confidence, an error) is
         dropped: its keys/values lie beyond the stream's context, and the
-        cost is that step's compute."""
+        cost is that step's compute. `on_step(results, seconds)`, if given,
+        is called with each step as soon as it is read, while the next one
+        runs (a streamed Propose's tokens, handed on during the job)."""
         clock = time.perf_counter()
         launched = self._launch(streams)
         out = []
@@ -219,6 +221,8 @@ class ModelDrafter(EngineBackend):
             now = time.perf_counter()
             out.append((results, now - clock))
             clock = now
+            if on_step is not None:
+                on_step(list(results), out[-1][1])
             if ahead is None:
                 return out
             ended = [i for i in launched.where if not isinstance(results[i], DraftToken) or streams[i].done]

@@ -177,6 +177,9 @@ class DraftStepBatcher:
     async def _one_pass(self) -> None:
         streams = list(self._active)[: self.max_batch]
         arrivals = self._arrivals
+        if self._run_ahead:
+            await self._pass_ahead(streams, arrivals)
+            return
         # Read on the engine thread between steps: an int read is atomic.
         more = (lambda: self._arrivals == arrivals) if all(s in self._collecting for s in streams) else None
         try:
@@ -186,6 +189,27 @@ class DraftStepBatcher:
             steps = [([exc] * len(streams), 0.0)]
         for results, seconds in steps:
             self._deliver(streams, results, seconds)
+
+    async def _pass_ahead(self, streams: list[DraftStream], arrivals: int) -> None:
+        """A pass whose steps run ahead: streamed callers too get several
+        steps in one job, each step's tokens handed to them as the job reads
+        it (while the next step runs), so a stream's consumer sees each token
+        as soon as stepping one at a time would show it. The job stops after
+        its current step once a stream arrives or one of its streams' callers
+        goes away (pipelining drops a wrong guess's stream), as a collected
+        pass stops for an arrival."""
+        loop = asyncio.get_running_loop()
+
+        def on_step(results: list, seconds: float) -> None:  # on the engine thread
+            loop.call_soon_threadsafe(self._deliver, streams, results, seconds)
+
+        # Read on the engine thread between steps: an int read and a dict lookup are atomic.
+        more = lambda: self._arrivals == arrivals and all(s in self._active for s in streams)  # noqa: E731
+        try:
+            await self.worker.run(self.drafter.chain_steps, streams, more, on_step)
+        except Exception as exc:  # a bug, not one stream's problem: fail this pass, keep serving
+            log.exception("draft step failed")
+            self._deliver(streams, [exc] * len(streams), 0.0)
 
     def _deliver(self, streams: list[DraftStream], results: list, seconds: float) -> None:
         self.passes += 1

@@ -303,3 +303,64 @@ def test_the_draft_service_runs_a_lone_streams_steps_ahead_on_its_event_loop():
     got, loop_thread = asyncio.run(run())
     assert got == expected
     assert threads[:3] == ["eng_0"] * 3 and threads[3:] == [loop_thread] * 5
+
+
+def test_streamed_proposes_run_ahead_get_each_token_and_the_drafts_of_stepping_one_at_a_time():
+    """Streamed Proposes (pipelined drafting's) through the step batcher:
+    several steps per job, each step's tokens handed on as the job reads it;
+    a consumer that goes away after its first token stops the job within a
+    step or two instead of all of its k."""
+    import asyncio
+
+    from draft_service.step_batcher import DraftStepBatcher
+    from specdec.rpc.serving import EngineWorker
+
+    stepwise, ahead = pair_of_drafters()
+    expected = one_by_one(stepwise, [stepwise.propose(stepwise.open(PROMPTS[j], METAS[j], 32)[0], None, [], 5)
+                                     for j in (1, 2)])  # both in one batch, as the batcher steps them
+    sids = [ahead.open(PROMPTS[j], METAS[j], 32)[0] for j in (1, 2)]
+    dropped_sid = ahead.open(PROMPTS[3], METAS[3], 64)[0]
+
+    async def run():
+        worker = EngineWorker("eng")
+        batcher = DraftStepBatcher(worker, ahead)
+        try:
+            async def consume(stream):
+                return [summary(token) async for token, _ in batcher.stream(stream)]
+
+            streams = [ahead.propose(sid, None, [], 5) for sid in sids]
+            got = await asyncio.gather(*(consume(st) for st in streams))
+            fed = ahead.steps_fed
+            dropped = ahead.propose(dropped_sid, None, [], 8)
+            async for _ in batcher.stream(dropped):
+                break  # a wrong guess: the rest is not wanted
+            await asyncio.sleep(0.2)
+            return got, fed, dropped.produced
+        finally:
+            worker.shutdown()
+
+    got, fed, produced = asyncio.run(run())
+    assert got == expected and fed > 0
+    assert produced <= 4, f"the job stepped a dropped stream {produced} times"
+
+
+def test_pipelined_drafting_with_the_steps_run_ahead_keeps_greedy_output_and_seeded_tokens(pair):
+    target, draft = pair
+    n, prompts = 20, GREEDY_PROMPTS[:4]
+    outputs, fed = {}, {}
+    for run_ahead in ("on", "off"):
+        with running_system(tiny_engine(model=target), tiny_engine(model=draft), draft_run_ahead=run_ahead,
+                            pipeline=True, pipeline_always=True) as s:
+            results = []
+            for i, prompt in enumerate(prompts):
+                greedy = s.client.complete(prompt, max_tokens=n, temperature=0, policy="fixed", num_draft_tokens=3)
+                sampled = s.client.complete(prompt, max_tokens=n, temperature=0.8, seed=200 + i, policy="fixed",
+                                            num_draft_tokens=3)
+                results.append((greedy.token_ids, sampled.token_ids, greedy.stats.pipelined_rounds))
+            outputs[run_ahead] = results
+            fed[run_ahead] = s.draft.servicer.backend.steps_fed
+    for i, (greedy, _, _) in enumerate(outputs["on"]):
+        assert greedy == greedy_reference(target, prompts[i], n)[: len(greedy)], f"prompt {i}"
+    assert [r[1] for r in outputs["on"]] == [r[1] for r in outputs["off"]]
+    assert sum(r[2] for r in outputs["on"]) > 0, "no round used drafts made ahead"
+    assert fed["on"] > 0 and fed["off"] == 0
