@@ -217,7 +217,7 @@ class ModelDrafter(EngineBackend):
         while True:
             launched.start_copy()  # before the next step is queued behind it
             ahead = self._launch_ahead(streams, launched, more)
-            results = self._settle(streams, launched, fed=ahead.where if ahead is not None else ())
+            results = self._settle(streams, launched, fed=set(ahead.where) if ahead is not None else ())
             now = time.perf_counter()
             out.append((results, now - clock))
             clock = now
@@ -225,7 +225,7 @@ class ModelDrafter(EngineBackend):
                 on_step(list(results), out[-1][1])
             if ahead is None:
                 return out
-            ended = [i for i in launched.where if not isinstance(results[i], DraftToken) or streams[i].done]
+            ended = {i for i in launched.where if not isinstance(results[i], DraftToken) or streams[i].done}
             if ended:
                 # As a job stepping one at a time: a stream that ended here (its k,
                 # min_confidence, an error) ends the job after the step already

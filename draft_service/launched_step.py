@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdec.engine.kv_store import to_device
+from specdec.host_copy import to_device
 from specdec.sampling.draft_picks import DevicePicks, DraftPick, DraftRow, pick_drafts, pick_on_device
 
 log = logging.getLogger(__name__)

@@ -61,6 +61,18 @@ def stop_processes(procs: list[subprocess.Popen], grace_s: float = 30.0) -> None
             p.wait(timeout=10)
 
 
+def close_stdin_and_wait(process: subprocess.Popen, grace_s: float) -> None:
+    """Stop a child that ends when its stdin closes (the benchmarks' helper
+    servers): close it, wait up to grace_s, then SIGKILL."""
+    if process.poll() is None:
+        process.stdin.close()
+        try:
+            process.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
 # ------------------------------------------- roles as `specd serve` children
 
 

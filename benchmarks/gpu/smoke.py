@@ -154,7 +154,7 @@ def _():
     finally:
         torch.cuda.set_sync_debug_mode(0)
     n = len([w for w in caught if "synchroniz" in str(w.message)])
-    return f"{n} sync(s) in one decode step (0 expected: kv_store.to_device copies without waiting)"
+    return f"{n} sync(s) in one decode step (0 expected: host_copy.to_device copies without waiting)"
 
 
 @check("draft: run ahead vs steps one at a time")

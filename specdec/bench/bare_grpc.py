@@ -117,13 +117,9 @@ class ChildServer:
         return self._stderr.read()[-500:].decode(errors="replace").strip() or "no output"
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.stdin.close()
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        from specdec.processes import close_stdin_and_wait
+
+        close_stdin_and_wait(self.process, 10.0)
         for pipe in (self.process.stdin, self.process.stdout, self._stderr):
             pipe.close()
 

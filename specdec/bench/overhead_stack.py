@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specdec import eventloop
-from specdec.processes import Service, read_port
+from specdec.processes import Service, close_stdin_and_wait, read_port
 
 DEADLINE_S = 60.0
 START_S = 600.0  # for a service process to import torch and build its engine, many starting at once
@@ -78,13 +78,7 @@ class ChildService:
         return self.service.port
 
     async def stop(self, grace_s: float = 0.0) -> None:
-        if self.process.poll() is None:
-            self.process.stdin.close()  # it stops itself when its stdin closes
-            try:
-                self.process.wait(timeout=max(grace_s, 5.0))
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        close_stdin_and_wait(self.process, max(grace_s, 5.0))  # it stops itself when its stdin closes
 
 
 @dataclass

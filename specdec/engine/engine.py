@@ -32,7 +32,6 @@ from specdec.engine.kv_store import (
     StepLayout,
     StoreCache,
     slots_for_budget,
-    to_device,
 )
 from specdec.engine.loading import free_device_memory, load_model, tokenizer_fingerprint
 from specdec.engine.fused_decoder import FusedDecoder
@@ -43,6 +42,7 @@ from specdec.engine.sessions import ContextRules, Session, SessionTable, new_ses
 from specdec.engine.static_steps import CaptureReport, StaticSteps
 from specdec.engine.weight_forms import WeightForms
 from specdec.errors import InvalidArgument
+from specdec.host_copy import to_device
 
 log = logging.getLogger(__name__)
 
@@ -233,13 +233,8 @@ class ModelEngine(WeightForms):
             self.rules.check_length(session, session.length + 1)
         positions = [s.length for s in sessions]
         bases = [self.store.base(s.slot) for s in sessions]
-        if self.steps is not None and self.steps.fits(len(sessions)):
-            logits = self.steps.run(tokens, positions, bases)
-        else:
-            spans = [RowSpan(b, b + 1, base, p) for b, (p, base) in enumerate(zip(positions, bases))]
-            logits = self._call_model(tokens, self._eager_layout(spans, positions, bases), list(range(len(sessions))))
-        vocab.mask_padding_(logits, self.usable_vocab_size)
-        return logits
+        spans = [RowSpan(b, b + 1, base, p) for b, (p, base) in enumerate(zip(positions, bases))]
+        return self._logits(tokens, positions, bases, spans, list(range(len(sessions))))
 
     def rollback(self, session_id: str, length: int) -> int:
         """Keep the first `length` tokens of the context: O(1)."""
@@ -342,6 +337,15 @@ class ModelEngine(WeightForms):
         if not tokens:
             return [torch.empty((0, self.vocab_size), dtype=self.dtype, device=self.device) for _ in sessions]
         wanted = [i for row, n in zip(spans, num_logits) for i in range(row.stop - n, row.stop)]
+        logits = self._logits(tokens, positions, bases, spans, wanted)
+        for session, row in zip(sessions, spans):
+            session.cached = row.end
+        return list(torch.split(logits, num_logits))
+
+    def _logits(self, tokens: list[int] | torch.Tensor, positions: list[int], bases: list[int],
+                spans: list[RowSpan], wanted: list[int]) -> torch.Tensor:
+        """The `wanted` rows' logits of one forward over `tokens` (a fixed-shape
+        step where one fits, else eagerly), padded vocabulary rows masked."""
         if self.steps is not None and self.steps.fits(len(tokens)):
             every = self.steps.run(tokens, positions, bases)  # [len(tokens), V], a copy
             # wanted is ascending: as long as the step means every row (a decode,
@@ -350,9 +354,7 @@ class ModelEngine(WeightForms):
         else:
             logits = self._call_model(tokens, self._eager_layout(spans, positions, bases), wanted)
         vocab.mask_padding_(logits, self.usable_vocab_size)  # padded rows are never sampled
-        for session, row in zip(sessions, spans):
-            session.cached = row.end
-        return list(torch.split(logits, num_logits))
+        return logits
 
     def _eager_layout(self, spans: list[RowSpan], positions: list[int], bases: list[int]) -> StepLayout:
         for row in spans:

@@ -211,18 +211,3 @@ class StoreCache(Cache):
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0
-
-
-def host_staged(values: list, device: torch.device) -> torch.Tensor:
-    """Host integers as an int64 CPU tensor to copy to `device`: pinned for a
-    CUDA device, so the copy can be asynchronous."""
-    staged = torch.tensor(values, dtype=torch.long)
-    return staged.pin_memory() if device.type == "cuda" else staged
-
-
-def to_device(values: list, device: torch.device) -> torch.Tensor:
-    """Host integers as an int64 tensor on `device`. On CUDA through pinned
-    memory without waiting: `torch.tensor(values, device="cuda")` copies from
-    pageable memory, which waits for everything already queued on the stream
-    (the step just launched), a host sync per call."""
-    return host_staged(values, device).to(device, non_blocking=True)

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 import torch
 
 from specdec.engine.attention import STEP_KWARG, row_mask
-from specdec.engine.kv_store import KVStore, RowSpan, StepLayout, StoreCache, host_staged
+from specdec.engine.kv_store import KVStore, RowSpan, StepLayout, StoreCache
+from specdec.host_copy import host_staged
 
 log = logging.getLogger(__name__)
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.host_copy import to_device
 from specdec.sampling.params import SamplingParams
 from specdec.sampling.rng import Stream, uniform
 from specdec.sampling.sparse import SparseDist, kept, pick_rows, truncate_rows
@@ -148,8 +149,5 @@ def pick_on_device(logits: torch.Tensor, rows: Sequence[DraftRow], max_q_tokens:
 def _index(members: list[int], batch: int, device) -> torch.Tensor | slice:
     if len(members) == batch:
         return slice(None)
-    index = torch.tensor(members, dtype=torch.long)
-    # From pinned memory: a copy from pageable memory would wait for the work
-    # already queued (a chained step's forward), a host sync.
-    return (index.pin_memory() if device.type == "cuda" else index).to(device, non_blocking=True)
+    return to_device(members, device)  # without waiting for a chained step's forward
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.host_copy import to_device
 from specdec.sampling.transform import top_indices
 
 
@@ -155,10 +156,7 @@ def pick_rows(rows: torch.Tensor, us: Sequence[float]) -> tuple[torch.Tensor, to
     vocab = weights.shape[-1]
     cumulative = torch.cumsum(weights, dim=-1)  # [R, V]
     totals = cumulative[:, -1]  # [R]
-    u = torch.tensor(list(us), dtype=torch.float64)
-    # From pinned memory: a copy from pageable memory waits for the work
-    # already queued on the device, a host sync.
-    u = (u.pin_memory() if weights.device.type == "cuda" else u).to(weights.device, non_blocking=True)
+    u = to_device(list(us), weights.device, torch.float64)  # without waiting for the work queued
     picked = torch.searchsorted(cumulative, (u * totals)[:, None], right=True)[:, 0]  # [R]
     last_positive = vocab - 1 - torch.argmax((weights > 0).flip(-1).to(torch.int8), dim=-1)
     picked = torch.where(picked >= vocab, last_positive, picked)
