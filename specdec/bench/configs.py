@@ -19,6 +19,7 @@ from specdec.limits import check_min_confidence
 
 SERVICE, HF, HF_STATIC, HF_ASSISTED = "service", "hf", "hf-static", "hf-assisted"
 BASELINES = (SERVICE, HF, HF_STATIC, HF_ASSISTED)
+HF_KINDS = (HF, HF_STATIC, HF_ASSISTED)  # the baselines run by transformers in the bench's own process
 TARGET_ONLY = "target-only"
 PIPELINE_SUFFIX = "-pipeline"
 

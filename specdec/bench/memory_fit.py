@@ -37,6 +37,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -90,6 +91,8 @@ def model_config(model: str):
 
     from specdec.models.synth import get_synth, is_synth_name
 
+    if not is_synth_name(model) and not Path(model).is_dir():  # a GGUF file would be read whole, to fail as JSON
+        return None
     try:
         return get_synth(model).config() if is_synth_name(model) else AutoConfig.from_pretrained(model)
     except (OSError, ValueError, KeyError, TypeError):

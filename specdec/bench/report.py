@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Iterable
 
 from specdec.bench.aggregate import evaluate_goals
+from specdec.bench.analysis import EARLY_STOPS
 from specdec.bench.machine import machine_line
 from specdec.bench.runner import SERVICE, TARGET_ONLY
 
@@ -288,7 +289,7 @@ DEFINITIONS = (
     "expected speedup: E(α̂, k) / (k·t_draft + t_verify + overhead) ÷ measured target-only tok/s, with "
     "t_draft = draft_time_s / drafted tokens, t_verify = verify_time_s / rounds, overhead = (duration − "
     "draft_time − verify_time) / rounds, all as the orchestrator measured them; for adaptive/goodput, "
-    "and for a fixed k whose rounds drafted under 0.9 k on average (stopped early by the draft's min "
+    f"and for a fixed k whose rounds drafted under {EARLY_STOPS} k on average (stopped early by the draft's min "
     "confidence), k is the mean k. efficiency = measured speedup / expected speedup. ideal speedup: compute only "
     "(draft_compute_time_s per drafted token, target_compute_time_s per round, no overhead) against "
     "target-only's compute-only rate. For pipelined configs draft and verify overlap: the bound is that of "

@@ -32,6 +32,7 @@ from specdec.bench.configs import (  # noqa: F401 - re-exported: the bench's con
     BASELINES,
     HF,
     HF_ASSISTED,
+    HF_KINDS,
     HF_STATIC,
     PIPELINE_SUFFIX,
     SERVICE,
@@ -243,7 +244,7 @@ class Runner:
                                                                           if spec else []):
                     _service_request(self._client(route, 0), cfg, prompt, 0.0, 4)
         if self.hf is not None:
-            for kind in (HF, HF_STATIC, HF_ASSISTED):
+            for kind in HF_KINDS:
                 if kind in kinds:  # a static cache compiles here, not in a measured request
                     self.hf.generate(list(prompt.token_ids), max_tokens=4, temperature=0.0, seed=0, kind=kind)
 

@@ -24,7 +24,7 @@ import threading
 import time
 from pathlib import Path
 
-from specdec.bench.runner import BASELINES, HF, HF_ASSISTED, HF_STATIC, routes
+from specdec.bench.runner import BASELINES, HF_ASSISTED, HF_KINDS, routes
 from specdec.cli.bench_options import SYNTH_PAIRS, UsageError, build_prompts, resolve, use_tiny_pair
 from specdec.cli.bench_results import write_results
 from specdec.cli.model_flags import add_device, add_dtype, add_role_devices, add_threads
@@ -144,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         o = resolve(args)
         for note in o["notes"]:
-            print(f"specd bench: {note}", file=sys.stderr)
+            _log(f"specd bench: {note}")
         if args.pair == "tiny":
             use_tiny_pair(o)
         out_dir = Path(args.out or Path("bench-results") / dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ"))
@@ -281,7 +281,7 @@ def _start(services, args, o: dict, out_dir: Path):
 
 
 def _load_hf_baselines(args, o: dict):
-    hf_kinds = {c.kind for c in o["configs"]} & {HF, HF_STATIC, HF_ASSISTED}
+    hf_kinds = {c.kind for c in o["configs"]} & set(HF_KINDS)
     if not hf_kinds:
         return None
     from specdec.bench.hf_baselines import HFBaselines

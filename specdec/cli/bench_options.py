@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from specdec.bench.runner import BASELINES, HF, HF_ASSISTED, HF_STATIC, SERVICE
+from specdec.bench.runner import BASELINES, HF_ASSISTED, HF_KINDS, HF_STATIC, SERVICE
 from specdec.errors import InvalidArgument
 from specdec.limits import check_num_draft_tokens
 from specdec.models.catalog import DEFAULT_PAIR
@@ -124,21 +124,19 @@ def resolve(args: argparse.Namespace) -> dict:
         raise UsageError(str(exc)) from None
     if not o["configs"]:
         raise UsageError("nothing to run: give --baselines and/or --policies")
-    if any(b in o["baselines"] for b in (HF, HF_STATIC, HF_ASSISTED)) and 1 not in o["concurrency"]:
+    if any(b in o["baselines"] for b in HF_KINDS) and 1 not in o["concurrency"]:
         raise UsageError("the HF baselines run at concurrency 1: include 1 in --concurrency or drop them")
     if HF_ASSISTED in o["baselines"]:
         rows = _vocab_rows(o["draft_dir"]), _vocab_rows(o["target_dir"])
-        if None in rows or rows[0] == rows[1]:
-            pass
-        elif args.baselines is None:  # the default set: leave it out
-            o["baselines"].remove(HF_ASSISTED)
+        if None not in rows and rows[0] != rows[1]:
+            if args.baselines is not None:
+                raise UsageError(f"--baselines hf-assisted: transformers' assisted generation needs the draft's and "
+                                 f"the target's vocabularies to have the same rows ({rows[0]} and {rows[1]} here); "
+                                 "drop hf-assisted for this pair")
+            o["baselines"].remove(HF_ASSISTED)  # the default set: leave it out
             o["configs"] = [c for c in o["configs"] if c.kind != HF_ASSISTED]
             o["notes"].append(f"hf-assisted left out: transformers' assisted generation needs equal vocabulary "
                               f"rows, and this pair has {rows[0]} and {rows[1]}")
-        else:
-            raise UsageError(f"--baselines hf-assisted: transformers' assisted generation needs the draft's and the "
-                             f"target's vocabularies to have the same rows ({rows[0]} and {rows[1]} here); "
-                             "drop hf-assisted for this pair")
     o["concurrency_configs"] = args.concurrency_configs
     if args.concurrency_configs:
         unknown = set(args.concurrency_configs) - {n for c in o["configs"] if c.kind == SERVICE for n in (c.name, c.base)}
@@ -176,7 +174,7 @@ def _check_memory(dtype: str, quantize: str, o: dict) -> None:
     from specdec.bench import memory_fit
     from specdec.engine.loading import free_device_memory
 
-    hf = [b for b in o["baselines"] if b in (HF, HF_STATIC, HF_ASSISTED)]
+    hf = [b for b in o["baselines"] if b in HF_KINDS]
     draft = memory_fit.Placement(o["draft_dir"], o["draft_device"], memory_fit.element_bytes(dtype, o["draft_device"]),
                                  heads=tuple(o["draft_vocabs"]), int8=quantize == "int8")
     target = memory_fit.Placement(o["target_dir"], o["target_device"],
