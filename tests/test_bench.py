@@ -218,6 +218,9 @@ def test_the_default_baselines_leave_out_hf_assisted_for_a_pair_whose_rows_diffe
     assert "hf-assisted" not in {c.name for c in o["configs"]}
     assert o["notes"] == ["hf-assisted left out: transformers' assisted generation needs equal vocabulary rows, "
                           "and this pair has 151936 and 152064"]
+    from specdec.cli.bench_results import run_notes
+
+    assert run_notes(o, [])[0] == o["notes"][0]  # summary.md's Notes say it too, not only the console
     assert resolve(_bench_args(concurrency=[1]))["notes"] == []
 
 

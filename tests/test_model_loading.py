@@ -1,7 +1,8 @@
 """engine/loading.py: how a checkpoint becomes a model. On a GPU the weights go
 straight to the device (`device_map`), so the host never holds the whole
 model; if transformers cannot load that way, the model loads on the CPU and
-moves, as it always did. (The GPU path itself: tests/test_gpu_engine.py.)"""
+moves, as it always did, unless it ran out of device memory, which a CPU load
+would only meet again later. (The GPU path itself: tests/test_gpu_engine.py.)"""
 from __future__ import annotations
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 
 from specdec.engine import loading
 from specdec.engine.config import EngineConfig
-from specdec.errors import NotFound
+from specdec.errors import NotFound, ResourceExhausted
 
 
 class Recorder:
@@ -61,3 +62,25 @@ def test_a_missing_model_is_not_found_on_either_path(recorder):
     recorder(OSError("no such directory"))
     with pytest.raises(NotFound, match="cannot load model 'm'"):
         loading._from_pretrained(EngineConfig(model="m", device="cuda"), "dir", torch.bfloat16, {})
+
+
+def test_running_out_of_device_memory_does_not_retry_through_the_host(recorder):
+    # A CPU load would hold the whole model in host memory and then run out on the device again.
+    rec = recorder(torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        loading._from_pretrained(EngineConfig(model="m", device="cuda"), "dir", torch.bfloat16, {})
+    assert [c.get("device_map") for c in rec.calls] == ["cuda"]
+
+
+def test_a_model_too_big_for_its_device_is_one_clear_resource_error(monkeypatch):
+    def too_big(cfg):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore detail")
+
+    monkeypatch.setattr(loading, "_load", too_big)
+    monkeypatch.setattr(loading, "free_device_memory", lambda device: 3 * 2**30)
+    with pytest.raises(ResourceExhausted) as caught:
+        loading.load_model(EngineConfig(model="big", device="cuda:0"))
+    message = str(caught.value)
+    assert "model 'big' does not fit in the memory of cuda:0 (3.0 GiB free now)" in message
+    assert "Tried to allocate 2.00 GiB" in message and "more detail" not in message
+    assert "--quantize int8" in message

@@ -50,3 +50,16 @@ def test_the_interpreter_builds_nothing_and_a_cpu_never_asks(no_compiler, monkey
     assert choose_kernel("auto", torch.device("cpu")) == "sdpa"
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert triton_missing() is None
+
+
+def test_the_fallback_to_sdpa_warns_once_and_an_explicit_sdpa_still_hears_about_graphs(no_compiler, caplog):
+    with caplog.at_level(logging.INFO, logger="specdec.engine.model_facts"):
+        kernel = choose_kernel("auto", CUDA)
+        assert model_facts.wants_graphs("auto", CUDA, kernel, "auto") is False
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "without CUDA graphs" in warnings[0].getMessage()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="specdec.engine.model_facts"):
+        assert model_facts.wants_graphs("auto", CUDA, "sdpa", "sdpa") is False
+    assert [r.levelno for r in caplog.records] == [logging.WARNING]
+    assert "CUDA graphs off" in caplog.text

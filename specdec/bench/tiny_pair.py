@@ -163,14 +163,16 @@ def _greedy_continuations(target, prompts, new_tokens: int):
     """The target's greedy continuations (batch of equal-length prompts)."""
     import torch
 
+    from specdec.engine.model_facts import cache_kwarg, output_cache
+
     seqs = torch.tensor(prompts, dtype=torch.long)
     out = target(seqs, use_cache=True)
-    cache = out.past_key_values
+    cache = output_cache(out)
     for _ in range(new_tokens):
         nxt = out.logits[:, -1:].argmax(-1)
         seqs = torch.cat([seqs, nxt], dim=1)
-        out = target(nxt, past_key_values=cache, use_cache=True)
-        cache = out.past_key_values
+        out = target(nxt, use_cache=True, **{cache_kwarg(target): cache})
+        cache = output_cache(out)
     return seqs
 
 

@@ -36,7 +36,7 @@ def _pick(args, name: str):
 def resolve(args: argparse.Namespace) -> dict:
     """Every setting, defaults filled in and checked; raises UsageError."""
     o = {name: _pick(args, name) for name in FULL}
-    o["notes"] = []  # what the bench prints before it starts: settings it changed on its own
+    o["notes"] = []  # settings the bench changed on its own: printed before it starts, and in summary.md
     o["baselines"] = _default_baselines(args) if args.baselines is None else list(args.baselines)
     o["policies"] = [] if o["policies"] == ["none"] else list(o["policies"])
     o["token_prompt_len"] = args.token_prompt_len

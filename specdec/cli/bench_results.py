@@ -36,7 +36,7 @@ def write_results(args, o: dict, prompts: list, runner, interrupted: bool, machi
     wall = time.time() - started
     meta = {"machine": machine, "command": command, "settings": _settings(args, o, prompts),
             "models": _models(args, o, dtypes), "skipped": runner.skipped, "interrupted": interrupted,
-            "wall_s": wall, "notes": _notes(runs), "plots": plots}
+            "wall_s": wall, "notes": run_notes(o, runs), "plots": plots}
     summary = "\n".join([report.summary_markdown(runs, meta=meta), "",
                          *projection_markdown(runs, args.assume_acceptance)])
     (out_dir / "summary.md").write_text(summary + "\n")
@@ -92,10 +92,12 @@ def _on_off_label(settings: list[bool], off_suffix: str) -> str:
     return f"on (NAME), and off at concurrency > 1 (NAME/{off_suffix})"
 
 
-def _notes(runs: list) -> list[str]:
-    notes = ["The HF baselines run in this process at concurrency 1, under the first network condition only.",
-             "At concurrency c > 1 each wave sends the prompts (cycled up to a multiple of c) through c client "
-             "threads pulling from one queue."]
+def run_notes(o: dict, runs: list) -> list[str]:
+    """summary.md's Notes: the settings the bench changed on its own
+    (`bench_options.resolve`), then how the runs were made."""
+    notes = [*o["notes"], "The HF baselines run in this process at concurrency 1, under the first network condition "
+             "only.", "At concurrency c > 1 each wave sends the prompts (cycled up to a multiple of c) through c "
+             "client threads pulling from one queue."]
     if any(r.get("time_split") and not r["time_split"]["draft_compute_reported"] for r in runs):
         notes.append("This orchestrator does not report draft_compute_time_s: the draft share (*) is the propose "
                      "RPC time, network included, and the ideal bound is not computed.")

@@ -35,8 +35,8 @@ from specdec.engine.kv_store import (
 )
 from specdec.engine.loading import free_device_memory, load_model, tokenizer_fingerprint
 from specdec.engine.fused_decoder import FusedDecoder
-from specdec.engine.model_facts import (choose_kernel, context_limit, eos_ids, probe_kv_shape, wants_fused,
-                                       wants_graphs)
+from specdec.engine.model_facts import (cache_kwarg, choose_kernel, context_limit, eos_ids, probe_kv_shape,
+                                       wants_fused, wants_graphs)
 from specdec.engine.packed_linear import wants_packing
 from specdec.engine.sessions import ContextRules, Session, SessionTable, new_session_id
 from specdec.engine.static_steps import CaptureReport, StaticSteps
@@ -116,7 +116,7 @@ class ModelEngine(WeightForms):
         self.output_ids = self.vocab_size  # ids the output head computes (restrict_output)
         self.quantized = "none"  # quantize_weights
         self.capture_report: CaptureReport | None = None
-        if wants_graphs(cfg.cuda_graphs, self.device, self.kernel):
+        if wants_graphs(cfg.cuda_graphs, self.device, self.kernel, cfg.attention):
             self.use_static_steps(cfg.graph_max_tokens)
         self._sessions: SessionTable[EngineSession] = SessionTable(cfg.max_sessions)
         self.rules = ContextRules(self.usable_vocab_size, self.max_context)
@@ -373,9 +373,8 @@ class ModelEngine(WeightForms):
             out = self.forward_model(
                 input_ids=tokens[None] if isinstance(tokens, torch.Tensor) else to_device([tokens], self.device),
                 position_ids=layout.position.unsqueeze(0),
-                past_key_values=StoreCache(self.store, layout),
                 use_cache=True,
-                **{STEP_KWARG: layout},
+                **{cache_kwarg(self.forward_model): StoreCache(self.store, layout), STEP_KWARG: layout},
                 **kwargs,
             )
         logits = out.logits[0]

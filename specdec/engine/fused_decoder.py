@@ -141,10 +141,10 @@ class FusedDecoder(nn.Module):
                 head_dim=attn.head_dim, scaling=attn.scaling, attn=attn, norm2=layer.post_attention_layernorm.weight,
                 norm2_eps=_eps(layer.post_attention_layernorm), gate_up=_shared(mlp.gate_proj), mlp=mlp))
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, past_key_values: StoreCache,
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: StoreCache,
                 logits_to_keep=0, **kwargs) -> FusedOutput:
         layout: StepLayout = kwargs[STEP_KWARG]
-        store = past_key_values.store
+        store = cache.store
         model = self.model
         inner = model.model
         hidden = inner.embed_tokens(input_ids[0])  # [T, H]

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from specdec.engine.config import EngineConfig
 from specdec.engine.vocab import IdSpace, known_vocab, ships_tokenizer
-from specdec.errors import NotFound
+from specdec.errors import NotFound, ResourceExhausted
 from specdec.models.cache import locate
 
 log = logging.getLogger(__name__)
@@ -52,8 +52,20 @@ def apply_threads(threads: int) -> None:
 
 
 def load_model(cfg: EngineConfig) -> LoadedModel:
-    """Load `cfg.model` for inference; raises NotFound for an unknown model."""
+    """Load `cfg.model` for inference; raises NotFound for an unknown model,
+    ResourceExhausted for one that does not fit on its device."""
     cfg.validate()
+    try:
+        return _load(cfg)
+    except torch.cuda.OutOfMemoryError as exc:
+        free = free_device_memory(torch.device(cfg.device)) / 2**30
+        raise ResourceExhausted(
+            f"model {cfg.model!r} does not fit in the memory of {cfg.device} ({free:.1f} GiB free now): "
+            f"{str(exc).splitlines()[0]} Give it a device with more memory, a smaller --dtype, "
+            f"--quantize int8, or a smaller model.") from None
+
+
+def _load(cfg: EngineConfig) -> LoadedModel:
     from specdec.models import synth
 
     if synth.is_synth_name(cfg.model):  # random weights of a real architecture, built in place
@@ -105,6 +117,8 @@ def _from_pretrained(cfg: EngineConfig, where: str, dtype: torch.dtype, kwargs: 
         if on_gpu:
             try:
                 return AutoModelForCausalLM.from_pretrained(where, device_map=cfg.device, **kwargs)
+            except torch.cuda.OutOfMemoryError:
+                raise  # loading on the CPU first would only run out again, later
             except (ImportError, TypeError, ValueError, RuntimeError) as exc:  # not a missing model: load as before
                 log.warning("%s: loading straight to %s failed (%s: %s); loading on the CPU, then moving",
                             cfg.model, cfg.device, type(exc).__name__, exc)

@@ -3,6 +3,8 @@ context it may hold, the KV geometry, the end-of-sequence ids, the attention
 kernel and whether to capture CUDA graphs (specdec/engine/engine.py)."""
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import os
 import shutil
@@ -31,11 +33,32 @@ def context_limit(config, requested: int) -> int:
     return limit
 
 
+def cache_kwarg(model) -> str:
+    """The keyword under which `model`'s forward takes the KV cache:
+    `past_key_values` up to transformers 5.2x, then `cache` (the old name is
+    deprecated there and goes in 5.40, after which it would be swallowed by
+    the forward's **kwargs and the cache silently not used)."""
+    return _cache_kwarg(type(model))
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_kwarg(model_type: type) -> str:
+    parameters = inspect.signature(model_type.forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
+
+
+def output_cache(output):
+    """The cache a forward returned, under either name (`cache_kwarg`)."""
+    cache = getattr(output, "cache", None)
+    return cache if cache is not None else output.past_key_values
+
+
 def probe_kv_shape(model, device: torch.device) -> KVShape:
     """Read the KV geometry off a one-token forward (any architecture)."""
     probe = DynamicCache(config=model.config)
     with torch.inference_mode():
-        model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device), past_key_values=probe, use_cache=True)
+        model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device), use_cache=True,
+              **{cache_kwarg(model): probe})
     layers = probe.layers
     keys, values = layers[0].keys, layers[0].values
     return KVShape(
@@ -79,14 +102,17 @@ def choose_kernel(requested: str, device: torch.device) -> str:
     return requested
 
 
-def wants_graphs(setting: str, device: torch.device, kernel: str) -> bool:
-    """Whether to run fixed-shape steps captured as CUDA graphs (`--cuda-graphs`)."""
+def wants_graphs(setting: str, device: torch.device, kernel: str, requested_kernel: str = "auto") -> bool:
+    """Whether to run fixed-shape steps captured as CUDA graphs (`--cuda-graphs`).
+    `requested_kernel` is `--attention` as given: where `auto` fell back to
+    SDPA, `choose_kernel` has already warned that graphs are off, and why."""
     if device.type != "cuda" or setting == "off":
         return False
     if kernel != "triton":
         if setting == "on":
             raise ValueError("--cuda-graphs on needs the fused attention kernel (--attention triton)")
-        log.warning("CUDA graphs off: they capture the fused Triton attention kernel, and attention runs on SDPA")
+        (log.info if requested_kernel == "auto" else log.warning)(
+            "CUDA graphs off: they capture the fused Triton attention kernel, and attention runs on SDPA")
         return False
     return True
 

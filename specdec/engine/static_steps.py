@@ -26,6 +26,7 @@ import torch
 
 from specdec.engine.attention import STEP_KWARG, row_mask
 from specdec.engine.kv_store import KVStore, RowSpan, StepLayout, StoreCache
+from specdec.engine.model_facts import cache_kwarg
 from specdec.host_copy import host_staged
 
 log = logging.getLogger(__name__)
@@ -115,9 +116,8 @@ class StaticSteps:
             out = self.model(
                 input_ids=self.input_ids[:size].unsqueeze(0),
                 position_ids=self.position[:size].unsqueeze(0),
-                past_key_values=StoreCache(self.store, layout),
                 use_cache=True,
-                **{STEP_KWARG: layout},
+                **{cache_kwarg(self.model): StoreCache(self.store, layout), STEP_KWARG: layout},
                 **kwargs,
             )
         return out.logits[0]
