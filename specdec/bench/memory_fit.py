@@ -37,7 +37,6 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -84,21 +83,6 @@ class Placement:
     int8: bool = False  # its linears quantized (--draft-quantize int8)
 
 
-def model_config(model: str):
-    """The transformers config of a synth:NAME model or a model directory
-    (None: none here, e.g. a GGUF file or a hub id)."""
-    from transformers import AutoConfig
-
-    from specdec.models.synth import get_synth, is_synth_name
-
-    if not is_synth_name(model) and not Path(model).is_dir():  # a GGUF file would be read whole, to fail as JSON
-        return None
-    try:
-        return get_synth(model).config() if is_synth_name(model) else AutoConfig.from_pretrained(model)
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
 def element_bytes(dtype: str, device: str) -> int:
     """Bytes per weight element of a model loaded with `--dtype dtype` on
     `device`: each model's own device decides what `auto` means."""
@@ -110,6 +94,8 @@ def element_bytes(dtype: str, device: str) -> int:
 def model_shape(model: str) -> Shape | None:
     """The shape of a synth:NAME model or a model directory, from its config
     alone (None: no config here)."""
+    from specdec.models.skeleton import model_config
+
     config = model_config(model)
     return None if config is None else config_shape(config)
 
@@ -117,11 +103,10 @@ def model_shape(model: str) -> Shape | None:
 def config_shape(config) -> Shape | None:
     """The shape of a model built from `config` on torch's meta device (no
     memory, no weights); None where transformers cannot build it."""
-    from transformers import AutoModelForCausalLM
+    from specdec.models.skeleton import meta_model
 
     try:
-        with torch.device("meta"):
-            skeleton = AutoModelForCausalLM.from_config(config)
+        skeleton = meta_model(config)
     except (ValueError, KeyError, TypeError):
         return None
     linears = [m for m in skeleton.modules() if isinstance(m, torch.nn.Linear)]

@@ -306,7 +306,7 @@ def _tokenizer(model_dir: str):
 def _random_token_prompts(model_dir: str, n: int, length: int, seed: int) -> list[list[int]]:
     import random
 
-    from specdec.bench.memory_fit import model_config
+    from specdec.models.skeleton import model_config
     from specdec.models.synth import id_space, is_synth_name
 
     config = model_config(model_dir)
@@ -335,7 +335,7 @@ def _random_token_prompts(model_dir: str, n: int, length: int, seed: int) -> lis
 
 def _vocab_rows(model: str | None) -> int | None:
     """The embedding rows of a synth:NAME model or a model directory (None: not known here)."""
-    from specdec.bench.memory_fit import model_config
+    from specdec.models.skeleton import model_config
 
     config = model_config(model) if model else None
     return getattr(config, "vocab_size", None)

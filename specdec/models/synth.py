@@ -128,11 +128,9 @@ def get_synth(name: str) -> SynthSpec:
 def parameter_count(name: str) -> int:
     """Parameters of the architecture (tied embeddings counted once), from a
     build on the meta device: no memory, no time."""
-    import torch
+    from specdec.models.skeleton import meta_model
 
-    with torch.device("meta"):
-        model = _from_config(get_synth(name), torch.float32, "sdpa")
-    return sum(p.numel() for p in model.parameters())
+    return sum(p.numel() for p in meta_model(get_synth(name).config()).parameters())
 
 
 def build_model(name: str, device: str = "cpu", dtype=None, attn_implementation: str = "sdpa"):
