@@ -89,7 +89,11 @@ def test_specd_overhead_measures_every_figure_it_prints():
             assert m[f"{prefix} {sampling} round"] > 0
             assert f"{prefix} {sampling} round outside compute" in m
     assert figures.in_process and "inproc greedy round" not in m
+    assert set(figures.cpu) == {"greedy", "T=0.7"}  # Linux: the kernel's account of each process
+    for cpu in figures.cpu.values():
+        assert cpu.rounds == 4 and list(cpu.outside) == ["client and services"] and cpu.compute["target"] > 0
     text = report(figures, reps=2)
+    assert "CPU time per round outside the models, by process" in text
     assert m["bare cold round floor outside compute"] > 0 and m["cold floor draft gap"] > 0
     for row in ("two unary calls", "the unary calls)", "gRPC call streams", "the call streams)", "lanes, mutual TLS", "TLS cost per round", "bare message each way",
                 "as a round meets it", "both services in the measuring process;"):
@@ -103,6 +107,7 @@ def test_services_in_processes_of_their_own_serve_traced_rounds_and_stop(tmp_pat
     file, and exits when the stack stops."""
     from specdec.bench.overhead import round_calls
     from specdec.bench.overhead_stack import StackSpec, start_stacks
+    from specdec.bench.round_cpu import round_cpu, stack_processes
     from specdec.trace_file import read_spans
 
     async def run():
@@ -110,9 +115,15 @@ def test_services_in_processes_of_their_own_serve_traced_rounds_and_stop(tmp_pat
         stack = start_stacks(bg, [StackSpec(tracing=True)], tmp_path)[0]
         try:
             await stack.use_lanes()  # the round's calls on the services' lanes, as the orchestrator sends them
-            rounds = await round_calls(stack, "T=0.7", 3, "traced")
+            computed = []
+            rounds = await round_calls(stack, "T=0.7", 3, "traced", computed)
             for _ in range(2):
                 assert await rounds["traced T=0.7 round"]() > 0  # the compute the services reported
+            # Each process's CPU apart, each service's compute off its own process.
+            cpu = await round_cpu(rounds["traced T=0.7 round"], computed, *stack_processes(stack), rounds=3)
+            assert list(cpu.outside) == ["client", "draft", "target"]
+            assert cpu.compute["draft"] > 0 and cpu.compute["target"] > 0
+            assert all(value > 0 for value in cpu.outside.values())
         finally:
             await stack.close_clients()
             for service in (stack.target, stack.draft):

@@ -59,6 +59,7 @@ from specdec.bench.bare_grpc import ChildServer, cold_floor
 from specdec.bench.bare_grpc import start_server as start_bare_server
 from specdec.bench.interleave import OUTSIDE, Call, ReportedCompute, interleave
 from specdec.bench.overhead_stack import DEADLINE_S, BackgroundLoop, Stack, StackSpec, start_stacks
+from specdec.bench.round_cpu import RoundCpu, round_cpu, stack_processes
 
 
 # ------------------------------------------------------------ the measurement
@@ -158,6 +159,7 @@ class Figures:
     medians: dict[str, float]
     k: int
     in_process: bool = False  # every stack's services ran in the measuring process
+    cpu: dict[str, RoundCpu] | None = None  # by sampling: the lanes' rounds, tracing off, back to back
 
     def round_overhead(self, prefix: str, sampling: str) -> float:
         """Median over rounds of (round wall time − the compute the services
@@ -178,6 +180,7 @@ async def measure(reps: int, k: int, tls: bool = False, in_process: bool = False
     `in_process`: every stack's services in this process (no `inproc` rounds)."""
     bg = BackgroundLoop()
     stacks: list[Stack] = []
+    cpu: dict[str, RoundCpu | None] = {}
     bare_server = child = None
     # A traced service may still flush spans into it as it stops: they are throwaway.
     with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as trace_dir:
@@ -190,6 +193,7 @@ async def measure(reps: int, k: int, tls: bool = False, in_process: bool = False
             calls: dict[str, Call] = {}
             noops: dict[str, Call] = {}
             greedy_compute: list[tuple[float, float]] = []
+            cpu_rounds = {}  # sampling: (the plain round, its computed list, its stack)
             # One stack per kind of round: each draft service then serves one
             # request, as in a single stream (a draft service serving several
             # shares its steps between them: draft_service/step_batcher.py).
@@ -209,8 +213,10 @@ async def measure(reps: int, k: int, tls: bool = False, in_process: bool = False
                 if sampling == "noop":
                     noops |= await noop_call(stack, prefix)
                     continue
-                computed = greedy_compute if (prefix, sampling) == ("plain", "greedy") else None
+                computed = greedy_compute if (prefix, sampling) == ("plain", "greedy") else []
                 calls |= await round_calls(stack, sampling, k, prefix, computed)
+                if prefix == "plain":
+                    cpu_rounds[sampling] = (calls[f"plain {sampling} round"], computed, stack)
             # Two phases, each with the bare calls interleaved: the no-ops
             # against the bare calls alone (interleaved with rounds, whose
             # compute churns the caches and the scheduler, a no-op measured
@@ -225,6 +231,8 @@ async def measure(reps: int, k: int, tls: bool = False, in_process: bool = False
             bare["bare cold round floor"] = cold_floor(bare["bare stream message"], gaps)
             medians |= {f"{name} (event engine)": t for name, t in (await _event_engine_references(reps, gaps)).items()}
             medians |= await interleave(bare | calls, reps)
+            for sampling, (one_round, computed, stack) in cpu_rounds.items():
+                cpu[sampling] = await round_cpu(one_round, computed, *stack_processes(stack), rounds=2 * reps)
             await close_bare()
             if close_child:
                 await close_child()
@@ -241,7 +249,7 @@ async def measure(reps: int, k: int, tls: bool = False, in_process: bool = False
                     bg.run(bare_server.stop(0))
             finally:
                 bg.stop()
-    return Figures(medians, k, in_process)
+    return Figures(medians, k, in_process, None if None in cpu.values() else cpu)
 
 
 def report(fig: Figures, reps: int) -> str:
@@ -321,4 +329,22 @@ def report(fig: Figures, reps: int) -> str:
                          f"{ms(m[f'{prefix} {sampling} round'])} | {ms(fig.round_overhead(prefix, sampling))} | "
                          f"{ms(m[f'{prefix} {sampling} compute'])} | "
                          f"{ms(fig.round_minus_local_compute(prefix, sampling))} |")
+    if fig.cpu:
+        lines += ["", *cpu_table(fig.cpu)]
     return "\n".join(lines)
+
+
+def cpu_table(cpu: dict[str, RoundCpu]) -> list[str]:
+    """The CPU a round costs each process outside the models (round_cpu.py), µs."""
+    some = next(iter(cpu.values()))
+    names = list(some.outside)
+    lines = [f"CPU time per round outside the models, by process (µs; lanes, tracing off, {some.rounds} rounds "
+             "back to back; each process's CPU, all threads, less the compute its services reported). A round's "
+             "overhead is a chain, so their sum is close to it, without the machine's wake-ups:", "",
+             "| sampling | " + " | ".join(names) + " | sum | the services' compute |",
+             "|---|" + "---|" * (len(names) + 2)]
+    for sampling, figures in cpu.items():
+        lines.append(f"| {sampling} | " + " | ".join(f"{figures.outside[n]:.0f}" for n in names)
+                     + f" | {figures.total_outside:.0f} | draft {figures.compute['draft']:.0f}, "
+                     f"target {figures.compute['target']:.0f} |")
+    return lines
