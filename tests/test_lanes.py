@@ -121,7 +121,7 @@ def test_calls_in_flight_fail_unavailable_when_the_lane_breaks_and_the_next_call
         await client(_request("a"), 5)
         in_flight = asyncio.ensure_future(client(_request("slow-2000"), 5))
         await asyncio.sleep(0.1)
-        client._connection.writer.transport.abort()  # the connection breaks
+        client._connection.protocol.transport.abort()  # the connection breaks
         with pytest.raises(grpc.aio.AioRpcError) as broke:
             await in_flight
         assert broke.value.code() is grpc.StatusCode.UNAVAILABLE and "lane" in broke.value.details()
@@ -311,7 +311,7 @@ def test_after_a_break_the_client_asks_the_service_for_its_lane_port_again():
         assert (await client(_request("a", keep=1), 5)).drafts[0].token_id == 1
         assert asked == [], "the first connection uses the advertised port"
         first.close()
-        client._connection.writer.transport.abort()
+        client._connection.protocol.transport.abort()
         await asyncio.sleep(0.05)
         assert (await client(_request("a", keep=2), 5)).drafts[0].token_id == 2
         assert len(asked) == 1 and client.port == second.port and second.answered == 1
@@ -332,7 +332,7 @@ def test_a_caller_cancelled_while_the_lane_opens_leaves_it_usable_and_reopenable
             await first
         await asyncio.sleep(0.2)  # the opening finished with nobody waiting
         assert (await client(_request("a", keep=6), 5)).drafts[0].token_id == 6
-        client._connection.writer.transport.abort()  # then the connection breaks
+        client._connection.protocol.transport.abort()  # then the connection breaks
         await asyncio.sleep(0.05)
         assert (await client(_request("a", keep=7), 5)).drafts[0].token_id == 7  # a new one, not the dead one
         await client.close()

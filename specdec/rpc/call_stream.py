@@ -36,6 +36,7 @@ import time
 from typing import AsyncIterator, Awaitable, Callable, Iterable
 
 import grpc
+from opentelemetry import context as context_api
 from opentelemetry import trace
 
 from specdec.errors import InvalidArgument
@@ -114,7 +115,8 @@ class ServedStreams:
 
 def _carried(carrier: str) -> None:
     """Name the way the call goes on the caller's span (a no-op untraced)."""
-    trace.get_current_span().set_attribute(A_CARRIER, carrier)
+    if context_api.get_current():  # else no span is current (tracing off)
+        trace.get_current_span().set_attribute(A_CARRIER, carrier)
 
 
 class _OpenStream:

@@ -12,6 +12,7 @@ the SDK's. Propagation alone is these few lines.
 from __future__ import annotations
 
 import grpc
+from opentelemetry import context as context_api
 
 from specdec.telemetry import Telemetry
 
@@ -39,6 +40,8 @@ def trace_metadata() -> tuple[tuple[str, str], ...] | None:
     span is current). The orchestrator's clients pass it on each call rather
     than through interceptors: an intercepted grpc.aio call costs about as
     much again as a plain one on loopback (`specd overhead`)."""
+    if not context_api.get_current():  # nothing current (tracing off): nothing to carry, at no cost
+        return None
     carrier: dict[str, str] = {}
     Telemetry.inject(carrier)
     return tuple(carrier.items()) or None

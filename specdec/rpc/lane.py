@@ -41,7 +41,9 @@ call stream, and the lane is tried again later.
 from __future__ import annotations
 
 import asyncio
+import collections
 import socket
+from typing import Callable
 
 HEADER = 4  # bytes of a frame's length
 KEEPALIVE = (30, 10, 3)  # TCP keepalive: idle s, interval s, probes (a peer gone without a word is found in ~60 s)
@@ -93,7 +95,119 @@ async def read_frame(reader: asyncio.StreamReader, limit: int) -> bytes:
     return await reader.readexactly(size)
 
 
-def keepalive(writer: asyncio.StreamWriter) -> None:
+class FrameConnection(asyncio.Protocol):
+    """One lane connection, both halves' (lane_client.py, lane_server.py).
+
+    Each whole frame goes to `on_frame(payload)` from `data_received`, as
+    soon as it has arrived: a reply resolves its caller's future, a call
+    starts its handler, with no reader task to wake in between (a turn of
+    the event loop per frame saved, on every round). Until `on_frame` is
+    set, frames wait for `next_frame()` (the handshake). An exception from
+    `on_frame` (a frame that does not parse), or a frame over `limit`
+    bytes, ends the connection with that error. `ended` is done once the
+    connection is lost: its result is the error that ended it, or None."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.transport: asyncio.Transport | None = None
+        self.on_frame: Callable[[bytes], None] | None = None
+        self.ended: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._buffer = bytearray()
+        self._early: collections.deque[bytes] = collections.deque()  # frames before on_frame was set
+        self._waiter: asyncio.Future | None = None  # next_frame's
+        self._paused = False  # writing, by the transport's flow control
+        self._drained: asyncio.Future | None = None
+        self._error: BaseException | None = None
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        if self._error is not None:
+            return
+        if not self._buffer and len(data) >= HEADER and int.from_bytes(data[:HEADER], "big") == len(data) - HEADER:
+            self._deliver(data[HEADER:])  # the usual case: exactly one whole frame, no copy into the buffer
+            return
+        buffer = self._buffer
+        buffer += data
+        while len(buffer) >= HEADER and self._error is None:
+            size = int.from_bytes(buffer[:HEADER], "big")
+            if size > self.limit:  # said by its header: no need to wait for the rest
+                self._end(ValueError(f"a frame of {size} bytes is over the limit of {self.limit}"))
+                return
+            if len(buffer) < HEADER + size:
+                break
+            payload = bytes(buffer[HEADER:HEADER + size])
+            del buffer[:HEADER + size]
+            self._deliver(payload)
+
+    def _deliver(self, payload: bytes) -> None:
+        try:
+            if len(payload) > self.limit:
+                raise ValueError(f"a frame of {len(payload)} bytes is over the limit of {self.limit}")
+            if self.on_frame is not None:
+                self.on_frame(payload)
+            else:
+                self._early.append(payload)
+                if self._waiter is not None and not self._waiter.done():
+                    self._waiter.set_result(None)
+        except Exception as exc:  # noqa: BLE001 - whatever the frame did, it ends this connection only
+            self._end(exc)
+
+    def _end(self, error: BaseException) -> None:
+        self._error = error
+        if self.transport is not None:
+            self.transport.close()  # connection_lost follows
+
+    def start_frames(self, on_frame: Callable[[bytes], None]) -> None:
+        """From now on each frame goes to `on_frame`, those that came early first."""
+        self.on_frame = on_frame
+        while self._early and self._error is None:
+            self._deliver(self._early.popleft())
+
+    async def next_frame(self) -> bytes:
+        """The next frame that arrived before `on_frame` was set;
+        IncompleteReadError once the connection has ended without one,
+        ValueError for an oversized one."""
+        while not self._early:
+            if self.ended.done():
+                if isinstance(self._error, ValueError):
+                    raise self._error
+                raise asyncio.IncompleteReadError(b"", HEADER)
+            self._waiter = asyncio.get_running_loop().create_future()
+            await asyncio.wait([self._waiter, self.ended], return_when=asyncio.FIRST_COMPLETED)
+        return self._early.popleft()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        error = self._error or exc
+        if not self.ended.done():
+            self.ended.set_result(error)
+        if self._drained is not None and not self._drained.done():
+            self._drained.set_result(None)
+
+    def pause_writing(self) -> None:
+        self._paused = True
+
+    def resume_writing(self) -> None:
+        self._paused = False
+        if self._drained is not None and not self._drained.done():
+            self._drained.set_result(None)
+
+    async def drain(self) -> None:
+        """Wait while the transport's write buffer is over its high-water mark."""
+        while self._paused and not self.ended.done():
+            self._drained = asyncio.get_running_loop().create_future()
+            await self._drained
+
+    def write(self, payload: bytes) -> None:
+        """`payload` as one frame."""
+        self.transport.write(frame(payload))
+
+    def is_closing(self) -> bool:
+        return self.transport is None or self.transport.is_closing()
+
+
+def keepalive(writer: asyncio.StreamWriter | asyncio.Transport) -> None:
     """TCP keepalive on the connection, so that a peer gone without a word
     (a node lost, a partition) ends it in about a minute rather than when
     the kernel gives up retransmitting."""

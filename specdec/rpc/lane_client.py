@@ -12,7 +12,7 @@ import grpc
 
 from specdec.rpc import grpc_errors
 from specdec.rpc.grpc_tracing import trace_metadata
-from specdec.rpc.lane import LaneDown, PendingReplies, frame, keepalive, read_frame
+from specdec.rpc.lane import FrameConnection, LaneDown, PendingReplies, keepalive
 
 log = logging.getLogger(__name__)
 
@@ -71,19 +71,20 @@ class LaneClient:
             raise grpc_errors.rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                         f"the call ({len(payload)} bytes) is larger than the limit "
                                         f"({self.max_message_bytes} bytes)")
-        if connection.error is not None or connection.writer.is_closing():
+        if connection.error is not None or connection.protocol.is_closing():
             raise connection.error or _broken(self)
         reply_future = connection.waiting.expect(call_id)
+        # The deadline is a timer that fails the reply's future: cheaper, on
+        # every round, than an asyncio.timeout around the await.
+        deadline = asyncio.get_running_loop().call_later(timeout, _expire, reply_future)
         try:
             try:
-                connection.writer.write(frame(payload))
-            except (RuntimeError, OSError):  # the transport closed under us: the reader fails the rest
+                connection.protocol.write(payload)
+            except (RuntimeError, OSError):  # the transport closed under us: its end fails the rest
                 raise _broken(self) from None
-            async with asyncio.timeout(timeout):
-                reply = await reply_future
-        except TimeoutError:
-            raise grpc_errors.rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+            reply = await reply_future
         finally:
+            deadline.cancel()
             connection.waiting.forget(call_id)
         if reply.HasField("error"):
             raise grpc_errors.rpc_error(grpc_errors.status_from_number(reply.error.code), reply.error.message)
@@ -99,6 +100,7 @@ class LaneClient:
         return await asyncio.shield(self._opening)
 
     async def _connect(self, timeout: float) -> "_Connection":
+        protocol: FrameConnection | None = None
         try:
             if self._closed:
                 raise LaneDown(f"the {self.service} service's lane client is closed")
@@ -108,16 +110,17 @@ class LaneClient:
                     if self.port <= 0:
                         raise LaneDown(f"the {self.service} service no longer offers a lane")
                 context = self.ssl_context() if callable(self.ssl_context) else self.ssl_context
-                reader, writer = await asyncio.open_connection(
-                    self.host, self.port, limit=1 << 16, ssl=context,
+                _, protocol = await asyncio.get_running_loop().create_connection(
+                    lambda: FrameConnection(1 << 16), self.host, self.port, ssl=context,
                     server_hostname=self.server_hostname if context else None)
-                writer.write(frame(self.method.encode()))
-                refusal = (await read_frame(reader, 1 << 16)).decode(errors="replace")
+                protocol.write(self.method.encode())
+                refusal = (await protocol.next_frame()).decode(errors="replace")
             if refusal:
-                writer.close()
                 raise LaneDown(f"the {self.service} service's lane at {self.address} refused: {refusal}")
         except (OSError, asyncio.IncompleteReadError, TimeoutError, ValueError, LaneDown,
                 grpc.aio.AioRpcError) as exc:
+            if protocol is not None:
+                protocol.transport.close()
             self._down_until = self.clock() + RETRY_S
             self._stale = True
             down = exc if isinstance(exc, LaneDown) else LaneDown(
@@ -125,32 +128,36 @@ class LaneClient:
             if not self._closed:  # once per attempt, however many callers waited on it
                 log.warning("%s; calls go by gRPC, the lane is tried again in %.0f s", down, RETRY_S)
             raise down from None
+        except BaseException:  # cancelled (every caller went away, or close()): do not keep what was opened
+            if protocol is not None:
+                protocol.transport.close()
+            raise
         if self._closed:  # closed while opening: do not keep what was opened
-            writer.close()
+            protocol.transport.close()
             raise LaneDown(f"the {self.service} service's lane client is closed")
         self._stale = False
-        keepalive(writer)
-        connection = _Connection(writer)
-        connection.reader = asyncio.ensure_future(self._read(connection, reader))
+        keepalive(protocol.transport)
+        protocol.limit = self.max_message_bytes
+        connection = _Connection(protocol)
+        # Each reply is handed to its caller as it arrives, from the connection's data_received.
+        protocol.start_frames(lambda payload: connection.waiting.resolve(self.reply_type.FromString(payload)))
+        protocol.ended.add_done_callback(lambda ended: self._ended(connection, ended.result()))
         self._connection = connection
         return connection
 
-    async def _read(self, connection: "_Connection", reader: asyncio.StreamReader) -> None:
-        error: grpc.aio.AioRpcError
-        try:
-            while True:
-                connection.waiting.resolve(self.reply_type.FromString(await read_frame(reader, self.max_message_bytes)))
-        except asyncio.CancelledError:
+    def _ended(self, connection: "_Connection", cause: BaseException | None) -> None:
+        """The connection is gone: every call still waiting on it fails."""
+        if connection.closed_by_us:
             error = grpc_errors.rpc_error(grpc.StatusCode.CANCELLED, f"the {self.service} service's lane was closed")
-        except Exception as exc:  # noqa: BLE001 - the end of the connection, whatever ended it
+        else:
+            why = type(cause).__name__ if cause is not None else "the service closed it"
             error = grpc_errors.rpc_error(grpc.StatusCode.UNAVAILABLE, f"the {self.service} service's lane at "
-                                          f"{self.address} broke: {type(exc).__name__}")
+                                          f"{self.address} broke: {why}")
         connection.error = error  # a caller that got this connection before now fails at once
         if self._connection is connection:
             self._connection = None
             self._stale = True
         connection.waiting.fail_all(error)
-        connection.writer.close()
 
     async def close(self) -> None:
         """End the connection (calls in flight fail CANCELLED) and any opening; later calls raise LaneDown."""
@@ -159,17 +166,23 @@ class LaneClient:
             self._opening.cancel()
             await asyncio.gather(self._opening, return_exceptions=True)
         connection, self._connection = self._connection, None
-        if connection is not None and connection.reader is not None:
-            connection.reader.cancel()
-            await asyncio.gather(connection.reader, return_exceptions=True)
+        if connection is not None:
+            connection.closed_by_us = True
+            connection.protocol.transport.close()
+            await asyncio.wait([connection.protocol.ended], timeout=5.0)
 
 
 class _Connection:
-    def __init__(self, writer: asyncio.StreamWriter):
-        self.writer = writer
-        self.reader: asyncio.Task | None = None
+    def __init__(self, protocol: FrameConnection):
+        self.protocol = protocol
         self.waiting = PendingReplies()
+        self.closed_by_us = False
         self.error: grpc.aio.AioRpcError | None = None  # set once the connection has ended
+
+
+def _expire(reply: asyncio.Future) -> None:
+    if not reply.done():
+        reply.set_exception(grpc_errors.rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
 
 
 def _broken(client: LaneClient) -> grpc.aio.AioRpcError:

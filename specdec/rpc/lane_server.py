@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import ssl
 
@@ -9,7 +10,7 @@ import grpc
 
 from specdec.rpc import grpc_errors
 from specdec.rpc.auth import caller_refusal
-from specdec.rpc.lane import frame, keepalive, read_frame
+from specdec.rpc.lane import FrameConnection, keepalive
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +78,7 @@ class LaneServer:
         self.answered = 0  # calls answered, since start
 
     async def start(self, host: str, port: int) -> int:
-        self._server = await asyncio.start_server(self._serve, host, port, limit=1 << 16)
+        self._server = await asyncio.get_running_loop().create_server(lambda: _Accepted(self), host, port)
         self.port = self._server.sockets[0].getsockname()[1]
         log.info("lane for %s on %s:%d%s", self.method, host, self.port, " (TLS)" if self.tls else "")
         return self.port
@@ -98,74 +99,110 @@ class LaneServer:
         if self._connections:
             await asyncio.wait(list(self._connections), timeout=max(grace_s, 0.0))
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _serve(self, connection: "_Accepted") -> None:
+        """One connection's life: the handshake, then its calls, each answered
+        by a task of its own, started from the connection's data_received."""
         task = asyncio.current_task()
-        self._connections.add(task)
         answering: set[asyncio.Future] = set()
-        keepalive(writer)
+        keepalive(connection.transport)
         try:
-            if await self._opened(reader, writer):
-                await self._read_calls(reader, writer, answering)
+            if await self._opened(connection):
+                connection.limit = self.max_message_bytes
+                connection.start_frames(functools.partial(self._call, connection, answering))
+                ended = await asyncio.shield(connection.ended)
+                if isinstance(ended, ValueError):  # an oversized or unparsable frame: not our client
+                    log.warning("lane %s: ending a connection from %s: %s", self.method, _peer(connection.transport),
+                                ended)
         except asyncio.CancelledError:
             pass  # a drain: answer what was read, then end
-        except (asyncio.IncompleteReadError, OSError, TimeoutError):
+        except (asyncio.IncompleteReadError, OSError, TimeoutError, ssl.SSLError):
             pass  # the caller went away (or failed the TLS handshake, or sent no hello in time)
-        except ValueError as exc:  # an oversized or unparsable frame: not our client
-            log.warning("lane %s: ending a connection from %s: %s", self.method, _peer(writer), exc)
+        except ValueError as exc:  # an oversized hello
+            log.warning("lane %s: ending a connection from %s: %s", self.method, _peer(connection.transport), exc)
         finally:
+            connection.on_frame = _ignored  # no new calls
             while answering:
                 await asyncio.gather(*answering, return_exceptions=True)
-            writer.close()
+            connection.transport.close()
             self._connections.discard(task)  # last: a drain waits for this connection until here
 
-    async def _opened(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+    async def _opened(self, connection: "_Accepted") -> bool:
         """The handshake: TLS (when on), then the method; a refusal is sent as the hello's text."""
         async with asyncio.timeout(HELLO_S):
             refusal = ""
             if self.tls is not None:
-                await writer.start_tls(self.tls.context())
-                refusal = self.tls.refusal(writer.get_extra_info("peercert"))
-            method = (await read_frame(reader, 1024)).decode(errors="replace")
+                connection.transport = await asyncio.get_running_loop().start_tls(
+                    connection.transport, connection, self.tls.context(), server_side=True)
+                refusal = self.tls.refusal(connection.transport.get_extra_info("peercert"))
+            method = (await connection.next_frame()).decode(errors="replace")
             if not refusal and method != self.method:
                 refusal = f"this lane answers {self.method}, not {method}"
             if self.closed:
                 refusal = "the service is draining"
-            writer.write(frame(refusal.encode()))
+            connection.write(refusal.encode())
             if refusal:
-                log.warning("lane %s: refused a connection from %s: %s", self.method, _peer(writer), refusal)
-                await writer.drain()
+                log.warning("lane %s: refused a connection from %s: %s", self.method, _peer(connection.transport),
+                            refusal)
+                await connection.drain()
                 return False
             return True
 
-    async def _read_calls(self, reader, writer, answering: set) -> None:
+    def _call(self, connection: "_Accepted", answering: set, payload: bytes) -> None:
+        """A call frame, from data_received: its answer starts at once. Past
+        MAX_CALLS_IN_FLIGHT answers at once, the connection stops reading."""
+        try:
+            call = self.call_type.FromString(payload)
+        except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError: the bytes are not a call
+            raise ValueError(f"a frame that is not a {self.call_type.DESCRIPTOR.name}: {exc}") from None
+        task = asyncio.ensure_future(self._answer(connection, call))
+        answering.add(task)
+
+        def done(finished: asyncio.Future) -> None:
+            answering.discard(finished)
+            if connection.reading_paused and len(answering) < MAX_CALLS_IN_FLIGHT and not connection.is_closing():
+                connection.reading_paused = False
+                connection.transport.resume_reading()
+
+        task.add_done_callback(done)
+        if len(answering) >= MAX_CALLS_IN_FLIGHT and not connection.reading_paused:
+            connection.reading_paused = True
+            connection.transport.pause_reading()
+
+    async def _answer(self, connection: "_Accepted", call) -> None:
         # Replies are written whole, one frame each, as their calls finish.
-        async def answer(call) -> None:
-            reply = await grpc_errors.answer_call(call, self.handle, self.reply_type, self.handler_name)
-            payload = reply.SerializeToString()
-            if len(payload) > self.max_message_bytes:  # refuse this call, not the connection
-                over = self.reply_type(call_id=call.call_id)
-                over.error.code = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
-                over.error.message = (f"the reply ({len(payload)} bytes) is larger than the service's "
-                                      f"--max-message-bytes ({self.max_message_bytes})")
-                payload = over.SerializeToString()
-            self.answered += 1  # before the reply leaves: whoever reads the reply sees it counted
-            if not writer.is_closing():
-                writer.write(frame(payload))
-                await writer.drain()  # a caller that does not read its replies slows its own answers
-
-        while not self.closed:
-            payload = await read_frame(reader, self.max_message_bytes)
-            try:
-                call = self.call_type.FromString(payload)
-            except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError: the bytes are not a call
-                raise ValueError(f"a frame that is not a {self.call_type.DESCRIPTOR.name}: {exc}") from None
-            task = asyncio.ensure_future(answer(call))
-            answering.add(task)
-            task.add_done_callback(answering.discard)
-            while len(answering) >= MAX_CALLS_IN_FLIGHT:
-                await asyncio.wait(list(answering), return_when=asyncio.FIRST_COMPLETED)
+        reply = await grpc_errors.answer_call(call, self.handle, self.reply_type, self.handler_name)
+        payload = reply.SerializeToString()
+        if len(payload) > self.max_message_bytes:  # refuse this call, not the connection
+            over = self.reply_type(call_id=call.call_id)
+            over.error.code = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+            over.error.message = (f"the reply ({len(payload)} bytes) is larger than the service's "
+                                  f"--max-message-bytes ({self.max_message_bytes})")
+            payload = over.SerializeToString()
+        self.answered += 1  # before the reply leaves: whoever reads the reply sees it counted
+        if not connection.is_closing():
+            connection.write(payload)
+            await connection.drain()  # a caller that does not read its replies slows its own answers
 
 
-def _peer(writer: asyncio.StreamWriter) -> str:
-    peer = writer.get_extra_info("peername")
+class _Accepted(FrameConnection):
+    """A connection the lane accepted; its life is a task of the server's (`LaneServer._serve`)."""
+
+    def __init__(self, server: LaneServer):
+        super().__init__(limit=1024)  # the hello: a method's name
+        self.server = server
+        self.reading_paused = False
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        if self.server.tls is not None:
+            transport.pause_reading()  # the TLS handshake reads first (LaneServer._opened)
+        self.server._connections.add(asyncio.ensure_future(self.server._serve(self)))
+
+
+def _ignored(payload: bytes) -> None:
+    """What a connection's frames go to while it drains: nowhere."""
+
+
+def _peer(transport: asyncio.BaseTransport) -> str:
+    peer = transport.get_extra_info("peername")
     return f"{peer[0]}:{peer[1]}" if peer else "an unknown peer"
