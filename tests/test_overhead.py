@@ -89,7 +89,7 @@ def test_specd_overhead_measures_every_figure_it_prints():
             assert m[f"{prefix} {sampling} round"] > 0
             assert f"{prefix} {sampling} round outside compute" in m
     assert figures.in_process and "inproc greedy round" not in m
-    assert set(figures.cpu) == {"greedy", "T=0.7"}  # Linux: the kernel's account of each process
+    assert set(figures.cpu) == {"greedy", "T=0.7", "greedy, tracing on", "T=0.7, tracing on"}  # Linux: the kernel's
     for cpu in figures.cpu.values():
         assert cpu.rounds == 4 and list(cpu.outside) == ["client and services"] and cpu.compute["target"] > 0
     text = report(figures, reps=2)

@@ -49,6 +49,10 @@ def test_the_table_names_each_process_and_sums_them():
     cpu = {"greedy": RoundCpu(300, {"client": 210.4, "draft": 180.0, "target": 120.0},
                               {"draft": 2800.0, "target": 900.0})}
     lines = cpu_table(cpu)
-    assert "| sampling | client | draft | target | sum | the services' compute |" in lines
+    assert "| round | client | draft | target | sum | the services' compute |" in lines
     assert "| greedy | 210 | 180 | 120 | 510 | draft 2800, target 900 |" in lines
     assert "300 rounds back to back" in lines[0]
+    # One process (the services in the measuring one): no sum beside its one column.
+    alone = cpu_table({"greedy": RoundCpu(300, {"client and services": 640.2}, {"draft": 2800.0, "target": 900.0})})
+    assert "| round | client and services | the services' compute |" in alone
+    assert "| greedy | 640 | draft 2800, target 900 |" in alone

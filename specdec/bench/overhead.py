@@ -159,7 +159,7 @@ class Figures:
     medians: dict[str, float]
     k: int
     in_process: bool = False  # every stack's services ran in the measuring process
-    cpu: dict[str, RoundCpu] | None = None  # by sampling: the lanes' rounds, tracing off, back to back
+    cpu: dict[str, RoundCpu] | None = None  # by sampling (and tracing): the lanes' rounds, back to back
 
     def round_overhead(self, prefix: str, sampling: str) -> float:
         """Median over rounds of (round wall time − the compute the services
@@ -193,7 +193,7 @@ async def measure(reps: int, k: int, tls: bool = False, in_process: bool = False
             calls: dict[str, Call] = {}
             noops: dict[str, Call] = {}
             greedy_compute: list[tuple[float, float]] = []
-            cpu_rounds = {}  # sampling: (the plain round, its computed list, its stack)
+            cpu_rounds = {}  # "greedy", "T=0.7, tracing on", ...: (the lanes' round, its computed list, its stack)
             # One stack per kind of round: each draft service then serves one
             # request, as in a single stream (a draft service serving several
             # shares its steps between them: draft_service/step_batcher.py).
@@ -215,8 +215,9 @@ async def measure(reps: int, k: int, tls: bool = False, in_process: bool = False
                     continue
                 computed = greedy_compute if (prefix, sampling) == ("plain", "greedy") else []
                 calls |= await round_calls(stack, sampling, k, prefix, computed)
-                if prefix == "plain":
-                    cpu_rounds[sampling] = (calls[f"plain {sampling} round"], computed, stack)
+                if prefix in ("plain", "traced"):
+                    label = sampling + (", tracing on" if prefix == "traced" else "")
+                    cpu_rounds[label] = (calls[f"{prefix} {sampling} round"], computed, stack)
             # Two phases, each with the bare calls interleaved: the no-ops
             # against the bare calls alone (interleaved with rounds, whose
             # compute churns the caches and the scheduler, a no-op measured
@@ -231,8 +232,8 @@ async def measure(reps: int, k: int, tls: bool = False, in_process: bool = False
             bare["bare cold round floor"] = cold_floor(bare["bare stream message"], gaps)
             medians |= {f"{name} (event engine)": t for name, t in (await _event_engine_references(reps, gaps)).items()}
             medians |= await interleave(bare | calls, reps)
-            for sampling, (one_round, computed, stack) in cpu_rounds.items():
-                cpu[sampling] = await round_cpu(one_round, computed, *stack_processes(stack), rounds=2 * reps)
+            for label, (one_round, computed, stack) in cpu_rounds.items():
+                cpu[label] = await round_cpu(one_round, computed, *stack_processes(stack), rounds=2 * reps)
             await close_bare()
             if close_child:
                 await close_child()
@@ -338,13 +339,14 @@ def cpu_table(cpu: dict[str, RoundCpu]) -> list[str]:
     """The CPU a round costs each process outside the models (round_cpu.py), µs."""
     some = next(iter(cpu.values()))
     names = list(some.outside)
-    lines = [f"CPU time per round outside the models, by process (µs; lanes, tracing off, {some.rounds} rounds "
-             "back to back; each process's CPU, all threads, less the compute its services reported). A round's "
-             "overhead is a chain, so their sum is close to it, without the machine's wake-ups:", "",
-             "| sampling | " + " | ".join(names) + " | sum | the services' compute |",
-             "|---|" + "---|" * (len(names) + 2)]
-    for sampling, figures in cpu.items():
-        lines.append(f"| {sampling} | " + " | ".join(f"{figures.outside[n]:.0f}" for n in names)
-                     + f" | {figures.total_outside:.0f} | draft {figures.compute['draft']:.0f}, "
+    lines = [f"CPU time per round outside the models, by process (µs; lanes, {some.rounds} rounds back to back; "
+             "each process's CPU, all threads, less the compute its services reported). A round's overhead is a "
+             "chain, so their sum is close to it, without the machine's wake-ups; tracing's rows include its "
+             "exporter's thread:", "",
+             "| round | " + " | ".join(names) + (" | sum" if len(names) > 1 else "") + " | the services' compute |",
+             "|---|" + "---|" * (len(names) + (2 if len(names) > 1 else 1))]
+    for label, figures in cpu.items():
+        cells = [f"{figures.outside[n]:.0f}" for n in names] + ([f"{figures.total_outside:.0f}"] if len(names) > 1 else [])
+        lines.append(f"| {label} | " + " | ".join(cells) + f" | draft {figures.compute['draft']:.0f}, "
                      f"target {figures.compute['target']:.0f} |")
     return lines
