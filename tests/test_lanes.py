@@ -155,6 +155,25 @@ def test_a_bad_frame_ends_only_its_own_connection(garbage):
     _run(main())
 
 
+def test_a_call_sent_right_behind_the_hello_is_answered_under_the_message_limit():
+    """The hello is read under its own small limit; a call that arrives in
+    the same bytes (a client that does not wait for the welcome) is read
+    under the message limit once the hello is answered."""
+    async def main():
+        server = await _server(limit=1 << 20)
+        call = draft_pb2.ProposeAllCall(call_id=7, request=_request("x" * 3000, keep=9)).SerializeToString()
+        assert len(call) > 1024  # over the hello's limit
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        writer.write(lane_mod.frame(METHOD.encode()) + lane_mod.frame(call))
+        assert await lane_mod.read_frame(reader, 1024) == b""  # welcomed
+        reply = draft_pb2.ProposeAllReply.FromString(await lane_mod.read_frame(reader, 1 << 20))
+        assert reply.call_id == 7 and reply.response.drafts[0].token_id == 9
+        writer.close()
+        server.close()
+
+    _run(main())
+
+
 def test_a_drain_answers_what_was_read_and_refuses_new_connections():
     async def main():
         server = await _server()

@@ -125,12 +125,19 @@ class FrameConnection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._error is not None:
             return
-        if not self._buffer and len(data) >= HEADER and int.from_bytes(data[:HEADER], "big") == len(data) - HEADER:
+        if (not self._buffer and self.on_frame is not None and len(data) >= HEADER
+                and int.from_bytes(data[:HEADER], "big") == len(data) - HEADER):
             self._deliver(data[HEADER:])  # the usual case: exactly one whole frame, no copy into the buffer
             return
+        self._buffer += data
+        self._parse()
+
+    def _parse(self) -> None:
+        """Deliver the buffer's whole frames. Before `on_frame` is set, one
+        at a time: the handshake reads its frame under its own limit, and
+        what follows it waits for the limit set after it (`start_frames`)."""
         buffer = self._buffer
-        buffer += data
-        while len(buffer) >= HEADER and self._error is None:
+        while len(buffer) >= HEADER and self._error is None and (self.on_frame is not None or not self._early):
             size = int.from_bytes(buffer[:HEADER], "big")
             if size > self.limit:  # said by its header: no need to wait for the rest
                 self._end(ValueError(f"a frame of {size} bytes is over the limit of {self.limit}"))
@@ -164,6 +171,7 @@ class FrameConnection(asyncio.Protocol):
         self.on_frame = on_frame
         while self._early and self._error is None:
             self._deliver(self._early.popleft())
+        self._parse()
 
     async def next_frame(self) -> bytes:
         """The next frame that arrived before `on_frame` was set;
