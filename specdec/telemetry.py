@@ -13,21 +13,18 @@ tokens (whoever knows one can drive the session).
 """
 from __future__ import annotations
 
-import asyncio
 import os
-import time
-from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from opentelemetry import context as context_api
-from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.metrics import NoOpMeterProvider
 from opentelemetry.propagate import extract, inject
-from opentelemetry.trace import INVALID_SPAN, Link, SpanKind, Status, StatusCode
+from opentelemetry.trace import Link, SpanKind
 
 from specdec.metrics import Metrics
+from specdec.spans import NO_SPAN, CurrentSpan, LeafSpan, SpanSink
 
 # --------------------------------------------------------------- services
 
@@ -113,98 +110,6 @@ A_APPENDED = "specdec.appended_tokens"
 A_TOKENS = "specdec.tokens"  # tokens a propose/decode call produced
 A_LENGTH = "specdec.length"  # session length after the call
 
-# One reusable "span" for disabled tracing: entering it costs a method call.
-_NO_SPAN = nullcontext(INVALID_SPAN)
-
-
-class _CurrentSpan:
-    """`tracer.start_as_current_span` as a plain class: the span is current
-    inside, an exception is recorded and sets ERROR, the span ends on exit
-    (its end time then; the SDK's end on the event loop's next turn). The
-    SDK's version nests two generator context managers, a measurable part of
-    a span's cost on a round's hot path (`specd overhead`)."""
-
-    __slots__ = ("span", "_token")
-
-    def __init__(self, span):
-        self.span = span
-
-    def __enter__(self):
-        self._token = context_api.attach(trace.set_span_in_context(self.span))
-        return self.span
-
-    def __exit__(self, exc_type, exc, tb) -> bool:
-        context_api.detach(self._token)
-        # Like the SDK: only Exceptions (a GeneratorExit or a cancellation is not an error).
-        if isinstance(exc, Exception) and self.span.is_recording():
-            _record_error(self.span, exc)
-        # Ending a span is about half its SDK cost (the processors, the export
-        # queue): stamp the end now, do the rest on the loop's next turn, when
-        # the work that follows (the next call sent) is on its way.
-        _on_next_turn(self.span.end, time.time_ns())
-        return False
-
-
-class _LeafSpan:
-    """A span that has no children, built once it has ended: inside it only
-    its start time and attributes are noted, and the span itself is made on
-    the event loop's next turn (or at once with no loop running). A
-    service's span of a call then costs its reply almost nothing: the reply
-    is on its way before the span is built, and the SDK's work happens while
-    the caller handles the reply. The span is never current, so nothing may
-    be traced inside it; the same errors are recorded as by `_CurrentSpan`."""
-
-    __slots__ = ("_tracer", "_name", "_parent", "_carrier", "_kind", "_attributes", "_start")
-
-    def __init__(self, tracer, name: str, parent: Context | None, carrier: dict | None, kind: SpanKind,
-                 attributes: Mapping | None):
-        self._tracer = tracer
-        self._name = name
-        self._parent = parent  # the context to parent to, when there is no carrier to extract one from
-        self._carrier = carrier  # a caller's trace context (W3C), extracted when the span is built
-        self._kind = kind
-        self._attributes = dict(attributes or {})
-
-    def __enter__(self):
-        self._start = time.time_ns()
-        return self
-
-    def is_recording(self) -> bool:
-        return True
-
-    def set_attribute(self, key: str, value) -> None:
-        self._attributes[key] = value
-
-    def set_attributes(self, attributes: Mapping) -> None:
-        self._attributes.update(attributes)
-
-    def __exit__(self, exc_type, exc, tb) -> bool:
-        error = exc if isinstance(exc, Exception) else None  # as _CurrentSpan: not a cancellation
-        _on_next_turn(self._build, time.time_ns(), error)
-        return False
-
-    def _build(self, end: int, error: Exception | None) -> None:
-        parent = extract(self._carrier) if self._carrier is not None else self._parent
-        span = self._tracer.start_span(self._name, context=parent, kind=self._kind, attributes=self._attributes,
-                                       start_time=self._start)
-        if error is not None:
-            _record_error(span, error, timestamp=end)
-        span.end(end_time=end)
-
-
-def _record_error(span, exc: Exception, timestamp: int | None = None) -> None:
-    span.record_exception(exc, timestamp=timestamp)
-    span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
-
-
-def _on_next_turn(fn, *args) -> None:
-    """`fn(*args)` on the running event loop's next turn; at once where no loop runs."""
-    try:
-        asyncio.get_running_loop().call_soon(fn, *args)
-    except RuntimeError:  # no event loop in this thread
-        fn(*args)
-
-
 # ---------------------------------------------------------------- settings
 
 def _exporter_names(var: str, signal: str, env: Mapping[str, str]) -> tuple[str, ...]:
@@ -254,12 +159,19 @@ class Telemetry:
     """A role's tracer and instruments. Without a tracer provider it traces
     nothing; without a meter provider its instruments are no-ops."""
 
-    def __init__(self, service: str, tracer_provider=None, meter_provider=None):
+    def __init__(self, service: str, tracer_provider=None, meter_provider=None, span_processors: Sequence = ()):
         self.service = service
         self.tracer_provider = tracer_provider
         self.meter_provider = meter_provider
         self.tracing = tracer_provider is not None
-        self.tracer = tracer_provider.get_tracer("specdec") if self.tracing else trace.NoOpTracer()
+        self._sink = None
+        if self.tracing:
+            from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+
+            # Spans go straight to the provider's processors (specdec/spans.py);
+            # without a list of them, to the provider's own fan-out.
+            processors = span_processors or (tracer_provider._active_span_processor,)
+            self._sink = SpanSink(tracer_provider, processors, InstrumentationScope("specdec"))
         meter = (meter_provider or NoOpMeterProvider()).get_meter("specdec")
         self.metrics = Metrics(meter)
 
@@ -268,33 +180,31 @@ class Telemetry:
         """A context manager yielding a span that is current inside it;
         `parent` (a Context) overrides the current one."""
         if not self.tracing:
-            return _NO_SPAN
-        return _CurrentSpan(self.tracer.start_span(name, context=parent, kind=kind, attributes=attributes,
-                                                   links=links))
+            return NO_SPAN
+        return CurrentSpan(self._sink.start(name, parent, kind, attributes, links))
 
     def server_span(self, name: str, metadata, attributes: Mapping | None = None):
         """The span of an RPC handler, child of the caller's span when the
         call's metadata (iterable of (key, value)) carries a trace context."""
         if not self.tracing:
-            return _NO_SPAN
+            return NO_SPAN
         parent = extract({key: value for key, value in metadata or ()})
-        return _CurrentSpan(self.tracer.start_span(name, context=parent, kind=SpanKind.SERVER,
-                                                   attributes=attributes))
+        return CurrentSpan(self._sink.start(name, parent, SpanKind.SERVER, attributes))
 
     def leaf_server_span(self, name: str, metadata, attributes: Mapping | None = None):
         """`server_span` for a handler that traces nothing inside it: the
-        span is built after the handler, off the reply's path (`_LeafSpan`)."""
+        span is built after the handler, off the reply's path (`LeafSpan`)."""
         if not self.tracing:
-            return _NO_SPAN
-        return _LeafSpan(self.tracer, name, None, {key: value for key, value in metadata or ()}, SpanKind.SERVER,
-                         attributes)
+            return NO_SPAN
+        return LeafSpan(self._sink, name, None, {key: value for key, value in metadata or ()}, SpanKind.SERVER,
+                        attributes)
 
     def leaf_span(self, name: str, attributes: Mapping | None = None):
         """`span` for work that traces nothing inside it, a child of the
-        current span, built once it has ended (`_LeafSpan`)."""
+        current span, built once it has ended (`LeafSpan`)."""
         if not self.tracing:
-            return _NO_SPAN
-        return _LeafSpan(self.tracer, name, context_api.get_current(), None, SpanKind.INTERNAL, attributes)
+            return NO_SPAN
+        return LeafSpan(self._sink, name, context_api.get_current(), None, SpanKind.INTERNAL, attributes)
 
     @staticmethod
     def inject(carrier: dict) -> None:
@@ -329,14 +239,16 @@ def setup_telemetry(service_name: str, settings: TelemetrySettings | None = None
 
     settings = settings or TelemetrySettings.from_env()
     resource = Resource.create({SERVICE_NAME: os.environ.get("OTEL_SERVICE_NAME") or service_name})
-    tracer_provider = _tracer_provider(resource, settings, span_exporters) if settings.tracing else None
+    tracer_provider, span_processors = (_tracer_provider(resource, settings, span_exporters) if settings.tracing
+                                        else (None, ()))
     meter_provider = _meter_provider(resource, settings, metric_readers)
-    return Telemetry(service_name, tracer_provider, meter_provider)
+    return Telemetry(service_name, tracer_provider, meter_provider, span_processors)
 
 
 def _tracer_provider(resource, settings: TelemetrySettings, span_exporters: Sequence):
-    """None when no exporter is configured: spans nobody reads cost the same
-    as exported ones, so tracing is then off."""
+    """The provider and its span processors; (None, ()) when no exporter is
+    configured: spans nobody reads cost the same as exported ones, so
+    tracing is then off."""
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
 
@@ -349,11 +261,11 @@ def _tracer_provider(resource, settings: TelemetrySettings, span_exporters: Sequ
         # A short delay so `specd trace show` sees a request soon after it ends.
         processors.append(BatchSpanProcessor(JsonLinesSpanExporter(settings.trace_file), schedule_delay_millis=500))
     if not processors:
-        return None
+        return None, ()
     provider = TracerProvider(resource=resource)  # sampler: OTEL_TRACES_SAMPLER, default parent-based always-on
     for processor in processors:
-        provider.add_span_processor(processor)
-    return provider
+        provider.add_span_processor(processor)  # for the provider's flush and shutdown
+    return provider, tuple(processors)
 
 
 def _span_exporter(name: str, protocol: str):

@@ -1,0 +1,236 @@
+"""Our spans, made without the OpenTelemetry SDK's Span objects.
+
+Tracing is on by default, and a round's spans were the largest cost outside
+the models: `specd overhead`'s CPU split read 720-870 µs of CPU a round with
+tracing on against tracing off, most of it the SDK's per-span machinery
+(a Span with locked, bounded attribute and event containers, its start and
+end hooks, then a second, read-only copy of it for the processors), run
+with cold caches between the models' steps. A span here is a small object
+that collects what the span says; when it ends it becomes the SDK's
+`ReadableSpan` once and goes straight to the provider's span processors
+(batching, exporters), so what is exported is what the SDK would export:
+the same ids, parents, sampling decisions (the provider's sampler), kinds,
+attributes, links, events and statuses.
+
+`SpanSink` starts spans for a provider; `CurrentSpan` makes one current
+inside a `with`; `LeafSpan` builds a span that has no children only after it
+ended, off the caller's path. `NO_SPAN` is what every one of them is when
+tracing is off.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+import traceback
+from contextlib import nullcontext
+from typing import Mapping, Sequence
+
+from opentelemetry import context as context_api
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.propagate import extract
+from opentelemetry.sdk.trace import Event, ReadableSpan
+from opentelemetry.trace import INVALID_SPAN, Link, NonRecordingSpan, SpanContext, SpanKind, TraceFlags
+from opentelemetry.trace.status import Status, StatusCode
+
+# One reusable "span" for disabled tracing: entering it costs a method call.
+NO_SPAN = nullcontext(INVALID_SPAN)
+_UNSET = Status(StatusCode.UNSET)
+
+
+class SpanSink:
+    """Starts spans as the provider's tracer would (its sampler, its ids),
+    and hands each ended one to the provider's span processors."""
+
+    def __init__(self, provider, processors: Sequence, scope):
+        self.resource = provider.resource
+        self.sampler = provider.sampler
+        self.ids = provider.id_generator
+        self.processors = tuple(processors)
+        self.scope = scope
+
+    def start(self, name: str, parent: Context | None = None, kind: SpanKind = SpanKind.INTERNAL,
+              attributes: Mapping | None = None, links: Sequence[Link] = (),
+              start_time: int | None = None) -> trace.Span:
+        """A started span, child of the span current in `parent` (default:
+        the current context), or the root of a new trace."""
+        parent_context = trace.get_current_span(parent).get_span_context()
+        trace_id = parent_context.trace_id if parent_context.is_valid else self.ids.generate_trace_id()
+        links = list(links)
+        sampled = self.sampler.should_sample(parent, trace_id, name, kind, attributes, links)
+        recording = sampled.decision.is_recording()
+        flags = TraceFlags(TraceFlags.SAMPLED if sampled.decision.is_sampled() else TraceFlags.DEFAULT)
+        context = SpanContext(trace_id, self.ids.generate_span_id(), is_remote=False, trace_flags=flags,
+                              trace_state=sampled.trace_state)
+        if not recording:
+            return NonRecordingSpan(context)  # its context still propagates, as the SDK's does
+        values = {k: v for k, v in {**(attributes or {}), **(sampled.attributes or {})}.items() if v is not None}
+        return _Span(self, name, context, parent_context if parent_context.is_valid else None, kind, values, links,
+                     start_time or time.time_ns())
+
+    def finish(self, span: "_Span") -> None:
+        readable = ReadableSpan(name=span.name, context=span.context, parent=span.parent, resource=self.resource,
+                                attributes=span.attributes, events=span.events, links=span.links, kind=span.kind,
+                                status=span.status, start_time=span.start_time, end_time=span.end_time,
+                                instrumentation_scope=self.scope)
+        for processor in self.processors:
+            processor.on_end(readable)
+
+
+class _Span(trace.Span):
+    """A recording span: what it is told until it ends, then `SpanSink.finish`."""
+
+    __slots__ = ("sink", "name", "context", "parent", "kind", "attributes", "links", "events", "status",
+                 "start_time", "end_time")
+
+    def __init__(self, sink: SpanSink, name: str, context: SpanContext, parent: SpanContext | None,
+                 kind: SpanKind, attributes: dict, links: list, start_time: int):
+        self.sink = sink
+        self.name = name
+        self.context = context
+        self.parent = parent
+        self.kind = kind
+        self.attributes = attributes
+        self.links = links
+        self.events: list[Event] = []
+        self.status = _UNSET
+        self.start_time = start_time
+        self.end_time: int | None = None
+
+    def get_span_context(self) -> SpanContext:
+        return self.context
+
+    def is_recording(self) -> bool:
+        return self.end_time is None
+
+    def set_attributes(self, attributes: Mapping) -> None:
+        if self.end_time is None:
+            self.attributes.update((k, v) for k, v in attributes.items() if v is not None)
+
+    def set_attribute(self, key: str, value) -> None:
+        if self.end_time is None and value is not None:
+            self.attributes[key] = value
+
+    def add_event(self, name: str, attributes: Mapping | None = None, timestamp: int | None = None) -> None:
+        if self.end_time is None:
+            self.events.append(Event(name, dict(attributes or {}), timestamp or time.time_ns()))
+
+    def add_link(self, context: SpanContext, attributes: Mapping | None = None) -> None:
+        if self.end_time is None and context.is_valid:
+            self.links.append(Link(context, attributes))
+
+    def update_name(self, name: str) -> None:
+        if self.end_time is None:
+            self.name = name
+
+    def set_status(self, status, description: str | None = None) -> None:
+        if self.end_time is not None:
+            return
+        if isinstance(status, StatusCode):
+            status = Status(status, description)
+        if self.status.status_code is StatusCode.OK:
+            return  # as the SDK: OK is final
+        if status.status_code is StatusCode.UNSET:
+            return
+        self.status = status
+
+    def record_exception(self, exception: BaseException, attributes: Mapping | None = None,
+                         timestamp: int | None = None, escaped: bool = False) -> None:
+        """As the SDK records one: an "exception" event with its type, message and stack."""
+        module, name = type(exception).__module__, type(exception).__qualname__
+        values = {"exception.type": f"{module}.{name}" if module and module != "builtins" else name,
+                  "exception.message": str(exception),
+                  "exception.stacktrace": "".join(traceback.format_exception(exception)),
+                  "exception.escaped": str(escaped), **(attributes or {})}
+        self.add_event("exception", values, timestamp)
+
+    def end(self, end_time: int | None = None) -> None:
+        if self.end_time is not None:
+            return
+        self.end_time = end_time or time.time_ns()
+        self.sink.finish(self)
+
+
+class CurrentSpan:
+    """A span current inside a `with`: an exception is recorded and sets
+    ERROR, the span ends on exit (its end time then; handing it to the
+    processors on the event loop's next turn, when the work that follows,
+    the next call sent, is on its way)."""
+
+    __slots__ = ("span", "_token")
+
+    def __init__(self, span: trace.Span):
+        self.span = span
+
+    def __enter__(self) -> trace.Span:
+        self._token = context_api.attach(trace.set_span_in_context(self.span))
+        return self.span
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        context_api.detach(self._token)
+        # Like the SDK: only Exceptions (a GeneratorExit or a cancellation is not an error).
+        if isinstance(exc, Exception) and self.span.is_recording():
+            record_error(self.span, exc)
+        on_next_turn(self.span.end, time.time_ns())
+        return False
+
+
+class LeafSpan:
+    """A span that has no children, built once it has ended: inside it only
+    its start time and attributes are noted, and the span itself is made on
+    the event loop's next turn (or at once with no loop running). A
+    service's span of a call then costs its reply almost nothing: the reply
+    is on its way before the span is built. The span is never current, so
+    nothing may be traced inside it; the same errors are recorded as by
+    `CurrentSpan`."""
+
+    __slots__ = ("_sink", "_name", "_parent", "_carrier", "_kind", "_attributes", "_start")
+
+    def __init__(self, sink: SpanSink, name: str, parent: Context | None, carrier: dict | None, kind: SpanKind,
+                 attributes: Mapping | None):
+        self._sink = sink
+        self._name = name
+        self._parent = parent  # the context to parent to, when there is no carrier to extract one from
+        self._carrier = carrier  # a caller's trace context (W3C), extracted when the span is built
+        self._kind = kind
+        self._attributes = dict(attributes or {})
+
+    def __enter__(self):
+        self._start = time.time_ns()
+        return self
+
+    def is_recording(self) -> bool:
+        return True
+
+    def set_attribute(self, key: str, value) -> None:
+        self._attributes[key] = value
+
+    def set_attributes(self, attributes: Mapping) -> None:
+        self._attributes.update(attributes)
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        error = exc if isinstance(exc, Exception) else None  # as CurrentSpan: not a cancellation
+        on_next_turn(self._build, time.time_ns(), error)
+        return False
+
+    def _build(self, end: int, error: Exception | None) -> None:
+        parent = extract(self._carrier) if self._carrier is not None else self._parent
+        if parent is None:
+            parent = Context()  # a root, not a child of whatever is current on the next turn
+        span = self._sink.start(self._name, parent, self._kind, self._attributes, start_time=self._start)
+        if error is not None and span.is_recording():
+            record_error(span, error, timestamp=end)
+        span.end(end_time=end)
+
+
+def record_error(span: trace.Span, exc: Exception, timestamp: int | None = None) -> None:
+    span.record_exception(exc, timestamp=timestamp)
+    span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
+
+
+def on_next_turn(fn, *args) -> None:
+    """`fn(*args)` on the running event loop's next turn; at once where no loop runs."""
+    try:
+        asyncio.get_running_loop().call_soon(fn, *args)
+    except RuntimeError:  # no event loop in this thread
+        fn(*args)

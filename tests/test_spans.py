@@ -1,0 +1,109 @@
+"""specdec/spans.py: our spans skip the SDK's Span objects but export what
+the SDK would: the same parents, kinds, attributes, links, events, statuses
+and sampling decisions, through the provider's processors."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from opentelemetry import context as context_api
+from opentelemetry import trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from opentelemetry.trace import Link, SpanKind
+from opentelemetry.trace.status import Status, StatusCode
+
+from specdec.spans import CurrentSpan, LeafSpan, SpanSink
+
+
+def _pair(sampler=None):
+    """Our sink and an SDK tracer on twin providers, each into its own exporter."""
+    made = []
+    for _ in range(2):
+        exporter = InMemorySpanExporter()
+        kwargs = {"sampler": sampler} if sampler is not None else {}
+        provider = TracerProvider(resource=Resource.create({"service.name": "t"}), **kwargs)
+        processor = SimpleSpanProcessor(exporter)
+        provider.add_span_processor(processor)
+        made.append((provider, processor, exporter))
+    (ours, processor, ours_out), (sdk, _, sdk_out) = made
+    return SpanSink(ours, [processor], InstrumentationScope("specdec")), ours_out, sdk.get_tracer("specdec"), sdk_out
+
+
+def _shape(spans):
+    by_id = {s.context.span_id: s.name for s in spans}
+    return sorted((s.name, by_id.get(s.parent.span_id) if s.parent else None, s.kind, dict(s.attributes),
+                   s.status.status_code, s.status.description, [e.name for e in s.events],
+                   [by_id.get(link.context.span_id) for link in s.links], s.resource.attributes["service.name"])
+                  for s in spans)
+
+
+def test_a_tree_with_an_error_a_link_and_attributes_exports_as_the_sdks_does():
+    sink, ours, tracer, sdk = _pair()
+
+    def build(start):
+        root = start("round", None, SpanKind.INTERNAL, {"k": 4, "none": None})
+        root_context = trace.set_span_in_context(root)
+        call = start("draft.propose", root_context, SpanKind.CLIENT, {"peer": "draft"})
+        call.set_attribute("returned", 3)
+        call.set_status(Status(StatusCode.ERROR, "UNAVAILABLE: gone"))
+        call.record_exception(RuntimeError("gone"))
+        call.end()
+        other = start("verify_batch", root_context, SpanKind.CLIENT, None, [Link(call.get_span_context())])
+        root.add_link(other.get_span_context())
+        other.set_status(Status(StatusCode.OK))
+        other.set_status(Status(StatusCode.ERROR, "after OK: ignored"))
+        other.end()
+        root.set_attributes({"accepted": 2})
+        root.end()
+        root.set_attribute("after the end", 1)  # ignored, as by the SDK
+
+    build(sink.start)
+    build(lambda name, parent, kind, attributes, links=(): tracer.start_span(
+        name, context=parent, kind=kind, attributes={k: v for k, v in (attributes or {}).items() if v is not None},
+        links=links))
+    assert _shape(ours.get_finished_spans()) == _shape(sdk.get_finished_spans())
+    spans = {s.name: s for s in ours.get_finished_spans()}
+    assert spans["draft.propose"].parent.span_id == spans["round"].context.span_id
+    assert spans["draft.propose"].context.trace_id == spans["round"].context.trace_id
+    assert spans["draft.propose"].events[0].attributes["exception.type"] == "RuntimeError"
+    assert spans["round"].instrumentation_scope.name == "specdec"
+
+
+def test_a_sampler_that_drops_gives_a_span_that_records_nothing_but_still_propagates():
+    sink, ours, _, _ = _pair(sampler=ParentBased(ALWAYS_OFF))
+    span = sink.start("round")
+    assert not span.is_recording() and span.get_span_context().is_valid
+    assert not span.get_span_context().trace_flags.sampled
+    span.end()
+    assert ours.get_finished_spans() == ()
+
+
+def test_current_and_leaf_spans_nest_record_errors_and_end_on_the_next_turn():
+    sink, ours, _, _ = _pair()
+
+    async def main():
+        with pytest.raises(ValueError):
+            with CurrentSpan(sink.start("round")) as root:
+                assert trace.get_current_span() is root
+                with LeafSpan(sink, "accept", context_api.get_current(), None, SpanKind.INTERNAL, {"n": 1}) as leaf:
+                    leaf.set_attribute("accepted", 2)
+                raise ValueError("bad round")
+        assert ours.get_finished_spans() == ()  # built and ended on the loop's next turn
+        await asyncio.sleep(0)
+        return root
+
+    root = asyncio.run(main())
+    spans = {s.name: s for s in ours.get_finished_spans()}
+    assert spans["accept"].parent.span_id == root.get_span_context().span_id
+    assert dict(spans["accept"].attributes) == {"n": 1, "accepted": 2}
+    assert spans["round"].status.status_code is StatusCode.ERROR and "bad round" in spans["round"].status.description
+    assert [e.name for e in spans["round"].events] == ["exception"]
+    # A leaf whose caller sent no trace context is the root of a trace of its own.
+    LeafSpan(sink, "propose", None, {}, SpanKind.SERVER, None).__enter__().__exit__(None, None, None)
+    alone = [s for s in ours.get_finished_spans() if s.name == "propose"][0]
+    assert alone.parent is None and alone.context.trace_id != root.get_span_context().trace_id
