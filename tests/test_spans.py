@@ -107,3 +107,20 @@ def test_current_and_leaf_spans_nest_record_errors_and_end_on_the_next_turn():
     LeafSpan(sink, "propose", None, {}, SpanKind.SERVER, None).__enter__().__exit__(None, None, None)
     alone = [s for s in ours.get_finished_spans() if s.name == "propose"][0]
     assert alone.parent is None and alone.context.trace_id != root.get_span_context().trace_id
+
+
+def test_our_spans_encode_for_an_otlp_collector_and_the_console():
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+
+    sink, ours, _, _ = _pair()
+    root = sink.start("round", None, SpanKind.INTERNAL, {"k": 4, "share": 0.5, "peer": "draft", "fallback": False})
+    call = sink.start("x", trace.set_span_in_context(root), SpanKind.CLIENT, None, [Link(root.get_span_context())])
+    call.record_exception(ValueError("v"))
+    call.end()
+    root.end()
+    encoded = encode_spans(ours.get_finished_spans())
+    spans = encoded.resource_spans[0].scope_spans[0]
+    assert spans.scope.name == "specdec" and [s.name for s in spans.spans] == ["x", "round"]
+    assert spans.spans[0].parent_span_id == root.get_span_context().span_id.to_bytes(8, "big")
+    assert len(spans.spans[0].links) == 1 and spans.spans[0].events[0].name == "exception"
+    assert '"name": "round"' in ours.get_finished_spans()[1].to_json()
