@@ -56,15 +56,22 @@ class SpanSink:
         the current context), or the root of a new trace."""
         parent_context = trace.get_current_span(parent).get_span_context()
         trace_id = parent_context.trace_id if parent_context.is_valid else self.ids.generate_trace_id()
-        links = list(links)
+        links = [link for link in links if link.context.is_valid]  # as the SDK: an invalid one is dropped
         sampled = self.sampler.should_sample(parent, trace_id, name, kind, attributes, links)
         recording = sampled.decision.is_recording()
-        flags = TraceFlags(TraceFlags.SAMPLED if sampled.decision.is_sampled() else TraceFlags.DEFAULT)
+        flags = TraceFlags.SAMPLED if sampled.decision.is_sampled() else TraceFlags.DEFAULT
+        # W3C's random-trace-id flag, as the SDK sets it: a root's from the id
+        # generator, a child's from its parent.
+        if (parent_context.trace_flags.random_trace_id if parent_context.is_valid
+                else self.ids.is_trace_id_random()):
+            flags |= TraceFlags.RANDOM_TRACE_ID
+        flags = TraceFlags(flags)
         context = SpanContext(trace_id, self.ids.generate_span_id(), is_remote=False, trace_flags=flags,
                               trace_state=sampled.trace_state)
         if not recording:
             return NonRecordingSpan(context)  # its context still propagates, as the SDK's does
-        values = {k: v for k, v in {**(attributes or {}), **(sampled.attributes or {})}.items() if v is not None}
+        values = {k: _clean(v) for k, v in {**(attributes or {}), **(sampled.attributes or {})}.items()
+                  if v is not None}
         return _Span(self, name, context, parent_context if parent_context.is_valid else None, kind, values, links,
                      start_time or time.time_ns())
 
@@ -105,11 +112,11 @@ class _Span(trace.Span):
 
     def set_attributes(self, attributes: Mapping) -> None:
         if self.end_time is None:
-            self.attributes.update((k, v) for k, v in attributes.items() if v is not None)
+            self.attributes.update((k, _clean(v)) for k, v in attributes.items() if v is not None)
 
     def set_attribute(self, key: str, value) -> None:
         if self.end_time is None and value is not None:
-            self.attributes[key] = value
+            self.attributes[key] = _clean(value)
 
     def add_event(self, name: str, attributes: Mapping | None = None, timestamp: int | None = None) -> None:
         if self.end_time is None:
@@ -221,6 +228,21 @@ class LeafSpan:
         if error is not None and span.is_recording():
             record_error(span, error, timestamp=end)
         span.end(end_time=end)
+
+
+_PLAIN = (str, bool, int, float, bytes)
+
+
+def _clean(value):
+    """An attribute's value as the SDK keeps it: a plain value as it is, a
+    sequence as a tuple, a mapping as it is, anything else (a numpy number)
+    as its text, which is what the SDK falls back to."""
+    kind = type(value)
+    if kind in _PLAIN or isinstance(value, Mapping):
+        return value
+    if isinstance(value, (list, tuple)):
+        return tuple(v if type(v) in _PLAIN or v is None else str(v) for v in value)
+    return str(value)
 
 
 def record_error(span: trace.Span, exc: Exception, timestamp: int | None = None) -> None:

@@ -128,6 +128,10 @@ def _off(value: str) -> bool:
     return value.strip().lower() in ("off", "0", "false", "no")
 
 
+def _on(value: str) -> bool:
+    return value.strip().lower() in ("on", "1", "true", "yes")
+
+
 @dataclass(frozen=True)
 class TelemetrySettings:
     """What to trace and where to send it (see `from_env`)."""
@@ -260,7 +264,7 @@ def _tracer_provider(resource, settings: TelemetrySettings, span_exporters: Sequ
 
         # A short delay so `specd trace show` sees a request soon after it ends.
         processors.append(BatchSpanProcessor(JsonLinesSpanExporter(settings.trace_file), schedule_delay_millis=500))
-    if not processors:
+    if not processors or _on(os.environ.get("OTEL_SDK_DISABLED", "")):  # the SDK's own switch: no spans at all
         return None, ()
     provider = TracerProvider(resource=resource)  # sampler: OTEL_TRACES_SAMPLER, default parent-based always-on
     for processor in processors:

@@ -230,7 +230,8 @@ def _closed_port() -> int:
     return port
 
 
-def test_mutual_tls_lane_serves_allowed_callers_only(tmp_path):
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])  # uvloop: what the services run (specdec/eventloop.py)
+def test_mutual_tls_lane_serves_allowed_callers_only(tmp_path, loop):
     from specdec.security.local_ca import LocalCA, LocalTls
     from specdec.security.tls import ClientTls
 
@@ -260,7 +261,11 @@ def test_mutual_tls_lane_serves_allowed_callers_only(tmp_path):
         await client.close()
         server.close()
 
-    _run(main())
+    if loop == "uvloop":
+        uvloop = pytest.importorskip("uvloop")
+        uvloop.run(asyncio.wait_for(main(), DEADLINE_S))
+    else:
+        _run(main())
 
 
 def test_rounds_go_on_the_lanes_and_greedy_tokens_equal_target_only():
@@ -484,3 +489,97 @@ def test_over_mutual_tls_the_orchestrators_dialing_reaches_a_services_lane(tmp_p
         client_loop.close()
         service_loop.run(service.stop(0))
         service_loop.close()
+
+
+def test_replies_held_back_by_a_slow_reader_all_go_once_it_reads():
+    """Several replies wait in drain() at once (the caller reads nothing for
+    a while): every one is sent once it reads, and the connection ends when
+    it leaves (each waiter is woken, not only the last)."""
+    async def big(request, trace_context):
+        await asyncio.sleep(0.01)
+        return draft_pb2.ProposeAllResponse(drafts=[draft_pb2.ProposeResponse(token_id=i) for i in range(200_000)])
+
+    async def main():
+        server = LaneServer(METHOD, big, draft_pb2.ProposeAllCall, draft_pb2.ProposeAllReply, "fake", 64 << 20)
+        await server.start("127.0.0.1", 0)
+        loop = asyncio.get_running_loop()
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.setblocking(False)
+        await loop.sock_connect(sock, ("127.0.0.1", server.port))
+        calls = b"".join(lane_mod.frame(draft_pb2.ProposeAllCall(call_id=i).SerializeToString()) for i in range(1, 5))
+        await loop.sock_sendall(sock, lane_mod.frame(METHOD.encode()) + calls)
+        await asyncio.sleep(0.5)  # the replies are written; the caller reads nothing: writing is paused
+        data = b""
+        while True:
+            try:
+                chunk = await asyncio.wait_for(loop.sock_recv(sock, 1 << 20), 2.0)
+            except asyncio.TimeoutError:
+                break
+            data += chunk
+        replies, at = [], 4  # past the welcome (an empty frame)
+        while at < len(data):
+            size = struct.unpack(">I", data[at:at + 4])[0]
+            replies.append(draft_pb2.ProposeAllReply.FromString(data[at + 4:at + 4 + size]).call_id)
+            at += 4 + size
+        assert sorted(replies) == [1, 2, 3, 4]
+        await asyncio.sleep(0.3)
+        assert not [t for t in asyncio.all_tasks() if "_answer" in repr(t.get_coro())]  # none left waiting to drain
+        sock.close()
+        await asyncio.sleep(0.3)
+        assert not server._connections  # its connection's task ended when the caller left
+        server.close()
+
+    _run(main())
+
+
+def test_a_connection_answers_at_most_the_cap_of_calls_at_once(monkeypatch):
+    from specdec.rpc import lane_server
+
+    monkeypatch.setattr(lane_server, "MAX_CALLS_IN_FLIGHT", 4)
+    running, most = [0], [0]
+
+    async def held(request, trace_context):
+        running[0] += 1
+        most[0] = max(most[0], running[0])
+        await asyncio.sleep(0.02)
+        running[0] -= 1
+        return draft_pb2.ProposeAllResponse()
+
+    async def main():
+        server = LaneServer(METHOD, held, draft_pb2.ProposeAllCall, draft_pb2.ProposeAllReply, "fake", 1 << 20)
+        await server.start("127.0.0.1", 0)
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        calls = b"".join(lane_mod.frame(draft_pb2.ProposeAllCall(call_id=i).SerializeToString()) for i in range(1, 41))
+        writer.write(lane_mod.frame(METHOD.encode()) + calls)  # all 40 in one write, read in one go
+        assert await lane_mod.read_frame(reader, 1024) == b""
+        answered = {draft_pb2.ProposeAllReply.FromString(await lane_mod.read_frame(reader, 1 << 20)).call_id
+                    for _ in range(40)}
+        assert answered == set(range(1, 41)) and most[0] == 4
+        writer.close()
+        server.close()
+
+    _run(main())
+
+
+def test_closing_the_client_fails_its_calls_at_once_even_when_the_service_reads_nothing():
+    async def main():
+        async def deaf(reader, writer):  # welcomes, then never reads again
+            await lane_mod.read_frame(reader, 1024)
+            writer.write(lane_mod.frame(b""))
+            await asyncio.sleep(30)
+
+        deaf_server = await asyncio.start_server(deaf, "127.0.0.1", 0)
+        client = _client(deaf_server.sockets[0].getsockname()[1], max_message_bytes=64 << 20)
+        big = _request("x" * (16 << 20))  # more than the socket buffers hold
+        in_flight = asyncio.ensure_future(client(big, 30))
+        await asyncio.sleep(0.3)
+        started = asyncio.get_running_loop().time()
+        await client.close()
+        with pytest.raises(grpc.aio.AioRpcError) as closed:
+            await in_flight
+        assert closed.value.code() is grpc.StatusCode.CANCELLED
+        assert asyncio.get_running_loop().time() - started < 2.0
+        deaf_server.close()
+
+    _run(main())

@@ -124,3 +124,25 @@ def test_our_spans_encode_for_an_otlp_collector_and_the_console():
     assert spans.spans[0].parent_span_id == root.get_span_context().span_id.to_bytes(8, "big")
     assert len(spans.spans[0].links) == 1 and spans.spans[0].events[0].name == "exception"
     assert '"name": "round"' in ours.get_finished_spans()[1].to_json()
+
+
+def test_flags_cleaned_attributes_and_invalid_links_are_the_sdks():
+    sink, ours, tracer, sdk = _pair()
+    numpy = pytest.importorskip("numpy")
+    values = {"ids": [1, 2], "mixed": [1, "a"], "n": numpy.int64(3), "m": {"x": 1}}
+    invalid = Link(trace.INVALID_SPAN_CONTEXT)
+    mine = sink.start("s", None, SpanKind.INTERNAL, values, [invalid])
+    theirs = tracer.start_span("s", attributes=values, links=[invalid])
+    assert mine.get_span_context().trace_flags == theirs.get_span_context().trace_flags  # W3C's random-id bit too
+    mine.end()
+    theirs.end()
+    (a,), (b,) = ours.get_finished_spans(), sdk.get_finished_spans()
+    assert dict(a.attributes) == dict(b.attributes) and len(a.links) == len(b.links) == 0
+
+
+def test_the_sdks_own_off_switch_turns_tracing_off(monkeypatch, tmp_path):
+    from specdec.telemetry import TelemetrySettings, setup_telemetry
+
+    monkeypatch.setenv("OTEL_SDK_DISABLED", "true")
+    telemetry = setup_telemetry("t", TelemetrySettings(tracing=True, trace_file=str(tmp_path / "t.jsonl")))
+    assert not telemetry.tracing

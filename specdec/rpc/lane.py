@@ -116,7 +116,8 @@ class FrameConnection(asyncio.Protocol):
         self._early: collections.deque[bytes] = collections.deque()  # frames before on_frame was set
         self._waiter: asyncio.Future | None = None  # next_frame's
         self._paused = False  # writing, by the transport's flow control
-        self._drained: asyncio.Future | None = None
+        self._drain_waiters: collections.deque[asyncio.Future] = collections.deque()
+        self._held = False  # no frames delivered meanwhile (`hold`)
         self._error: BaseException | None = None
 
     def connection_made(self, transport) -> None:
@@ -125,7 +126,7 @@ class FrameConnection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._error is not None:
             return
-        if (not self._buffer and self.on_frame is not None and len(data) >= HEADER
+        if (not self._buffer and self.on_frame is not None and not self._held and len(data) >= HEADER
                 and int.from_bytes(data[:HEADER], "big") == len(data) - HEADER):
             self._deliver(data[HEADER:])  # the usual case: exactly one whole frame, no copy into the buffer
             return
@@ -137,7 +138,8 @@ class FrameConnection(asyncio.Protocol):
         at a time: the handshake reads its frame under its own limit, and
         what follows it waits for the limit set after it (`start_frames`)."""
         buffer = self._buffer
-        while len(buffer) >= HEADER and self._error is None and (self.on_frame is not None or not self._early):
+        while (len(buffer) >= HEADER and self._error is None and not self._held
+               and (self.on_frame is not None or not self._early)):
             size = int.from_bytes(buffer[:HEADER], "big")
             if size > self.limit:  # said by its header: no need to wait for the rest
                 self._end(ValueError(f"a frame of {size} bytes is over the limit of {self.limit}"))
@@ -190,22 +192,42 @@ class FrameConnection(asyncio.Protocol):
         error = self._error or exc
         if not self.ended.done():
             self.ended.set_result(error)
-        if self._drained is not None and not self._drained.done():
-            self._drained.set_result(None)
+        self._wake_drainers()
+
+    def hold(self) -> None:
+        """Deliver no more frames, and read no more, until `release`."""
+        self._held = True
+        if not self.is_closing():
+            self.transport.pause_reading()
+
+    def release(self) -> None:
+        """Deliver the frames that came meanwhile, and read on."""
+        self._held = False
+        if not self.is_closing():
+            self.transport.resume_reading()
+        self._parse()
 
     def pause_writing(self) -> None:
         self._paused = True
 
     def resume_writing(self) -> None:
         self._paused = False
-        if self._drained is not None and not self._drained.done():
-            self._drained.set_result(None)
+        self._wake_drainers()
+
+    def _wake_drainers(self) -> None:
+        while self._drain_waiters:
+            waiter = self._drain_waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
 
     async def drain(self) -> None:
-        """Wait while the transport's write buffer is over its high-water mark."""
-        while self._paused and not self.ended.done():
-            self._drained = asyncio.get_running_loop().create_future()
-            await self._drained
+        """Wait while the transport's write buffer is over its high-water
+        mark (every writer waiting is woken, as a StreamWriter's are)."""
+        if not self._paused or self.ended.done():
+            return
+        waiter = asyncio.get_running_loop().create_future()
+        self._drain_waiters.append(waiter)
+        await waiter
 
     def write(self, payload: bytes) -> None:
         """`payload` as one frame."""

@@ -168,7 +168,8 @@ class LaneClient:
         connection, self._connection = self._connection, None
         if connection is not None:
             connection.closed_by_us = True
-            connection.protocol.transport.close()
+            self._ended(connection, None)  # the calls in flight fail now, not once the peer has read what we wrote
+            connection.protocol.transport.abort()
             await asyncio.wait([connection.protocol.ended], timeout=5.0)
 
 

@@ -44,6 +44,19 @@ class LaneTls:
             self._context = fresh
         return self._context
 
+    def listening_context(self) -> ssl.SSLContext:
+        """The context the lane's port listens with: each handshake switches
+        to `context()` as it starts (the server-name callback, which runs for
+        every handshake, a name sent or not), so a renewed certificate is
+        served from the next connection on."""
+        listening = self._load()
+
+        def newest(connection: ssl.SSLObject, _server_name, _context) -> None:
+            connection.context = self.context()
+
+        listening.sni_callback = newest
+        return listening
+
     def refusal(self, peer_certificate: dict | None) -> str:
         """Why the caller is refused ('' when it is allowed)."""
         return caller_refusal(certificate_names(peer_certificate or {}), self.allowed)
@@ -78,7 +91,10 @@ class LaneServer:
         self.answered = 0  # calls answered, since start
 
     async def start(self, host: str, port: int) -> int:
-        self._server = await asyncio.get_running_loop().create_server(lambda: _Accepted(self), host, port)
+        # Under TLS the handshake completes before a connection is made (and
+        # its protocol sees a byte): asyncio's and uvloop's own TLS.
+        tls = {"ssl": self.tls.listening_context(), "ssl_handshake_timeout": HELLO_S} if self.tls else {}
+        self._server = await asyncio.get_running_loop().create_server(lambda: _Accepted(self), host, port, **tls)
         self.port = self._server.sockets[0].getsockname()[1]
         log.info("lane for %s on %s:%d%s", self.method, host, self.port, " (TLS)" if self.tls else "")
         return self.port
@@ -115,8 +131,8 @@ class LaneServer:
                                 ended)
         except asyncio.CancelledError:
             pass  # a drain: answer what was read, then end
-        except (asyncio.IncompleteReadError, OSError, TimeoutError, ssl.SSLError):
-            pass  # the caller went away (or failed the TLS handshake, or sent no hello in time)
+        except (asyncio.IncompleteReadError, OSError, TimeoutError):
+            pass  # the caller went away (or sent no hello in time)
         except ValueError as exc:  # an oversized hello
             log.warning("lane %s: ending a connection from %s: %s", self.method, _peer(connection.transport), exc)
         finally:
@@ -130,9 +146,7 @@ class LaneServer:
         """The handshake: TLS (when on), then the method; a refusal is sent as the hello's text."""
         async with asyncio.timeout(HELLO_S):
             refusal = ""
-            if self.tls is not None:
-                connection.transport = await asyncio.get_running_loop().start_tls(
-                    connection.transport, connection, self.tls.context(), server_side=True)
+            if self.tls is not None:  # the handshake is done (`start`): who called?
                 refusal = self.tls.refusal(connection.transport.get_extra_info("peercert"))
             method = (await connection.next_frame()).decode(errors="replace")
             if not refusal and method != self.method:
@@ -159,14 +173,14 @@ class LaneServer:
 
         def done(finished: asyncio.Future) -> None:
             answering.discard(finished)
-            if connection.reading_paused and len(answering) < MAX_CALLS_IN_FLIGHT and not connection.is_closing():
+            if connection.reading_paused and len(answering) < MAX_CALLS_IN_FLIGHT:
                 connection.reading_paused = False
-                connection.transport.resume_reading()
+                connection.release()  # the calls that came meanwhile first
 
         task.add_done_callback(done)
         if len(answering) >= MAX_CALLS_IN_FLIGHT and not connection.reading_paused:
             connection.reading_paused = True
-            connection.transport.pause_reading()
+            connection.hold()  # frames already read wait too
 
     async def _answer(self, connection: "_Accepted", call) -> None:
         # Replies are written whole, one frame each, as their calls finish.
@@ -194,9 +208,16 @@ class _Accepted(FrameConnection):
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
-        if self.server.tls is not None:
-            transport.pause_reading()  # the TLS handshake reads first (LaneServer._opened)
-        self.server._connections.add(asyncio.ensure_future(self.server._serve(self)))
+        task = asyncio.ensure_future(self.server._serve(self))
+        self.server._connections.add(task)
+        task.add_done_callback(self._served)
+
+    def _served(self, task: asyncio.Future) -> None:
+        # A task cancelled before its first step (a drain right after the
+        # accept) never ran its own cleanup.
+        self.server._connections.discard(task)
+        if not self.is_closing():
+            self.transport.close()
 
 
 def _ignored(payload: bytes) -> None:
