@@ -57,7 +57,9 @@ def span_to_dict(span: ReadableSpan) -> dict:
 
 
 _encode = json.JSONEncoder(separators=(",", ":"), default=str).encode
-_services: dict[int, str] = {}  # a resource's id: its service name, encoded
+# A resource's id: (the resource, its service name encoded). Holding the
+# resource keeps its id from being reused by another while it is here.
+_services: dict[int, tuple[object, str]] = {}
 
 
 def span_line(span: ReadableSpan) -> str:
@@ -66,9 +68,10 @@ def span_line(span: ReadableSpan) -> str:
     GIL with the event loop (tests/test_trace_file.py: the same line, byte for
     byte)."""
     ctx, parent, resource = span.context, span.parent, span.resource
-    service = _services.get(id(resource))
-    if service is None:
-        service = _services[id(resource)] = _encode(resource.attributes.get("service.name", ""))
+    known = _services.get(id(resource))
+    if known is None:
+        known = _services[id(resource)] = (resource, _encode(resource.attributes.get("service.name", "")))
+    service = known[1]
     links = ",".join('{"trace_id":"%032x","span_id":"%016x"}' % (link.context.trace_id, link.context.span_id)
                      for link in span.links)
     attributes = span.attributes

@@ -127,7 +127,7 @@ class FrameConnection(asyncio.Protocol):
         if self._error is not None:
             return
         if (not self._buffer and self.on_frame is not None and not self._held and len(data) >= HEADER
-                and int.from_bytes(data[:HEADER], "big") == len(data) - HEADER):
+                and int.from_bytes(data[:HEADER], "big") == len(data) - HEADER and len(data) - HEADER <= self.limit):
             self._deliver(data[HEADER:])  # the usual case: exactly one whole frame, no copy into the buffer
             return
         self._buffer += data
@@ -151,9 +151,8 @@ class FrameConnection(asyncio.Protocol):
             self._deliver(payload)
 
     def _deliver(self, payload: bytes) -> None:
+        """A whole frame, within the limit (checked where it was read)."""
         try:
-            if len(payload) > self.limit:
-                raise ValueError(f"a frame of {len(payload)} bytes is over the limit of {self.limit}")
             if self.on_frame is not None:
                 self.on_frame(payload)
             else:
@@ -193,6 +192,10 @@ class FrameConnection(asyncio.Protocol):
         if not self.ended.done():
             self.ended.set_result(error)
         self._wake_drainers()
+
+    @property
+    def held(self) -> bool:
+        return self._held
 
     def hold(self) -> None:
         """Deliver no more frames, and read no more, until `release`."""

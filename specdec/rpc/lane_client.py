@@ -100,27 +100,10 @@ class LaneClient:
         return await asyncio.shield(self._opening)
 
     async def _connect(self, timeout: float) -> "_Connection":
-        protocol: FrameConnection | None = None
         try:
-            if self._closed:
-                raise LaneDown(f"the {self.service} service's lane client is closed")
-            async with asyncio.timeout(timeout):
-                if self._stale and self.find_port is not None:
-                    self.port = await self.find_port(timeout)
-                    if self.port <= 0:
-                        raise LaneDown(f"the {self.service} service no longer offers a lane")
-                context = self.ssl_context() if callable(self.ssl_context) else self.ssl_context
-                _, protocol = await asyncio.get_running_loop().create_connection(
-                    lambda: FrameConnection(1 << 16), self.host, self.port, ssl=context,
-                    server_hostname=self.server_hostname if context else None)
-                protocol.write(self.method.encode())
-                refusal = (await protocol.next_frame()).decode(errors="replace")
-            if refusal:
-                raise LaneDown(f"the {self.service} service's lane at {self.address} refused: {refusal}")
+            protocol = await self._handshake(timeout)
         except (OSError, asyncio.IncompleteReadError, TimeoutError, ValueError, LaneDown,
                 grpc.aio.AioRpcError) as exc:
-            if protocol is not None:
-                protocol.transport.close()
             self._down_until = self.clock() + RETRY_S
             self._stale = True
             down = exc if isinstance(exc, LaneDown) else LaneDown(
@@ -128,10 +111,6 @@ class LaneClient:
             if not self._closed:  # once per attempt, however many callers waited on it
                 log.warning("%s; calls go by gRPC, the lane is tried again in %.0f s", down, RETRY_S)
             raise down from None
-        except BaseException:  # cancelled (every caller went away, or close()): do not keep what was opened
-            if protocol is not None:
-                protocol.transport.close()
-            raise
         if self._closed:  # closed while opening: do not keep what was opened
             protocol.transport.close()
             raise LaneDown(f"the {self.service} service's lane client is closed")
@@ -145,8 +124,36 @@ class LaneClient:
         self._connection = connection
         return connection
 
+    async def _handshake(self, timeout: float) -> FrameConnection:
+        """A connection the service welcomed; whatever fails or cancels this
+        leaves nothing open."""
+        if self._closed:
+            raise LaneDown(f"the {self.service} service's lane client is closed")
+        protocol: FrameConnection | None = None
+        try:
+            async with asyncio.timeout(timeout):
+                if self._stale and self.find_port is not None:
+                    self.port = await self.find_port(timeout)
+                    if self.port <= 0:
+                        raise LaneDown(f"the {self.service} service no longer offers a lane")
+                context = self.ssl_context() if callable(self.ssl_context) else self.ssl_context
+                _, protocol = await asyncio.get_running_loop().create_connection(
+                    lambda: FrameConnection(1 << 16), self.host, self.port, ssl=context,
+                    server_hostname=self.server_hostname if context else None)
+                protocol.write(self.method.encode())
+                refusal = (await protocol.next_frame()).decode(errors="replace")
+            if refusal:
+                raise LaneDown(f"the {self.service} service's lane at {self.address} refused: {refusal}")
+            return protocol
+        except BaseException:
+            if protocol is not None:
+                protocol.transport.close()
+            raise
+
     def _ended(self, connection: "_Connection", cause: BaseException | None) -> None:
-        """The connection is gone: every call still waiting on it fails."""
+        """The connection is gone: every call still waiting on it fails (once)."""
+        if connection.error is not None:
+            return
         if connection.closed_by_us:
             error = grpc_errors.rpc_error(grpc.StatusCode.CANCELLED, f"the {self.service} service's lane was closed")
         else:

@@ -118,7 +118,6 @@ class LaneServer:
     async def _serve(self, connection: "_Accepted") -> None:
         """One connection's life: the handshake, then its calls, each answered
         by a task of its own, started from the connection's data_received."""
-        task = asyncio.current_task()
         answering: set[asyncio.Future] = set()
         keepalive(connection.transport)
         try:
@@ -139,8 +138,7 @@ class LaneServer:
             connection.on_frame = _ignored  # no new calls
             while answering:
                 await asyncio.gather(*answering, return_exceptions=True)
-            connection.transport.close()
-            self._connections.discard(task)  # last: a drain waits for this connection until here
+            # The connection then closes and leaves `_connections` (`_Accepted._served`).
 
     async def _opened(self, connection: "_Accepted") -> bool:
         """The handshake: TLS (when on), then the method; a refusal is sent as the hello's text."""
@@ -173,13 +171,11 @@ class LaneServer:
 
         def done(finished: asyncio.Future) -> None:
             answering.discard(finished)
-            if connection.reading_paused and len(answering) < MAX_CALLS_IN_FLIGHT:
-                connection.reading_paused = False
+            if connection.held and len(answering) < MAX_CALLS_IN_FLIGHT:
                 connection.release()  # the calls that came meanwhile first
 
         task.add_done_callback(done)
-        if len(answering) >= MAX_CALLS_IN_FLIGHT and not connection.reading_paused:
-            connection.reading_paused = True
+        if len(answering) >= MAX_CALLS_IN_FLIGHT and not connection.held:
             connection.hold()  # frames already read wait too
 
     async def _answer(self, connection: "_Accepted", call) -> None:
@@ -204,7 +200,6 @@ class _Accepted(FrameConnection):
     def __init__(self, server: LaneServer):
         super().__init__(limit=1024)  # the hello: a method's name
         self.server = server
-        self.reading_paused = False
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
@@ -213,8 +208,8 @@ class _Accepted(FrameConnection):
         task.add_done_callback(self._served)
 
     def _served(self, task: asyncio.Future) -> None:
-        # A task cancelled before its first step (a drain right after the
-        # accept) never ran its own cleanup.
+        """The connection's task ended (or was cancelled before its first
+        step, by a drain right after the accept): close it."""
         self.server._connections.discard(task)
         if not self.is_closing():
             self.transport.close()
