@@ -15,7 +15,7 @@ Linux only: elsewhere there is no figure.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from specdec.bench.interleave import Call
@@ -41,11 +41,18 @@ def process_cpu_ns(pid: int) -> int | None:
 class RoundCpu:
     """Microseconds of CPU per round. `outside` by process (the measuring
     process: the client, and the services too when they run in it), each less
-    the compute its services reported; `compute` by service."""
+    the compute its services reported; `compute` by service; `spent` by
+    process, compute included.
+
+    The services time their compute on the wall clock, so where a service
+    is descheduled mid-forward (a busy host) its compute reads more than the
+    CPU it took and its `outside` reads low, even below zero over a few
+    rounds: a figure to read over hundreds of rounds on a quiet host."""
 
     rounds: int
     outside: dict[str, float]
     compute: dict[str, float]
+    spent: dict[str, float] = field(default_factory=dict)
 
     @property
     def total_outside(self) -> float:
@@ -71,9 +78,9 @@ async def round_cpu(one_round: Call, computed: list[tuple[float, float]], proces
     reported = computed[first:]
     compute = {"draft": sum(d for d, _ in reported) / rounds * 1e6,
                "target": sum(t for _, t in reported) / rounds * 1e6}
-    outside = {name: (after[name] - before[name]) / rounds / 1e3 - sum(compute[s] for s in services.get(name, ()))
-               for name in processes}
-    return RoundCpu(rounds, outside, compute)
+    spent = {name: (after[name] - before[name]) / rounds / 1e3 for name in processes}
+    outside = {name: spent[name] - sum(compute[s] for s in services.get(name, ())) for name in processes}
+    return RoundCpu(rounds, outside, compute, spent)
 
 
 def stack_processes(stack) -> tuple[dict[str, int], dict[str, tuple[str, ...]]]:
