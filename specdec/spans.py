@@ -28,14 +28,17 @@ from typing import Mapping, Sequence
 from opentelemetry import context as context_api
 from opentelemetry import trace
 from opentelemetry.context import Context
-from opentelemetry.propagate import extract
 from opentelemetry.sdk.trace import Event, ReadableSpan
+from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased
 from opentelemetry.trace import INVALID_SPAN, Link, NonRecordingSpan, SpanContext, SpanKind, TraceFlags
 from opentelemetry.trace.status import Status, StatusCode
+
+from specdec import trace_context
 
 # One reusable "span" for disabled tracing: entering it costs a method call.
 NO_SPAN = nullcontext(INVALID_SPAN)
 _UNSET = Status(StatusCode.UNSET)
+_PARENT_BASED_ALWAYS_ON = ParentBased(ALWAYS_ON).get_description()  # the SDK's default sampler
 
 
 class SpanSink:
@@ -45,6 +48,10 @@ class SpanSink:
     def __init__(self, provider, processors: Sequence, scope):
         self.resource = provider.resource
         self.sampler = provider.sampler
+        # The SDK's default sampler (parent-based, always on), decided here
+        # without its calls: a child is sampled as its parent is, a root always.
+        self.parent_based_always_on = (type(self.sampler) is ParentBased
+                                       and self.sampler.get_description() == _PARENT_BASED_ALWAYS_ON)
         self.ids = provider.id_generator
         self.processors = tuple(processors)
         self.scope = scope
@@ -57,9 +64,14 @@ class SpanSink:
         parent_context = trace.get_current_span(parent).get_span_context()
         trace_id = parent_context.trace_id if parent_context.is_valid else self.ids.generate_trace_id()
         links = [link for link in links if link.context.is_valid]  # as the SDK: an invalid one is dropped
-        sampled = self.sampler.should_sample(parent, trace_id, name, kind, attributes, links)
-        recording = sampled.decision.is_recording()
-        flags = TraceFlags.SAMPLED if sampled.decision.is_sampled() else TraceFlags.DEFAULT
+        if self.parent_based_always_on:  # records what it samples: a child as its parent, a root always
+            recording = is_sampled = parent_context.trace_flags.sampled if parent_context.is_valid else True
+            trace_state, extra = (parent_context.trace_state if parent_context.is_valid else None), None
+        else:
+            sampled = self.sampler.should_sample(parent, trace_id, name, kind, attributes, links)
+            recording, is_sampled = sampled.decision.is_recording(), sampled.decision.is_sampled()
+            trace_state, extra = sampled.trace_state, sampled.attributes
+        flags = TraceFlags.SAMPLED if is_sampled else TraceFlags.DEFAULT
         # W3C's random-trace-id flag, as the SDK sets it: a root's from the id
         # generator, a child's from its parent.
         if (parent_context.trace_flags.random_trace_id if parent_context.is_valid
@@ -67,10 +79,10 @@ class SpanSink:
             flags |= TraceFlags.RANDOM_TRACE_ID
         flags = TraceFlags(flags)
         context = SpanContext(trace_id, self.ids.generate_span_id(), is_remote=False, trace_flags=flags,
-                              trace_state=sampled.trace_state)
+                              trace_state=trace_state)
         if not recording:
             return NonRecordingSpan(context)  # its context still propagates, as the SDK's does
-        values = {k: _clean(v) for k, v in {**(attributes or {}), **(sampled.attributes or {})}.items()
+        values = {k: _clean(v) for k, v in {**(attributes or {}), **(extra or {})}.items()
                   if v is not None}
         return _Span(self, name, context, parent_context if parent_context.is_valid else None, kind, values, links,
                      start_time or time.time_ns())
@@ -221,7 +233,7 @@ class LeafSpan:
         return False
 
     def _build(self, end: int, error: Exception | None) -> None:
-        parent = extract(self._carrier) if self._carrier is not None else self._parent
+        parent = trace_context.extract(self._carrier) if self._carrier is not None else self._parent
         if parent is None:
             parent = Context()  # a root, not a child of whatever is current on the next turn
         span = self._sink.start(self._name, parent, self._kind, self._attributes, start_time=self._start)

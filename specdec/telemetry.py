@@ -20,9 +20,9 @@ from typing import Mapping, Sequence
 from opentelemetry import context as context_api
 from opentelemetry.context import Context
 from opentelemetry.metrics import NoOpMeterProvider
-from opentelemetry.propagate import extract, inject
 from opentelemetry.trace import Link, SpanKind
 
+from specdec import trace_context
 from specdec.metrics import Metrics
 from specdec.spans import NO_SPAN, CurrentSpan, LeafSpan, SpanSink
 
@@ -192,7 +192,7 @@ class Telemetry:
         call's metadata (iterable of (key, value)) carries a trace context."""
         if not self.tracing:
             return NO_SPAN
-        parent = extract({key: value for key, value in metadata or ()})
+        parent = trace_context.extract({key: value for key, value in metadata or ()})
         return CurrentSpan(self._sink.start(name, parent, SpanKind.SERVER, attributes))
 
     def leaf_server_span(self, name: str, metadata, attributes: Mapping | None = None):
@@ -213,7 +213,7 @@ class Telemetry:
     @staticmethod
     def inject(carrier: dict) -> None:
         """Write the current trace context into `carrier` (W3C traceparent)."""
-        inject(carrier)
+        trace_context.inject(carrier)
 
     def force_flush(self, timeout_s: float = 10.0) -> None:
         for provider in (self.tracer_provider, self.meter_provider):

@@ -189,3 +189,19 @@ def test_a_child_server_that_never_reports_its_port_fails_in_time_and_is_stopped
     with pytest.raises(RuntimeError, match="gave no port within 1 s"):
         bare_grpc.ChildServer(start_s=1.0)
     assert started[0].returncode == 0  # stopped: its stdin closed
+
+
+def test_the_calls_that_run_models_in_the_client_are_timed_apart_from_the_rounds():
+    """A round timed just after the models ran in the measuring process
+    reads dearer, and the orchestrator never runs one: the compute in-process
+    and the in-process stack's round have a phase of their own (deployed
+    layout); with every stack in-process the rounds all run models here
+    alike and stay together."""
+    from specdec.bench.overhead import runs_models_here
+
+    for name in ("plain greedy compute", "traced T=0.7 compute", "inproc greedy round"):
+        assert runs_models_here(name, in_process=False)
+    for name in ("plain greedy round", "traced T=0.7 round", "unary greedy round", "tls T=0.7 round", "bare unary"):
+        assert not runs_models_here(name, in_process=False)
+    assert runs_models_here("plain greedy compute", in_process=True)
+    assert not runs_models_here("plain greedy round", in_process=True)

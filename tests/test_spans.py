@@ -146,3 +146,33 @@ def test_the_sdks_own_off_switch_turns_tracing_off(monkeypatch, tmp_path):
     monkeypatch.setenv("OTEL_SDK_DISABLED", "true")
     telemetry = setup_telemetry("t", TelemetrySettings(tracing=True, trace_file=str(tmp_path / "t.jsonl")))
     assert not telemetry.tracing
+
+
+@pytest.mark.parametrize("sampler", [None, ParentBased(ALWAYS_OFF)], ids=["default sampler", "another sampler"])
+def test_sampling_decisions_and_trace_state_under_every_kind_of_parent_are_the_sdks(sampler):
+    """The default parent-based always-on sampler is decided without the
+    SDK's calls (SpanSink.parent_based_always_on); any other goes through
+    the sampler. Either way a span's context (sampled or not, trace state)
+    and whether it records are what the SDK's tracer gives."""
+    from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, TraceState
+
+    sink, _, tracer, _ = _pair(sampler)
+    assert sink.parent_based_always_on is (sampler is None)
+    state = TraceState([("vendor", "opaque")])
+    parents = [None]
+    for remote in (True, False):
+        for flags in (TraceFlags.SAMPLED | TraceFlags.RANDOM_TRACE_ID, TraceFlags.DEFAULT):
+            for trace_state in (None, state):
+                context = SpanContext(0xABC, 0xDEF, is_remote=remote, trace_flags=TraceFlags(flags),
+                                      trace_state=trace_state)
+                parents.append(trace.set_span_in_context(NonRecordingSpan(context)))
+    for parent in parents:
+        ours = sink.start("s", parent if parent is not None else context_api.Context())
+        theirs = tracer.start_span("s", parent if parent is not None else context_api.Context())
+        a, b = ours.get_span_context(), theirs.get_span_context()
+        assert (ours.is_recording(), a.trace_flags, a.trace_state, a.is_remote) == \
+            (theirs.is_recording(), b.trace_flags, b.trace_state, b.is_remote)
+        if parent is not None:
+            assert a.trace_id == b.trace_id == 0xABC
+        ours.end()
+        theirs.end()

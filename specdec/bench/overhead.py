@@ -1,10 +1,11 @@
 """What a speculative round spends outside the models (`specd overhead`).
 
-Everything runs in one process on loopback, plaintext, over tiny random
-models, with the services on a background event loop and the client (the
-orchestrator's own `DraftClient` / `TargetClient` on channels built as the
-orchestrator builds them) on the main one. Each figure is a median over
-`reps` repetitions, every kind of call interleaved with the others, so a
+Loopback, plaintext, tiny random models. The services run each in a
+process of its own, as deployed (specdec/bench/overhead_service.py), or
+with `in_process` on a background event loop in this process; the client
+(the orchestrator's own `DraftClient` / `TargetClient` on channels built as
+the orchestrator builds them) runs on the main one. Each figure is a median
+over `reps` repetitions, the calls of a phase interleaved, so a
 machine that slows down during the run moves all of them alike:
 
 - bare unary: a grpc.aio unary call of a 16-byte message to a generic
@@ -34,10 +35,15 @@ machine that slows down during the run moves all of them alike:
   orchestrator's client spans round / draft.propose / target.verify around
   the calls) minus the round with tracing off.
 
-Two phases, calls interleaved within each: the bare calls with the no-ops,
-then the bare calls with the rounds (a no-op interleaved with rounds, whose
-compute churns the caches and the scheduler, reads about twice its cost
-alone). Our figures are printed as ratios to the bare ones of their phase.
+Three phases, calls interleaved within each: the bare calls with the
+no-ops, then the bare calls with the rounds (a no-op interleaved with
+rounds, whose compute churns the caches and the scheduler, reads about
+twice its cost alone), then the calls that run the models in this process
+(the same compute in-process, the round with both services here). The
+orchestrator never runs a model, and a round measured just after the models
+ran in its process read 0.1-0.3 ms dearer. Our figures are printed as
+ratios to the bare ones of their phase; "round − in-process compute"
+compares medians of the second and third phases.
 """
 from __future__ import annotations
 
@@ -124,6 +130,14 @@ async def round_calls(stack: Stack, sampling: str, k: int, prefix: str,
         rounds[f"unary {sampling} round"] = remote_round(stack.unary_draft_client, stack.unary_target_client)
         rounds[f"stream {sampling} round"] = remote_round(stack.stream_draft_client, stack.stream_target_client)
     return rounds
+
+
+def runs_models_here(name: str, in_process: bool) -> bool:
+    """Whether a call of `round_calls` runs the models in this process:
+    the compute in-process, and the round of a stack whose services run
+    here beside the deployed ones (`inproc`). With every stack in this
+    process (`in_process`), its rounds all do, alike, and stay together."""
+    return name.endswith(" compute") or (not in_process and name.startswith("inproc "))
 
 
 async def noop_call(stack: Stack, prefix: str) -> dict[str, Call]:
@@ -231,7 +245,16 @@ async def measure(reps: int, k: int, tls: bool = False, in_process: bool = False
             medians["cold floor draft gap"], medians["cold floor target gap"] = gaps
             bare["bare cold round floor"] = cold_floor(bare["bare stream message"], gaps)
             medians |= {f"{name} (event engine)": t for name, t in (await _event_engine_references(reps, gaps)).items()}
-            medians |= await interleave(bare | calls, reps)
+            # The rounds with the bare calls, then apart from them every call
+            # that runs the models in this process (the same compute
+            # in-process, the round with both services here): the
+            # orchestrator never runs a model, and a round measured just after
+            # one read 0.1-0.3 ms dearer (its caches churned), which fell on
+            # the traced rounds every time and on the plain ones every other
+            # time, the order of the calls being what it was.
+            in_client = {name: call for name, call in calls.items() if runs_models_here(name, in_process)}
+            medians |= await interleave(bare | {n: c for n, c in calls.items() if n not in in_client}, reps)
+            medians |= await interleave(in_client, reps)
             for label, (one_round, computed, stack) in cpu_rounds.items():
                 cpu[label] = await round_cpu(one_round, computed, *stack_processes(stack), rounds=2 * reps)
             await close_bare()
