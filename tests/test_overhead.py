@@ -205,3 +205,21 @@ def test_the_calls_that_run_models_in_the_client_are_timed_apart_from_the_rounds
         assert not runs_models_here(name, in_process=False)
     assert runs_models_here("plain greedy compute", in_process=True)
     assert not runs_models_here("plain greedy round", in_process=True)
+
+
+def test_each_rep_takes_the_calls_in_a_new_order_and_no_call_twice_in_a_row():
+    """A call taken twice in a row finds its services warm: none is, at any
+    turn between reps, and every call is taken once a rep, in orders that
+    vary (seeded: the same run, the same orders)."""
+    from specdec.bench.interleave import orders
+
+    names = [f"call {i}" for i in range(6)]
+    taken = orders(names, 200)
+    assert all(sorted(order) == names for order in taken)
+    sequence = [name for order in taken for name in order]
+    assert all(a != b for a, b in zip(sequence, sequence[1:]))
+    assert len({tuple(order) for order in taken}) > 100
+    firsts = {order[0] for order in taken}
+    assert firsts == set(names)  # no call is always first, or always last
+    assert orders(names, 50) == orders(names, 50)
+    assert orders(["alone"], 3) == [["alone"]] * 3
