@@ -38,24 +38,6 @@ def default_trace_file() -> Path:
     return Path(platformdirs.user_cache_dir("specdec")) / "traces.jsonl"
 
 
-def span_to_dict(span: ReadableSpan) -> dict:
-    ctx = span.context
-    return {
-        "trace_id": f"{ctx.trace_id:032x}",
-        "span_id": f"{ctx.span_id:016x}",
-        "parent_id": f"{span.parent.span_id:016x}" if span.parent is not None else None,
-        "name": span.name,
-        "service": span.resource.attributes.get("service.name", ""),
-        "kind": span.kind.name,
-        "start_ns": span.start_time,
-        "end_ns": span.end_time,
-        "attributes": dict(span.attributes or {}),
-        "status": span.status.status_code.name,
-        "links": [{"trace_id": f"{link.context.trace_id:032x}", "span_id": f"{link.context.span_id:016x}"}
-                  for link in span.links],
-    }
-
-
 _encode = json.JSONEncoder(separators=(",", ":"), default=str).encode
 # A resource's id: (the resource, its service name encoded). Holding the
 # resource keeps its id from being reused by another while it is here.
@@ -63,10 +45,10 @@ _services: dict[int, tuple[object, str]] = {}
 
 
 def span_line(span: ReadableSpan) -> str:
-    """`span_to_dict(span)` as its JSON line, formatted directly: the
-    exporter runs for every span of every round, on a thread that shares the
-    GIL with the event loop (tests/test_trace_file.py: the same line, byte for
-    byte)."""
+    """The span's JSON line (the module's docstring), formatted directly:
+    the exporter runs for every span of every round, on a thread that shares
+    the GIL with the event loop (tests/test_trace_file.py checks it byte for
+    byte against json.dumps of the same fields)."""
     ctx, parent, resource = span.context, span.parent, span.resource
     known = _services.get(id(resource))
     if known is None:

@@ -17,16 +17,24 @@ import pytest
 from orchestrator.downstream import DraftClient, LaneDialing, TargetClient, channel_to, open_request
 from specdec.errors import InvalidArgument
 from specdec.rpc import lane as lane_mod
-from specdec.rpc.call_stream import CallStream
 from specdec.rpc.lane import LaneDown
 from specdec.rpc.lane_client import RETRY_S, LaneClient
 from specdec.rpc.lane_server import LaneServer, LaneTls
-from specdec.v1 import draft_pb2, draft_pb2_grpc
+from specdec.v1 import draft_pb2
 from tests.conftest import tiny_engine, tiny_model
 from tests.harness import DEADLINE_S, BackgroundLoop, running_draft, running_system, running_target
 from tests.test_orchestrator import greedy_reference, perturbed
 
 METHOD = "/specdec.v1.DraftService/ProposeAll"
+
+async def read_frame(reader: asyncio.StreamReader, limit: int) -> bytes:
+    """A raw client's read of the next frame's payload (the lanes' framing:
+    a 4-byte big-endian length, then the bytes); ValueError over `limit`."""
+    size = int.from_bytes(await reader.readexactly(lane_mod.HEADER), "big")
+    if size > limit:
+        raise ValueError(f"a frame of {size} bytes is over the limit of {limit}")
+    return await reader.readexactly(size)
+
 
 
 async def _handle(request, trace_context):
@@ -141,7 +149,7 @@ def test_a_bad_frame_ends_only_its_own_connection(garbage):
         await client(_request("a"), 5)
         reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
         writer.write(lane_mod.frame(METHOD.encode()))
-        assert await lane_mod.read_frame(reader, 1024) == b""  # welcomed
+        assert await read_frame(reader, 1024) == b""  # welcomed
         if garbage == "unparsable":
             writer.write(lane_mod.frame(b"\xff\xff\xff\xff not a call"))
         else:
@@ -165,8 +173,8 @@ def test_a_call_sent_right_behind_the_hello_is_answered_under_the_message_limit(
         assert len(call) > 1024  # over the hello's limit
         reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
         writer.write(lane_mod.frame(METHOD.encode()) + lane_mod.frame(call))
-        assert await lane_mod.read_frame(reader, 1024) == b""  # welcomed
-        reply = draft_pb2.ProposeAllReply.FromString(await lane_mod.read_frame(reader, 1 << 20))
+        assert await read_frame(reader, 1024) == b""  # welcomed
+        reply = draft_pb2.ProposeAllReply.FromString(await read_frame(reader, 1 << 20))
         assert reply.call_id == 7 and reply.response.drafts[0].token_id == 9
         writer.close()
         server.close()
@@ -192,7 +200,7 @@ def test_a_drain_answers_what_was_read_and_refuses_new_connections():
 
 
 def test_call_stream_uses_the_lane_then_grpc_when_the_lane_is_down():
-    target_engine, draft_engine = tiny_engine(seed=0), tiny_engine(seed=1)
+    draft_engine = tiny_engine(seed=1)
     with running_draft(draft_engine) as (draft, _, service_loop):
         assert draft.lane is not None and draft.servicer.lane_port == draft.lane.port > 0
 
@@ -370,7 +378,7 @@ def test_a_connection_that_ends_right_after_the_hello_fails_its_calls_at_once():
     calls handed that connection fail UNAVAILABLE at once, never waiting out
     their deadline, and never with a transport's RuntimeError."""
     async def welcome_and_close(reader, writer):
-        await lane_mod.read_frame(reader, 1024)
+        await read_frame(reader, 1024)
         writer.write(lane_mod.frame(b""))
         await writer.drain()
         writer.close()
@@ -552,8 +560,8 @@ def test_a_connection_answers_at_most_the_cap_of_calls_at_once(monkeypatch):
         reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
         calls = b"".join(lane_mod.frame(draft_pb2.ProposeAllCall(call_id=i).SerializeToString()) for i in range(1, 41))
         writer.write(lane_mod.frame(METHOD.encode()) + calls)  # all 40 in one write, read in one go
-        assert await lane_mod.read_frame(reader, 1024) == b""
-        answered = {draft_pb2.ProposeAllReply.FromString(await lane_mod.read_frame(reader, 1 << 20)).call_id
+        assert await read_frame(reader, 1024) == b""
+        answered = {draft_pb2.ProposeAllReply.FromString(await read_frame(reader, 1 << 20)).call_id
                     for _ in range(40)}
         assert answered == set(range(1, 41)) and most[0] == 4
         writer.close()
@@ -565,7 +573,7 @@ def test_a_connection_answers_at_most_the_cap_of_calls_at_once(monkeypatch):
 def test_closing_the_client_fails_its_calls_at_once_even_when_the_service_reads_nothing():
     async def main():
         async def deaf(reader, writer):  # welcomes, then never reads again
-            await lane_mod.read_frame(reader, 1024)
+            await read_frame(reader, 1024)
             writer.write(lane_mod.frame(b""))
             await asyncio.sleep(30)
 

@@ -15,7 +15,26 @@ from opentelemetry.trace import Link, SpanKind
 from opentelemetry.trace.status import Status, StatusCode
 
 from specdec.spans import SpanSink
-from specdec.trace_file import JsonLinesSpanExporter, read_spans, span_line, span_to_dict
+from specdec.trace_file import JsonLinesSpanExporter, read_spans, span_line
+
+
+def span_to_dict(span) -> dict:
+    """The reference: a span's line as a dict, for json.dumps."""
+    ctx = span.context
+    return {
+        "trace_id": f"{ctx.trace_id:032x}",
+        "span_id": f"{ctx.span_id:016x}",
+        "parent_id": f"{span.parent.span_id:016x}" if span.parent is not None else None,
+        "name": span.name,
+        "service": span.resource.attributes.get("service.name", ""),
+        "kind": span.kind.name,
+        "start_ns": span.start_time,
+        "end_ns": span.end_time,
+        "attributes": dict(span.attributes or {}),
+        "status": span.status.status_code.name,
+        "links": [{"trace_id": f"{link.context.trace_id:032x}", "span_id": f"{link.context.span_id:016x}"}
+                  for link in span.links],
+    }
 
 
 def _spans():

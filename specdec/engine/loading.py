@@ -5,13 +5,13 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import pathlib
 from dataclasses import dataclass
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from specdec.engine.config import EngineConfig
+from specdec.engine.cpu_features import has_any
 from specdec.engine.vocab import IdSpace, known_vocab, ships_tokenizer
 from specdec.errors import NotFound, ResourceExhausted
 from specdec.models.cache import locate
@@ -31,11 +31,7 @@ class LoadedModel:
 
 def cpu_has_native_bf16() -> bool:
     """True when the CPU computes bf16 natively (AVX512-BF16 or AMX)."""
-    try:
-        flags = pathlib.Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    return has_any("avx512_bf16", "amx_bf16")
 
 
 def resolve_dtype(name: str, device: str) -> torch.dtype:

@@ -29,21 +29,17 @@ CPU only: fbgemm has no CUDA kernel (`EngineConfig.validate` says so).
 """
 from __future__ import annotations
 
-import pathlib
 import warnings
 
 import torch
 from torch import nn
 
+from specdec.engine.cpu_features import has_any
 from specdec.engine.fused_linears import fuse_siblings, replace_linears
 
 
 def _cpu_has_vnni() -> bool:
-    try:
-        flags = pathlib.Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_vnni" in flags or "avx_vnni" in flags or "amx_int8" in flags
+    return has_any("avx512_vnni", "avx_vnni", "amx_int8")
 
 
 class Int8Linear(nn.Module):

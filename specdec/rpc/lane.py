@@ -86,15 +86,6 @@ def frame(payload: bytes) -> bytes:
     return len(payload).to_bytes(HEADER, "big") + payload
 
 
-async def read_frame(reader: asyncio.StreamReader, limit: int) -> bytes:
-    """The next frame's payload; IncompleteReadError at the end of the
-    connection, ValueError for a frame over `limit` bytes."""
-    size = int.from_bytes(await reader.readexactly(HEADER), "big")
-    if size > limit:
-        raise ValueError(f"a frame of {size} bytes is over the limit of {limit}")
-    return await reader.readexactly(size)
-
-
 class FrameConnection(asyncio.Protocol):
     """One lane connection, both halves' (lane_client.py, lane_server.py).
 
