@@ -208,16 +208,20 @@ def test_a_pair_whose_weights_cannot_fit_is_refused_before_anything_loads(monkey
     assert resolve(_bench_args(**dict(many, baselines=["service"])))["target_dir"] == "synth:qwen2.5-7b"
 
 
-def test_the_default_baselines_leave_out_hf_assisted_for_a_pair_whose_rows_differ(monkeypatch):
+def test_hf_assisted_runs_for_a_pair_whose_rows_differ_and_the_notes_say_how(monkeypatch):
+    """transformers refuses assisted generation when the rows differ (it takes
+    that for differing tokenizers); bench/hf_baselines.py matches the draft's
+    rows to the target's (tests/test_hf_assisted_rows.py), and the run's
+    notes say so."""
     from specdec.cli.bench_options import resolve
     from specdec.engine import loading
 
     monkeypatch.setattr(loading, "free_device_memory", lambda device: 64 * 2**30)
     o = resolve(_bench_args(pair="synth-0.5b-7b", baselines=None, concurrency=[1]))
-    assert "hf-assisted" not in o["baselines"] and "hf" in o["baselines"]
-    assert "hf-assisted" not in {c.name for c in o["configs"]}
-    assert o["notes"] == ["hf-assisted left out: transformers' assisted generation needs equal vocabulary rows, "
-                          "and this pair has 151936 and 152064"]
+    assert "hf-assisted" in o["baselines"] and "hf-assisted" in {c.name for c in o["configs"]}
+    assert o["notes"] == ["hf-assisted: the draft's 151936 vocabulary rows were matched to the target's 152064 for "
+                          "transformers' assisted generation, which takes differing rows for differing tokenizers; "
+                          "the draft proposes what it would (no id past its own rows, none past the target's)"]
     from specdec.cli.bench_results import run_notes
 
     assert run_notes(o, [])[0] == o["notes"][0]  # summary.md's Notes say it too, not only the console

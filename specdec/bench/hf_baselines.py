@@ -54,6 +54,35 @@ def _make_streamer():
     return TimingStreamer()
 
 
+def _rows(model) -> int:
+    return int(model.config.get_text_config().vocab_size)
+
+
+def match_rows(draft, rows: int) -> None:
+    """Give the draft the target's `rows` for transformers' assisted
+    generation, which takes models whose rows differ for models with
+    different tokenizers and refuses them without both tokenizers (Qwen2.5's
+    0.5B has 151,936 rows and its 7B 152,064: the same tokenizer, padded
+    differently). The draft proposes what it proposed before:
+    - fewer rows than the target's: rows are added, and the draft's logits
+      there are -inf, so its distribution over its own rows is unchanged and
+      it never proposes an added id; an id the target emits there (a padding
+      row of its own) still has an embedding to read;
+    - more rows: the rows past the target's are cut, ids the target cannot
+      read (padding of the draft's)."""
+    own = _rows(draft)
+    draft.resize_token_embeddings(rows, mean_resizing=False)
+    assert _rows(draft) == rows and draft.get_output_embeddings().weight.shape[0] == rows
+    if own < rows:
+        # On the model's output, not its head: quantizing or packing the
+        # draft later replaces the head's module.
+        def mask(model, args, kwargs, output):
+            output.logits[..., own:] = float("-inf")
+            return output
+
+        draft.register_forward_hook(mask, with_kwargs=True)
+
+
 class HFBaselines:
     """The target (and, for assisted generation, the draft) loaded in this process."""
 
@@ -72,6 +101,12 @@ class HFBaselines:
         self.target = loaded.model
         self.tokenizer = loaded.tokenizer
         self.draft = load_model(draft_cfg).model if draft_cfg is not None else None
+        self.draft_rows = None  # (the draft's rows, the target's) when they differed and were matched
+        if self.draft is not None:
+            rows = _rows(self.draft), _rows(self.target)
+            if rows[0] != rows[1]:
+                match_rows(self.draft, rows[1])
+                self.draft_rows = rows
         if self.draft is not None and getattr(draft_cfg, "quantize", "none") != "none":
             from specdec.engine.quantize import quantize_linears
 
