@@ -167,7 +167,10 @@ class CallStream:
             return await self._unary(request, timeout=timeout, metadata=trace_metadata())
         stream = self._stream if self._stream is not None else self._open()
         call_id = next(self._ids)
-        message = self._call_type(call_id=call_id, request=request, trace_context=dict(trace_metadata() or ()))
+        message = self._call_type(call_id=call_id, request=request)
+        carried = trace_metadata()
+        if carried:
+            message.trace_context.update(carried)
         reply_future = stream.waiting.expect(call_id)
         stream.outbox.put_nowait(message)
         try:
