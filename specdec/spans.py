@@ -29,7 +29,7 @@ from opentelemetry import context as context_api
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.sdk.trace import Event, ReadableSpan
-from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased
+from opentelemetry.sdk.trace.sampling import ALWAYS_ON, Decision, ParentBased, StaticSampler
 from opentelemetry.trace import INVALID_SPAN, Link, NonRecordingSpan, SpanContext, SpanKind, TraceFlags
 from opentelemetry.trace.status import Status, StatusCode
 
@@ -38,7 +38,19 @@ from specdec import trace_context
 # One reusable "span" for disabled tracing: entering it costs a method call.
 NO_SPAN = nullcontext(INVALID_SPAN)
 _UNSET = Status(StatusCode.UNSET)
-_PARENT_BASED_ALWAYS_ON = ParentBased(ALWAYS_ON).get_description()  # the SDK's default sampler
+
+
+def _is_parent_based_always_on(sampler) -> bool:
+    """Whether `sampler` is the SDK's default: parent-based, its root and
+    sampled parents always on, unsampled parents always off (the SDK's own
+    static samplers, not merely ones that describe themselves alike)."""
+    if type(sampler) is not ParentBased or sampler.get_description() != ParentBased(ALWAYS_ON).get_description():
+        return False
+    parts = [getattr(sampler, f"_{name}", None) for name in
+             ("root", "remote_parent_sampled", "local_parent_sampled", "remote_parent_not_sampled",
+              "local_parent_not_sampled")]
+    return all(type(part) is StaticSampler for part in parts) and [p._decision for p in parts] == \
+        [Decision.RECORD_AND_SAMPLE] * 3 + [Decision.DROP] * 2
 
 
 class SpanSink:
@@ -50,8 +62,7 @@ class SpanSink:
         self.sampler = provider.sampler
         # The SDK's default sampler (parent-based, always on), decided here
         # without its calls: a child is sampled as its parent is, a root always.
-        self.parent_based_always_on = (type(self.sampler) is ParentBased
-                                       and self.sampler.get_description() == _PARENT_BASED_ALWAYS_ON)
+        self.parent_based_always_on = _is_parent_based_always_on(self.sampler)
         self.ids = provider.id_generator
         self.processors = tuple(processors)
         self.scope = scope

@@ -32,18 +32,20 @@ TRACEPARENT = "traceparent"
 _VERSION_00 = re.compile(r"00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
 _ZERO_TRACE, _ZERO_SPAN = "0" * 32, "0" * 16
 
-_checked: list = [None, False]  # the global propagator last looked at, and whether it is the default pair
+_checked: tuple = (None, False)  # the global propagator last looked at, and whether it is the default pair
 
 
 def _default_propagator() -> bool:
     """Whether the global propagator is the SDK's default: W3C trace context
-    then W3C baggage (checked again whenever another one is set)."""
-    current = propagate.get_global_textmap()
-    if current is not _checked[0]:
+    then W3C baggage (checked again whenever another one is set; the pair is
+    replaced whole, so a thread never reads one half of another's)."""
+    global _checked
+    current, checked = propagate.get_global_textmap(), _checked
+    if checked[0] is not current:
         kinds = [type(p) for p in getattr(current, "_propagators", ())]
-        _checked[:] = [current, type(current) is CompositePropagator
-                       and kinds == [TraceContextTextMapPropagator, W3CBaggagePropagator]]
-    return _checked[1]
+        checked = _checked = (current, type(current) is CompositePropagator
+                              and kinds == [TraceContextTextMapPropagator, W3CBaggagePropagator])
+    return checked[1]
 
 
 def inject(carrier: dict, context: Context | None = None) -> None:

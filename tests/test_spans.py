@@ -176,3 +176,22 @@ def test_sampling_decisions_and_trace_state_under_every_kind_of_parent_are_the_s
             assert a.trace_id == b.trace_id == 0xABC
         ours.end()
         theirs.end()
+
+
+def test_a_sampler_that_only_describes_itself_as_the_default_goes_through_its_own_calls():
+    """Told apart by what it is, not by its description: a root sampler that
+    calls itself AlwaysOnSampler but adds attributes keeps them."""
+    from opentelemetry.sdk.trace.sampling import Decision, SamplingResult, Sampler
+
+    class Tagging(Sampler):
+        def should_sample(self, parent_context, trace_id, name, kind=None, attributes=None, links=None,
+                          trace_state=None):
+            return SamplingResult(Decision.RECORD_AND_SAMPLE, {"sampler.added": 1})
+
+        def get_description(self):
+            return "AlwaysOnSampler"
+
+    sink, _, tracer, _ = _pair(ParentBased(Tagging()))
+    assert not sink.parent_based_always_on
+    ours = sink.start("s", context_api.Context())
+    assert dict(ours.attributes) == {"sampler.added": 1}

@@ -77,7 +77,8 @@ def match_rows(draft, rows: int) -> None:
         # On the model's output, not its head: quantizing or packing the
         # draft later replaces the head's module.
         def mask(model, args, kwargs, output):
-            output.logits[..., own:] = float("-inf")
+            logits = output[0] if isinstance(output, tuple) else output.logits  # (return_dict=False: a tuple)
+            logits[..., own:] = float("-inf")
             return output
 
         draft.register_forward_hook(mask, with_kwargs=True)

@@ -42,8 +42,9 @@ twice its cost alone), then the calls that run the models in this process
 (the same compute in-process, the round with both services here). The
 orchestrator never runs a model, and a round measured just after the models
 ran in its process read 0.1-0.3 ms dearer. Our figures are printed as
-ratios to the bare ones of their phase; "round − in-process compute"
-compares medians of the second and third phases.
+ratios to the bare unary call of their phase (the third phase has one
+too); "round − in-process compute" compares medians of the second and third
+phases.
 """
 from __future__ import annotations
 
@@ -130,6 +131,9 @@ async def round_calls(stack: Stack, sampling: str, k: int, prefix: str,
         rounds[f"unary {sampling} round"] = remote_round(stack.unary_draft_client, stack.unary_target_client)
         rounds[f"stream {sampling} round"] = remote_round(stack.stream_draft_client, stack.stream_target_client)
     return rounds
+
+
+MODELS_HERE_BARE = "bare unary, the phase of the models run here"
 
 
 def runs_models_here(name: str, in_process: bool) -> bool:
@@ -254,7 +258,8 @@ async def measure(reps: int, k: int, tls: bool = False, in_process: bool = False
             # time, the order of the calls being what it was.
             in_client = {name: call for name, call in calls.items() if runs_models_here(name, in_process)}
             medians |= await interleave(bare | {n: c for n, c in calls.items() if n not in in_client}, reps)
-            medians |= await interleave(in_client, reps)
+            # (with the bare call again, for the ratio of the round with both services here)
+            medians |= await interleave(in_client | {MODELS_HERE_BARE: bare["bare unary"]}, reps)
             for label, (one_round, computed, stack) in cpu_rounds.items():
                 cpu[label] = await round_cpu(one_round, computed, *stack_processes(stack), rounds=2 * reps)
             await close_bare()
@@ -329,8 +334,9 @@ def report(fig: Figures, reps: int) -> str:
         rows.append((f"tracing cost per round, {sampling}", traced - plain, f"{(traced - plain) / unary:.2f}x", ""))
         if f"inproc {sampling} round{OUTSIDE}" in m:
             shared = fig.round_overhead("inproc", sampling)
+            own_phase = m.get(MODELS_HERE_BARE, unary)  # the bare call of the round's own phase
             rows.append((f"round overhead, {sampling}, k={fig.k}, lanes, tracing off, both services in the measuring "
-                         "process (one GIL with the client)", shared, f"{shared / unary:.2f}x", ""))
+                         "process (one GIL with the client)", shared, f"{shared / own_phase:.2f}x", ""))
         if f"tls {sampling} round{OUTSIDE}" in m:
             secured = fig.round_overhead("tls", sampling)
             rows.append((f"round overhead, {sampling}, k={fig.k}, lanes, mutual TLS, tracing off", secured,
