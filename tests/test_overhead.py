@@ -62,6 +62,7 @@ def test_specd_overhead_prints_our_figures_against_bare_grpc(capsys):
                    "round overhead, greedy, k=4, lanes, tracing on", "round overhead, T=0.7, k=4, gRPC call streams, "
                    "tracing off", "tracing cost per round, T=0.7"):
         assert f"| {figure} |" in out
+    assert "| ... of which the services' spans (the same round, the client neither spanning" in out
 
 
 def test_specd_overhead_wire_prints_bytes_per_token_and_verify_throughput(capsys):
@@ -89,6 +90,8 @@ def test_specd_overhead_measures_every_figure_it_prints():
             assert m[f"{prefix} {sampling} round"] > 0
             assert f"{prefix} {sampling} round outside compute" in m
     assert figures.in_process and "inproc greedy round" not in m
+    # tracing's split: the services' spans alone, from a client that neither spans nor carries a context
+    assert m["services greedy round"] > 0 and "services greedy round outside compute" in m
     assert set(figures.cpu) == {"greedy", "T=0.7", "greedy, tracing on", "T=0.7, tracing on"}  # Linux: the kernel's
     for cpu in figures.cpu.values():
         assert cpu.rounds == 4 and list(cpu.outside) == ["client and services"] and cpu.compute["target"] > 0

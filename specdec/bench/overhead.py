@@ -33,7 +33,9 @@ machine that slows down during the run moves all of them alike:
 - tracing: the same round with tracing on as `specd up` runs it (a batch span
   processor into a JSON-lines file, trace context on every call, the
   orchestrator's client spans round / draft.propose / target.verify around
-  the calls) minus the round with tracing off.
+  the calls) minus the round with tracing off; and, greedy, the services'
+  part of it: the round on traced services from a client that neither spans
+  nor carries a trace context, minus the untraced round.
 
 Three phases, calls interleaved within each: the bare calls with the
 no-ops, then the bare calls with the rounds (a no-op interleaved with
@@ -104,7 +106,8 @@ async def round_calls(stack: Stack, sampling: str, k: int, prefix: str,
     item = target_pb2.VerifyItem(session_id=t_sid, keep_length=n, draft_token_ids=drafts,
                                  draft_q=[common_pb2.SparseDistribution(token_ids=i, probs=p) for i, p in qs])
     core_item = VerifyRequestItem(local_t_sid, n, [], drafts, qs)
-    span = stack.telemetry.span if stack.telemetry.tracing else (lambda *a, **kw: nullcontext())
+    # ("services": the services trace, the client neither spans nor carries a trace context)
+    span = stack.telemetry.span if stack.telemetry.tracing and prefix != "services" else (lambda *a, **kw: nullcontext())
 
     def remote_round(draft_client, target_client):
         async def one_round():
@@ -125,7 +128,7 @@ async def round_calls(stack: Stack, sampling: str, k: int, prefix: str,
 
     rounds = {f"{prefix} {sampling} round": remote_round(stack.draft_client, stack.target_client),
               f"{prefix} {sampling} compute": local_round}
-    if prefix in ("tls", "inproc"):
+    if prefix in ("tls", "inproc", "services"):
         del rounds[f"{prefix} {sampling} compute"]
     if prefix == "plain":
         rounds[f"unary {sampling} round"] = remote_round(stack.unary_draft_client, stack.unary_target_client)
@@ -216,6 +219,7 @@ async def measure(reps: int, k: int, tls: bool = False, in_process: bool = False
             # request, as in a single stream (a draft service serving several
             # shares its steps between them: draft_service/step_batcher.py).
             kinds = [(prefix, sampling) for prefix in ("plain", "traced") for sampling in ("greedy", "T=0.7", "noop")]
+            kinds.append(("services", "greedy"))  # tracing's cost split: the services' spans alone
             if tls:
                 from specdec.security.local_ca import LocalTls
 
@@ -223,7 +227,7 @@ async def measure(reps: int, k: int, tls: bool = False, in_process: bool = False
                 kinds += [("tls", "greedy"), ("tls", "T=0.7")]
             if not in_process:
                 kinds.append(("inproc", "greedy"))
-            specs = [StackSpec(tracing=prefix == "traced", tls=certificates if prefix == "tls" else None,
+            specs = [StackSpec(tracing=prefix in ("traced", "services"), tls=certificates if prefix == "tls" else None,
                                in_process=in_process or prefix == "inproc") for prefix, _ in kinds]
             stacks += start_stacks(bg, specs, Path(trace_dir), threads)
             for (prefix, sampling), stack in zip(kinds, stacks):
@@ -332,6 +336,10 @@ def report(fig: Figures, reps: int) -> str:
         rows.append((f"round overhead, {sampling}, k={fig.k}, lanes, tracing on", traced, f"{traced / unary:.2f}x",
                      "<= 1.0 ms"))
         rows.append((f"tracing cost per round, {sampling}", traced - plain, f"{(traced - plain) / unary:.2f}x", ""))
+        if f"services {sampling} round{OUTSIDE}" in m:
+            services = fig.round_overhead("services", sampling) - plain
+            rows.append(("... of which the services' spans (the same round, the client neither spanning nor "
+                         "carrying a trace context)", services, f"{services / unary:.2f}x", ""))
         if f"inproc {sampling} round{OUTSIDE}" in m:
             shared = fig.round_overhead("inproc", sampling)
             own_phase = m.get(MODELS_HERE_BARE, unary)  # the bare call of the round's own phase
