@@ -110,6 +110,10 @@ def test_generate_validity_follows_the_contract():
     tok = fuzz_system.tokenizer()
     ok = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(token_ids=[5, 6]), max_tokens=4)
     assert expect_generate(ok, tok, 8) == (Expect.OK, 4)
+    for edge in (0.0, 1.0):
+        sure = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(token_ids=[5, 6]), max_tokens=4,
+                                  speculation=pb.SpeculationOptions(draft_min_confidence=edge))
+        assert expect_generate(sure, tok, 8) == (Expect.OK, 4)
     bad = [
         pb.GenerateRequest(max_tokens=4),  # no input
         pb.GenerateRequest(prompt_token_ids=pb.TokenIds(token_ids=[fuzz_system.USABLE_VOCAB])),  # a padded id
@@ -119,6 +123,10 @@ def test_generate_validity_follows_the_contract():
         pb.GenerateRequest(prompt="hi", stop=[""]),
         pb.GenerateRequest(prompt="hi", speculation=pb.SpeculationOptions(num_draft_tokens=9)),
         pb.GenerateRequest(prompt="hi", speculation=pb.SpeculationOptions(min_draft_tokens=5)),
+        # the early stop is a probability: the fuzzer's seed 1616 sent these, the oracle called them valid
+        pb.GenerateRequest(prompt="hi", speculation=pb.SpeculationOptions(draft_min_confidence=1.0000001)),
+        pb.GenerateRequest(prompt="hi", speculation=pb.SpeculationOptions(draft_min_confidence=float("-inf"))),
+        pb.GenerateRequest(prompt="hi", speculation=pb.SpeculationOptions(draft_min_confidence=float("nan"))),
         pb.GenerateRequest(messages=pb.ChatMessages(messages=[pb.ChatMessage(role="tool", content="x")])),
     ]
     assert [expect_generate(r, tok, 8)[0] for r in bad] == [Expect.FAIL] * len(bad)

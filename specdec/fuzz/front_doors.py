@@ -130,6 +130,8 @@ def expect_generate(req, tokenizer, limit: int) -> tuple[Expect, int]:
     if (o.policy or "fixed") not in POLICIES or not all(1 <= v <= limit for v in (k, k_min, k_max)) \
             or not k_min <= k <= k_max:
         return Expect.FAIL, max_tokens
+    if o.HasField("draft_min_confidence") and not 0.0 <= o.draft_min_confidence <= 1.0:  # a probability (NaN too)
+        return Expect.FAIL, max_tokens
     return Expect.OK, max_tokens
 
 
