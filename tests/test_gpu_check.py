@@ -46,3 +46,47 @@ def test_requirements_skip_extras_and_other_platforms():
 def test_the_scripts_parse():
     for script in ("prepare.sh", "check.sh"):
         subprocess.run(["bash", "-n", str(GPU / script)], check=True, timeout=30)
+
+
+def _switches():
+    spec = importlib.util.spec_from_file_location("gpu_switches", GPU / "switches.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_switches_know_every_check_of_the_pre_flight():
+    import re
+
+    named = re.findall(r'^@check\("([^"]+)"\)', (GPU / "smoke.py").read_text(), flags=re.M)
+    assert tuple(named) == _switches().CHECKS
+
+
+def test_what_the_pre_flight_failed_stays_off_and_a_failed_reference_switches_nothing(tmp_path):
+    """check.sh exports what benchmarks/gpu/switches.py prints for smoke.py's
+    log: the reference engine failing is a check of its own now, not told
+    apart from the default engine's failure by the words of its exception."""
+    switches = _switches().switches
+    ok = "OK   toolchain: triton 3.6 (0.1s)\n"
+    assert switches(ok) == [] and switches("") == []
+    kernel = ok + "FAIL triton kernel vs float64 reference: AssertionError: bf16 7/1x128: 4e-2 <-- over 3e-2\n"
+    assert [a for a, _ in switches(kernel)] == ["SPECD_ATTENTION=sdpa", "SPECD_FUSED_LAYERS=off"]
+    engine = "FAIL engine: graphs+fused vs transformers+sdpa eager: AssertionError: argmax equal 30/32\n"
+    assert switches(engine) == [("SPECD_FUSED_LAYERS=off", "the default engine failed")]
+    reference = ("FAIL engine: reference (transformers+sdpa eager): RuntimeError: CUDA error: an illegal memory access\n"
+                 "OK   engine: graphs+fused vs transformers+sdpa eager: not compared: the reference engine failed\n")
+    assert switches(reference) == []
+    ahead = "FAIL draft: run ahead vs steps one at a time: AssertionError: float32: drafted differently at 3\n"
+    assert [a for a, _ in switches(engine + ahead)] == ["SPECD_FUSED_LAYERS=off", "SPECD_RUN_AHEAD=off"]
+    broken = "FAIL draft: run ahead vs steps one at a time: ImportError: cannot import name 'x'\n"
+    assert switches(broken) == []  # the check broke: run ahead stays as it is
+    log = tmp_path / "smoke.log"
+    log.write_text(kernel + ahead.replace("drafted differently", "no step ran ahead"))
+    printed = subprocess.run(["python3", str(GPU / "switches.py"), str(log)], capture_output=True, text=True,
+                             check=True, timeout=30).stdout
+    assert printed == ("SPECD_ATTENTION=sdpa\tthe attention kernel failed\n"
+                       "SPECD_FUSED_LAYERS=off\tthe attention kernel failed\n"
+                       "SPECD_RUN_AHEAD=off\tthe draft's steps run ahead failed the pre-flight\n")
+    missing = subprocess.run(["python3", str(GPU / "switches.py"), str(tmp_path / "none.log")], capture_output=True,
+                             text=True, check=True, timeout=30).stdout
+    assert missing == ""

@@ -15,9 +15,10 @@
 #           machine (GPU, driver, torch, transformers, triton)
 #   smoke   benchmarks/gpu/smoke.py: the toolchain Triton needs, the attention kernel against a
 #           float64 reference (bf16 and fp32), the default CUDA engine against the reference engine,
-#           host syncs per captured step; one line each. If the attention kernel or the default
-#           engine fails here, the later phases run with the failing part off (SPECD_ATTENTION=sdpa,
-#           SPECD_FUSED_LAYERS=off) so their figures still come back, and phases.txt says so
+#           host syncs per captured step, the draft's steps run ahead; one line each. If the attention
+#           kernel, the default engine or run ahead fails here, the later phases run with the failing
+#           part off (SPECD_ATTENTION=sdpa, SPECD_FUSED_LAYERS=off, SPECD_RUN_AHEAD=off: which, by
+#           benchmarks/gpu/switches.py) so their figures still come back, and phases.txt says so
 #   steps   `specd steps` on random-weight Qwen2.5-0.5B and 7B: decode and verify steps, graphs
 #           and eager, fused layers on and off, as multiples of the bandwidth floor
 #   bench   `specd bench --pair synth-0.5b-7b`: target-only through the service, HF eager
@@ -153,21 +154,14 @@ for name in "${phases[@]}"; do
     smoke)
       interpret=$([ "$device" = cpu ] && echo 1 || echo 0)  # Triton on a CPU: its interpreter
       phase smoke 75 env SMOKE_DEVICE="$device" TRITON_INTERPRET="$interpret" "$python" benchmarks/gpu/smoke.py
-      # What failed here stays off in the later phases, so they still measure the rest (a failure
-      # of the reference engine, which no later phase runs, switches nothing off).
-      if [ "$device" != cpu ] && [ -f "$work/smoke.log" ] && grep -q '^FAIL triton kernel' "$work/smoke.log"; then
-        export SPECD_ATTENTION=sdpa SPECD_FUSED_LAYERS=off
-        echo "         later phases: SPECD_ATTENTION=sdpa SPECD_FUSED_LAYERS=off (the attention kernel failed)" | tee -a "$out/phases.txt"
-      elif [ "$device" != cpu ] && [ -f "$work/smoke.log" ] && grep '^FAIL engine: graphs+fused' "$work/smoke.log" \
-          | grep -vq 'the reference engine failed'; then
-        export SPECD_FUSED_LAYERS=off
-        echo "         later phases: SPECD_FUSED_LAYERS=off (the default engine failed)" | tee -a "$out/phases.txt"
-      fi
-      # Run ahead off only when it drafted differently (or never ran ahead), not when the check itself broke.
-      if [ "$device" != cpu ] && [ -f "$work/smoke.log" ] && grep '^FAIL draft: run ahead' "$work/smoke.log" \
-          | grep -Eq 'drafted differently|no step ran ahead'; then
-        export SPECD_RUN_AHEAD=off
-        echo "         later phases: SPECD_RUN_AHEAD=off (the draft's steps run ahead failed the pre-flight)" | tee -a "$out/phases.txt"
+      # What failed here stays off in the later phases, so they still measure the rest
+      # (benchmarks/gpu/switches.py says which, and why).
+      if [ "$device" != cpu ]; then
+        while IFS=$'\t' read -r assignment why; do
+          [ -n "$assignment" ] || continue
+          export "${assignment?}"
+          echo "         later phases: $assignment ($why)" | tee -a "$out/phases.txt"
+        done < <("$python" benchmarks/gpu/switches.py "$work/smoke.log")
       fi ;;
     steps)
       phase steps 120 "${specd[@]}" steps "$draft_model" "$target_model" --device "$device" --dtype "$dtype" \
