@@ -29,7 +29,7 @@ from opentelemetry import context as context_api
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.sdk.trace import Event, ReadableSpan
-from opentelemetry.sdk.trace.sampling import ALWAYS_ON, Decision, ParentBased, StaticSampler
+from opentelemetry.sdk.trace.sampling import Decision, ParentBased, StaticSampler
 from opentelemetry.trace import INVALID_SPAN, Link, NonRecordingSpan, SpanContext, SpanKind, TraceFlags
 from opentelemetry.trace.status import Status, StatusCode
 
@@ -44,7 +44,7 @@ def _is_parent_based_always_on(sampler) -> bool:
     """Whether `sampler` is the SDK's default: parent-based, its root and
     sampled parents always on, unsampled parents always off (the SDK's own
     static samplers, not merely ones that describe themselves alike)."""
-    if type(sampler) is not ParentBased or sampler.get_description() != ParentBased(ALWAYS_ON).get_description():
+    if type(sampler) is not ParentBased:
         return False
     parts = [getattr(sampler, f"_{name}", None) for name in
              ("root", "remote_parent_sampled", "local_parent_sampled", "remote_parent_not_sampled",

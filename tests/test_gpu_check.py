@@ -10,11 +10,16 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 GPU = ROOT / "benchmarks" / "gpu"
 
 
-def _wheels():
-    spec = importlib.util.spec_from_file_location("gpu_wheels", GPU / "wheels.py")
+def _script(name: str):
+    """benchmarks/gpu/NAME.py as a module (the folder is not a package)."""
+    spec = importlib.util.spec_from_file_location(f"gpu_{name}", GPU / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _wheels():
+    return _script("wheels")
 
 
 def test_the_wheels_cover_what_the_image_lacks_and_pin_what_is_checked_at_import():
@@ -49,10 +54,7 @@ def test_the_scripts_parse():
 
 
 def _switches():
-    spec = importlib.util.spec_from_file_location("gpu_switches", GPU / "switches.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return _script("switches")
 
 
 def test_the_switches_know_every_check_of_the_pre_flight():

@@ -41,7 +41,7 @@ from opentelemetry import trace
 
 from specdec.errors import InvalidArgument
 from specdec.rpc import grpc_errors
-from specdec.rpc.grpc_tracing import trace_metadata
+from specdec.rpc.grpc_tracing import carry_trace_context, trace_metadata
 from specdec.rpc.lane import LaneDown, PendingReplies
 from specdec.rpc.lane_client import LaneClient
 from specdec.rpc.malformed import Malformed
@@ -167,10 +167,7 @@ class CallStream:
             return await self._unary(request, timeout=timeout, metadata=trace_metadata())
         stream = self._stream if self._stream is not None else self._open()
         call_id = next(self._ids)
-        message = self._call_type(call_id=call_id, request=request)
-        carried = trace_metadata()
-        if carried:
-            message.trace_context.update(carried)
+        message = carry_trace_context(self._call_type(call_id=call_id, request=request))
         reply_future = stream.waiting.expect(call_id)
         stream.outbox.put_nowait(message)
         try:
