@@ -192,7 +192,7 @@ for name in "${phases[@]}"; do
       sp=$(printf '%q ' "${specd[@]}")
       phase overhead 200 bash -c "$sp overhead --reps 150 --in-process; $sp overhead --reps 150; $sp overhead --reps 150 --in-process --cpu-wake-latency-us 0" ;;
     deployed)  # the overhead's deployed layout alone (each service a process)
-      phase deployed 100 "${specd[@]}" overhead --reps 150 ;;
+      phase deployed 180 "${specd[@]}" overhead --reps 150 ;;
     tests)
       phase tests 90 "$python" -m pytest -q -rs -p no:cacheprovider -o timeout=60 -m gpu \
         tests/test_gpu_engine.py tests/test_device_picks.py tests/test_draft_run_ahead.py ;;
