@@ -156,3 +156,57 @@ def test_a_target_row_without_mass_fails_its_job_alone():
     with pytest.raises(NoTargetMass):
         score_drafts(broken.target_logits, broken.draft_ids, broken.draft_q, broken.params, broken.seed,
                      broken.first_position)
+
+
+def test_a_verify_batch_scores_the_same_in_runs_of_any_size(monkeypatch):
+    """On a CPU a sampled group is scored in runs bounded by CPU_GROUP_ELEMENTS
+    (rejection._chunks): one job per run, a few, or all give the same outcomes."""
+    from specdec.sampling import rejection
+    jobs = score_jobs(seed=33) + score_jobs(seed=34)
+    together = score_many(jobs)
+    for limit in (1, 3 * VOCAB, 9 * VOCAB):
+        monkeypatch.setattr(rejection, "CPU_GROUP_ELEMENTS", limit)
+        assert score_many(jobs) == together
+
+
+def test_sessions_lying_back_to_back_in_one_tensor_are_scored_from_it_without_a_copy():
+    """The engine's batched forward returns each session's logits as a view of
+    one tensor (torch.split): a group of such sessions reads them in place,
+    and scores as sessions in tensors of their own do."""
+    from specdec.sampling import rejection
+    jobs = [j for j in score_jobs(seed=40) if not j.params.greedy and j.params == PARAMS[1]]
+    base = torch.cat([j.target_logits for j in jobs])
+    views = [ScoreJob(rows, *[getattr(j, f) for f in ("draft_ids", "draft_q", "params", "seed", "first_position")])
+             for j, rows in zip(jobs, torch.split(base, [j.target_logits.shape[0] for j in jobs]))]
+    assert len(views) == 2
+    assert rejection._rows(views).data_ptr() == base.data_ptr()
+    assert rejection._rows(jobs).data_ptr() != base.data_ptr()  # apart: a copy
+    assert score_many(views) == score_many(jobs)
+
+
+def sampled_sessions(n: int, k: int = 4) -> list[ScoreJob]:
+    params = PARAMS[1]
+    jobs = []
+    for j in range(n):
+        rows = [DraftRow(params, seed=j, position=30 + i) for i in range(k)]
+        picks = pick_drafts(logits_rows(k, seed=200 + j), rows, 8)
+        jobs.append(ScoreJob(logits_rows(k + 1, seed=300 + j), [p.token_id for p in picks], [p.q for p in picks],
+                             params, seed=j, first_position=30))
+    return jobs
+
+
+def tensor_operations(fn) -> int:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(1 for e in prof.events() if e.name.startswith("aten::") and e.cpu_parent is None)
+
+
+def test_a_sampled_verify_batch_costs_the_same_operations_for_2_or_8_sessions():
+    """Each tensor operation is a kernel launch on a GPU: scoring a Verify of
+    sessions sharing their sampling parameters takes as many for 8 sessions as
+    for 2 (it took ~85 per session, which doubled a sampled 8-session Verify's
+    cost on an H100 host)."""
+    two, eight = sampled_sessions(2), sampled_sessions(8)
+    assert all(len(q) == 8 for job in eight for q in job.draft_q)  # one length: densify groups by length
+    score_many(two)  # warm
+    assert tensor_operations(lambda: score_many(eight)) == tensor_operations(lambda: score_many(two))

@@ -185,14 +185,26 @@ def densify_many(
     """Each normalized dist as a row of a dense float32 [len(dists), vocab_size] on device.
 
     One small host-to-device copy of the sparse entries, then a scatter on device.
+    The dists are normalized as `SparseDist.normalized` does, those of one
+    length together (a row sum of [m, n] adds each row as the sum of one [n]
+    does), so a Verify of 8 sessions × 4 drafts costs a few host operations,
+    not a few per dist.
     """
     dense = torch.zeros(len(dists), vocab_size, dtype=torch.float32, device=device)
     if not dists:
         return dense
-    rows = torch.cat([torch.full((len(d),), r, dtype=torch.float64) for r, d in enumerate(dists)])
-    cols = torch.cat([d.token_ids for d in dists]).double()  # ids < 2**53: exact
-    vals = torch.cat([d.normalized().float() for d in dists]).double()  # float32 values: exact
-    staged = torch.stack([rows, cols, vals]).to(device, non_blocking=True)  # no sync on a GPU
+    by_length: dict[int, list[int]] = {}
+    for r, d in enumerate(dists):
+        by_length.setdefault(len(d), []).append(r)
+    rows, cols, vals = [], [], []
+    for n, members in by_length.items():
+        probs = torch.stack([dists[r].probs for r in members]).double()  # [m, n]
+        vals.append((probs / probs.sum(dim=-1, keepdim=True)).float().flatten())
+        cols.append(torch.stack([dists[r].token_ids for r in members]).flatten())
+        rows.append(torch.tensor(members, dtype=torch.int64).repeat_interleave(n))
+    # float64 holds every id (< 2**53) and every float32 value exactly
+    staged = torch.stack([torch.cat(rows).double(), torch.cat(cols).double(), torch.cat(vals).double()])
+    staged = staged.to(device, non_blocking=True)  # no sync on a GPU
     dense[staged[0].long(), staged[1].long()] = staged[2].float()
     return dense
 
