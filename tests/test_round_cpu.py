@@ -56,3 +56,15 @@ def test_the_table_names_each_process_and_sums_them():
     alone = cpu_table({"greedy": RoundCpu(300, {"client and services": 640.2}, {"draft": 2800.0, "target": 900.0})})
     assert "| round | client and services | the services' compute |" in alone
     assert "| greedy | 640 | draft 2800, target 900 |" in alone
+
+
+def test_a_process_cpu_time_keeps_the_time_of_its_threads_that_ended():
+    """Summing the live threads lost a thread's CPU when it ended, so a
+    process's figure could go backwards (it did in CI, across a burn of 20 ms)."""
+    import threading
+
+    before = process_cpu_ns(os.getpid())
+    worker = threading.Thread(target=_burn, args=(0.03,))
+    worker.start()
+    worker.join()
+    assert process_cpu_ns(os.getpid()) - before >= 0.03e9

@@ -7,14 +7,15 @@ wall time (it does not count a vCPU's wake-up or another tenant's slice), and
 it says which process to look at. On a host whose cores are slower for
 Python (the GPU hosts so far) it is the part that grows.
 
-Each process's CPU time is the sum over its threads of the kernel's own
-account (/proc/PID/task/TID/schedstat, nanoseconds on a CPU, user and system
-alike); the services' compute is what they reported for the same rounds.
-Linux only: elsewhere there is no figure.
+Each process's CPU time is the kernel's own account of all its threads,
+ended ones included (the process's CPU-time clock, nanoseconds, user and
+system alike); the services' compute is what they reported for the same
+rounds. Linux only: elsewhere there is no figure.
 """
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,9 +23,17 @@ from specdec.bench.interleave import Call
 
 
 def process_cpu_ns(pid: int) -> int | None:
-    """Nanoseconds on a CPU so far, all of the process's threads (None where
-    the kernel does not say: not Linux, or the process is gone)."""
-    total, tasks = 0, Path(f"/proc/{pid}/task")
+    """Nanoseconds on a CPU so far, all of the process's threads, those that
+    have ended included (None where the kernel does not say: not Linux, or
+    the process is gone). Read from the process's CPU-time clock (what
+    clock_getcpuclockid gives: ((~pid) << 3) | 2 on Linux); summing its live
+    threads' /proc schedstat instead lost a thread's time when it ended, so
+    the figure could go backwards."""
+    try:
+        return time.clock_gettime_ns((~pid << 3) | _CPUCLOCK_SCHED)
+    except (OSError, OverflowError, AttributeError):
+        pass
+    total, tasks = 0, Path(f"/proc/{pid}/task")  # a kernel without process CPU clocks: the live threads
     try:
         threads = list(tasks.iterdir())
     except OSError:
@@ -35,6 +44,9 @@ def process_cpu_ns(pid: int) -> int | None:
         except (OSError, ValueError, IndexError):  # a thread that ended meanwhile
             continue
     return total
+
+
+_CPUCLOCK_SCHED = 2  # Linux's encoding of a process CPU-time clock id: ((~pid) << 3) | this
 
 
 @dataclass(frozen=True)
