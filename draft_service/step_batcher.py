@@ -199,6 +199,8 @@ class DraftStepBatcher:
             self._no_starts.clear()
             await self._no_starts.wait()
         streams = list(self._active)[: self.max_batch]
+        if not streams:  # every caller left while the starts ran
+            return
         arrivals = self._arrivals
         if self._run_ahead:
             await self._pass_ahead(streams, arrivals)

@@ -210,3 +210,11 @@ def test_a_sampled_verify_batch_costs_the_same_operations_for_2_or_8_sessions():
     assert all(len(q) == 8 for job in eight for q in job.draft_q)  # one length: densify groups by length
     score_many(two)  # warm
     assert tensor_operations(lambda: score_many(eight)) == tensor_operations(lambda: score_many(two))
+
+
+def test_rows_of_another_width_are_never_read_as_the_first_ones_width():
+    from specdec.sampling import rejection
+    big = torch.randn(4, 10)
+    jobs = [ScoreJob(rows, [0], [], PARAMS[0], 0, 5) for rows in (big[0:2], big[2:4, :6])]
+    with pytest.raises(RuntimeError):  # torch.cat refuses the widths; before: one [4, 10] view
+        rejection._rows(jobs)

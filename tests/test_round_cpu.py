@@ -68,3 +68,8 @@ def test_a_process_cpu_time_keeps_the_time_of_its_threads_that_ended():
     worker.start()
     worker.join()
     assert process_cpu_ns(os.getpid()) - before >= 0.03e9
+
+
+def test_no_pid_names_the_calling_process():
+    """0 and -1 would read the caller's own CPU-time clock in Linux's encoding."""
+    assert process_cpu_ns(0) is None and process_cpu_ns(-1) is None

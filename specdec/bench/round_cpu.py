@@ -29,6 +29,8 @@ def process_cpu_ns(pid: int) -> int | None:
     clock_getcpuclockid gives: ((~pid) << 3) | 2 on Linux); summing its live
     threads' /proc schedstat instead lost a thread's time when it ended, so
     the figure could go backwards."""
+    if pid <= 0:  # 0 and -1 would name the calling process's own clock
+        return None
     try:
         return time.clock_gettime_ns((~pid << 3) | _CPUCLOCK_SCHED)
     except (OSError, OverflowError, AttributeError):

@@ -221,8 +221,8 @@ def _rows(jobs: Sequence[ScoreJob]) -> torch.Tensor:
     storage = first.untyped_storage().data_ptr()
     at = first.data_ptr()
     for rows in logits:
-        if (rows.stride() != (vocab, 1) or rows.untyped_storage().data_ptr() != storage
-                or rows.data_ptr() != at or rows.dtype != first.dtype):
+        if (rows.stride() != (vocab, 1) or rows.shape[-1] != vocab or rows.dtype != first.dtype
+                or rows.untyped_storage().data_ptr() != storage or rows.data_ptr() != at):
             return torch.cat(logits)
         at += rows.shape[0] * vocab * size
     return first.as_strided((sum(rows.shape[0] for rows in logits), vocab), (vocab, 1))
