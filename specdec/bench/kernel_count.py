@@ -26,12 +26,27 @@ TRITON_LAUNCHERS = (("specdec.engine.triton_attention", "attend"), ("specdec.eng
                     ("specdec.engine.triton_fused", "rotary_and_store"), ("specdec.engine.triton_fused", "silu_mul"))
 
 
+def launch_counter(counts: collections.Counter, paused=lambda: False):
+    """A dispatch mode that, while entered, adds each ATen operation that
+    launches work (not in NO_LAUNCH) to `counts` by name, except while
+    `paused()` says so."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if name not in NO_LAUNCH and not paused():
+                counts[name] += 1
+            return func(*args, **(kwargs or {}))
+
+    return Count()
+
+
 def count_step(arch: str, layers: int, fused: str, triton: bool) -> collections.Counter:
     """Operations one padded one-token step of a tiny `arch` model dispatches, by name."""
     import importlib
 
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     from specdec.bench.overhead_stack import tiny_model
     from specdec.engine.config import EngineConfig
@@ -39,13 +54,6 @@ def count_step(arch: str, layers: int, fused: str, triton: bool) -> collections.
 
     counts: collections.Counter = collections.Counter()
     inside = [0]  # > 0 while a Triton kernel runs: what the CPU interpreter dispatches is not a launch
-
-    class Count(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            name = func.overloadpacket.__name__
-            if name not in NO_LAUNCH and not inside[0]:
-                counts[name] += 1
-            return func(*args, **(kwargs or {}))
 
     model = tiny_model(arch=arch, layers=layers).to(torch.bfloat16)
     engine = ModelEngine(model, EngineConfig(dtype="bfloat16", max_kv_bytes=1 << 24, max_context=64,
@@ -67,7 +75,7 @@ def count_step(arch: str, layers: int, fused: str, triton: bool) -> collections.
         setattr(module, fn_name, launch)
         patched.append((module, fn_name, original))
     try:
-        with Count():
+        with launch_counter(counts, lambda: inside[0] > 0):
             steps.run([9], [4], [engine.store.base(session.slot)])
     finally:
         for module, fn_name, original in patched:

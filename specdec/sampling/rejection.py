@@ -176,7 +176,7 @@ def score_many(jobs: Sequence[ScoreJob]) -> list[VerifyOutcome | NoTargetMass]:
             readers.append((chunk, read, at))
             at += part.shape[0]
     host = torch.cat(parts).tolist() if parts else []  # the one device-to-host transfer
-    out: list[VerifyOutcome | NoTargetMass] = [NoTargetMass("unscored")] * len(jobs)
+    out: list = [None] * len(jobs)  # every job is in one reader's members
     for members, read, start in readers:
         for j, outcome in zip(members, read(host, start)):
             out[j] = outcome
