@@ -85,7 +85,7 @@ async def round_calls(stack: Stack, sampling: str, k: int, prefix: str,
     from specdec.rpc.model_service import SessionMeta
     from specdec.sampling.params import SamplingParams
     from specdec.telemetry import SPAN_DRAFT_PROPOSE, SPAN_ROUND, SPAN_TARGET_VERIFY
-    from specdec.v1 import common_pb2, target_pb2
+    from specdec.v1 import target_pb2
     from target_service.verifier import VerifyRequestItem
 
     rng = random.Random(0)
@@ -100,11 +100,9 @@ async def round_calls(stack: Stack, sampling: str, k: int, prefix: str,
     # in this process, copies from the same seeds otherwise): the same compute in-process.
     meta = SessionMeta(params=SamplingParams(temperature, 0, 1.0), seed=1)
     local_d_sid, local_t_sid = stack.drafter.open(prompt, meta, 0)[0], stack.verifier.open(prompt, meta, 0)[0]
-    proposal = list(stack.drafter.propose(local_d_sid, n, [], k))  # realistic drafts and q, reused every rep
+    proposal = list(stack.drafter.propose(local_d_sid, n, [], k))  # the same drafts and q, every rep
     drafts = [d.token_id for d in proposal]
     qs = [d.q.to_lists() for d in proposal if d.q is not None]
-    item = target_pb2.VerifyItem(session_id=t_sid, keep_length=n, draft_token_ids=drafts,
-                                 draft_q=[common_pb2.SparseDistribution(token_ids=i, probs=p) for i, p in qs])
     core_item = VerifyRequestItem(local_t_sid, n, [], drafts, qs)
     # ("services": the services trace, the client neither spans nor carries a trace context)
     span = stack.telemetry.span if stack.telemetry.tracing and prefix != "services" else (lambda *a, **kw: nullcontext())
@@ -114,6 +112,11 @@ async def round_calls(stack: Stack, sampling: str, k: int, prefix: str,
             with span(SPAN_ROUND):
                 with span(SPAN_DRAFT_PROPOSE):
                     drafts, _ = await draft_client.propose(d_sid, n, [], k, DEADLINE_S)
+                # The Verify item made of the drafts received, as the orchestrator makes it.
+                item = target_pb2.VerifyItem(session_id=t_sid, keep_length=n,
+                                             draft_token_ids=[d.token_id for d in drafts])
+                if temperature:
+                    item.draft_q.extend(d.q for d in drafts)
                 with span(SPAN_TARGET_VERIFY):
                     reply, _ = await target_client.verify([item], DEADLINE_S)
             draft_s = sum(d.compute_micros for d in drafts) / 1e6
