@@ -6,6 +6,7 @@ import functools
 from draft_service.step_batcher import DraftStepBatcher
 from specdec.rpc import grpc_errors, lane_methods
 from specdec.rpc.model_service import LaneCall, SessionServicer
+from specdec.sampling import q_wire
 from specdec.telemetry import A_APPENDED, A_K, A_MIN_CONFIDENCE, A_TOKENS, NOOP, SPAN_PROPOSE
 from specdec.v1 import draft_pb2, draft_pb2_grpc
 
@@ -34,7 +35,7 @@ class DraftServicer(SessionServicer, draft_pb2_grpc.DraftServiceServicer):
             # it is drafted.
             async for draft, seconds in self.steps.stream(stream):
                 sent += 1
-                yield _to_wire(draft, seconds)
+                yield _to_wire(draft, seconds, request.packed_q)
             span.set_attribute(A_TOKENS, sent)
 
     @grpc_errors.unary
@@ -59,7 +60,8 @@ class DraftServicer(SessionServicer, draft_pb2_grpc.DraftServiceServicer):
             drafts = await self.steps.start_and_collect(functools.partial(_validate, self.backend, request),
                                                         request.session_id)
             span.set_attribute(A_TOKENS, len(drafts))
-        return draft_pb2.ProposeAllResponse(drafts=[_to_wire(draft, seconds) for draft, seconds in drafts])
+        return draft_pb2.ProposeAllResponse(drafts=[_to_wire(draft, seconds, request.packed_q)
+                                                  for draft, seconds in drafts])
 
     def _span(self, request, metadata):
         attributes = {A_K: request.num_draft_tokens, A_APPENDED: len(request.append_token_ids),
@@ -78,11 +80,9 @@ def _validate(backend, request):
                            list(request.append_token_ids), request.num_draft_tokens, request.min_confidence)
 
 
-def _to_wire(draft, seconds: float) -> draft_pb2.ProposeResponse:
+def _to_wire(draft, seconds: float, packed_q: bool) -> draft_pb2.ProposeResponse:
     msg = draft_pb2.ProposeResponse(index=draft.index, token_id=draft.token_id, length=draft.length,
                                     compute_micros=round(seconds * 1e6), confidence=draft.confidence)
     if draft.q is not None:
-        ids, probs = draft.q.to_lists()
-        msg.q.token_ids.extend(ids)
-        msg.q.probs.extend(probs)
+        q_wire.write(msg.q, draft.q, packed_q)
     return msg

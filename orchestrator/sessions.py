@@ -81,6 +81,13 @@ class RequestSessions:
             raise DeadlineExceeded("the request's deadline passed")
         return min(left, self.rpc_timeout_s)
 
+    @property
+    def packed_q(self) -> bool:
+        """Whether the draft is to send its q's packed (`ProposeRequest.packed_q`):
+        the request samples, and its target reads packed q's."""
+        info = self.target.info
+        return not self.spec.greedy and info is not None and info.reads_packed_q
+
     def client_span(self, name: str, peer: str, attributes: dict | None = None):
         return self.telemetry.span(name, {A_PEER: peer, **(attributes or {})}, kind=SpanKind.CLIENT)
 

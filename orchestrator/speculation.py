@@ -61,7 +61,7 @@ from orchestrator.sessions import RequestSessions, failed
 from specdec.errors import DeadlineExceeded, NotFound, Unavailable
 from specdec.limits import DEFAULT_MAX_DRAFT_TOKENS
 from specdec.sampling.rejection import RoundResult, VerifyOutcome, accept_greedy, accept_sampled
-from specdec.sampling.sparse import prob_of
+from specdec.sampling import q_wire
 from specdec.telemetry import (A_ACCEPTED, A_BATCH_ITEMS, A_BATCH_SESSIONS, A_EMITTED, A_FALLBACK, A_K, A_MIN_CONFIDENCE,
                                A_PLAIN, A_RETURNED, A_ROUND, NOOP, SPAN_ACCEPT, SPAN_DRAFT_PROPOSE, SPAN_ROUND, SPAN_TARGET_VERIFY,
                                Telemetry)
@@ -225,7 +225,7 @@ class SpeculativeRequest:
             try:
                 drafts, cost = await self.sessions.draft.propose(self.sessions.draft_id, keep, self.history[keep:],
                                                                  k, self.sessions.timeout(),
-                                                                 min_confidence=stop)
+                                                                 min_confidence=stop, packed_q=self.sessions.packed_q)
             except grpc.aio.AioRpcError as exc:
                 failed(span, exc)
                 self.sessions.draft_failed(exc)
@@ -264,7 +264,7 @@ class SpeculativeRequest:
         # the bonus token, then round r+1's drafts.
         self.stats.round_trips += 1
         self._pipeline.start(self.sessions.draft_id, len(self.history) + k, k_next, self.sessions.timeout(),
-                             self.policy.min_confidence())
+                             self.policy.min_confidence(), self.sessions.packed_q)
 
     async def _settle_ahead(self, k: int, result: RoundResult) -> None:
         """Account for the speculative Propose of round r (k drafts) and, when
@@ -311,7 +311,7 @@ class SpeculativeRequest:
             return accept_greedy(ids, list(result.argmax_token_ids))
         outcome = VerifyOutcome(target_probs=list(result.target_probs),
                                 recovery_ids=list(result.recovery_token_ids), bonus_id=result.bonus_token_id)
-        q_of_x = [prob_of(d.q.token_ids, d.q.probs, d.token_id) for d in drafts]
+        q_of_x = [q_wire.prob_of(d.q, d.token_id) for d in drafts]
         return accept_sampled(ids, q_of_x, outcome, self.spec.seed, first_position=len(self.history))
 
     def _advance_prefixes(self, k: int, accepted: int) -> None:

@@ -5,6 +5,7 @@ import time
 
 from specdec.rpc import grpc_errors, lane_methods
 from specdec.rpc.model_service import LaneCall, SessionServicer
+from specdec.sampling import q_wire
 from specdec.telemetry import (A_APPENDED, A_BATCH_ITEMS, A_BATCH_SESSIONS, A_FORWARD_S, A_K, A_TOKENS,
                                SPAN_DECODE, SPAN_VERIFY)
 from specdec.v1 import target_pb2, target_pb2_grpc
@@ -12,6 +13,8 @@ from target_service.verifier import VerifyRequestItem
 
 
 class TargetServicer(SessionServicer, target_pb2_grpc.TargetServiceServicer):
+    reads_packed_q = True  # Verify takes a draft's q packed (specdec/sampling/q_wire.py)
+
     @grpc_errors.unary
     async def Verify(self, request, context):
         return await self._verify(request, context.invocation_metadata())
@@ -35,7 +38,7 @@ class TargetServicer(SessionServicer, target_pb2_grpc.TargetServiceServicer):
                     keep_length=it.keep_length if it.HasField("keep_length") else None,
                     append=list(it.append_token_ids),
                     drafts=list(it.draft_token_ids),
-                    draft_q=[(list(q.token_ids), list(q.probs)) for q in it.draft_q],
+                    draft_q=[q_wire.received(q) for q in it.draft_q],
                 )
                 for it in request.items
             ]

@@ -19,7 +19,8 @@ from specdec.errors import InvalidArgument, SpecdecError
 from specdec.limits import DEFAULT_MAX_DRAFT_TOKENS, check_num_draft_tokens
 from specdec.rpc.model_service import EngineBackend, SessionMeta
 from specdec.sampling.rejection import ScoreJob, VerifyOutcome, sample_token, score_many
-from specdec.sampling.sparse import SparseDist, validate_sparse
+from specdec.sampling import q_wire
+from specdec.sampling.sparse import SparseDist
 from specdec.sampling.transform import argmax_tokens, logits_to_probs
 
 
@@ -29,8 +30,9 @@ class VerifyRequestItem:
     keep_length: int | None  # None: keep the whole context
     append: Sequence[int]
     drafts: Sequence[int]  # x_1..x_k
-    # q_1..q_k as received: (token_ids, probs) pairs; empty under greedy.
-    draft_q: Sequence[tuple[Sequence[int], Sequence[float]]] = ()
+    # q_1..q_k as received (specdec/sampling/q_wire.py: packed bytes or
+    # (token_ids, probs) lists); empty under greedy.
+    draft_q: Sequence[q_wire.Received] = ()
 
 
 @dataclass
@@ -65,12 +67,15 @@ class Verifier(EngineBackend):
         results = [VerifyItemResult() for _ in items]
         valid: list[tuple[int, ExtendItem, list[SparseDist]]] = []
         seen: set[str] = set()
+        # Every item's q's at once (the packed ones of one size are checked together).
+        checked_q = q_wire.check_items([(it.draft_q, it.drafts) if len(it.draft_q) == len(it.drafts) else ((), ())
+                                        for it in items], self.engine.usable_vocab_size)
         for i, item in enumerate(items):
             try:
                 if item.session_id in seen:
                     raise InvalidArgument(f"session {item.session_id!r} appears twice in one Verify")
                 seen.add(item.session_id)
-                valid.append((i, *self._check_item(item)))
+                valid.append((i, *self._check_item(item, checked_q[i])))
             except SpecdecError as exc:
                 results[i].error = exc
         if valid:
@@ -82,28 +87,27 @@ class Verifier(EngineBackend):
                 results[i] = VerifyItemResult(outcome=outcome, length=length)
         return VerifyBatchResult(items=results, batch_size=len(valid))
 
-    def _check_item(self, item: VerifyRequestItem) -> tuple[ExtendItem, list[SparseDist]]:
+    def _check_item(self, item: VerifyRequestItem,
+                    checked_q: list[SparseDist] | ValueError) -> tuple[ExtendItem, list[SparseDist]]:
         k = len(item.drafts)
         check_num_draft_tokens(k, self.max_draft_tokens, lowest=0)
         session = self.engine.session(item.session_id)
         meta: SessionMeta = session.meta
-        q = [] if meta.params.greedy else self._check_q(item)
+        q = [] if meta.params.greedy else self._check_q(item, checked_q)
         extend = ExtendItem(item.session_id, item.keep_length, [*item.append, *item.drafts], num_logits=k + 1)
         self.engine.validate([extend])
         return extend, q
 
-    def _check_q(self, item: VerifyRequestItem) -> list[SparseDist]:
+    @staticmethod
+    def _check_q(item: VerifyRequestItem, checked_q: list[SparseDist] | ValueError) -> list[SparseDist]:
+        """The item's q's as `q_wire.check_items` found them."""
         if len(item.draft_q) != len(item.drafts):
             raise InvalidArgument(
                 f"{len(item.drafts)} drafted tokens but {len(item.draft_q)} proposal distributions"
             )
-        dists = []
-        for i, ((ids, probs), x) in enumerate(zip(item.draft_q, item.drafts)):
-            try:
-                dists.append(validate_sparse(ids, probs, self.engine.usable_vocab_size, drafted_id=x))
-            except ValueError as exc:
-                raise InvalidArgument(f"draft_q[{i}]: {exc}") from None
-        return dists
+        if isinstance(checked_q, ValueError):
+            raise InvalidArgument(str(checked_q)) from None
+        return checked_q
 
     def _job(self, item, q: list[SparseDist], rows: torch.Tensor) -> tuple[ScoreJob, int]:
         """The scoring of one item, and its session's length after the Verify."""

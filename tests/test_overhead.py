@@ -71,11 +71,16 @@ def test_specd_overhead_wire_prints_bytes_per_token_and_verify_throughput(capsys
     assert main(["--log-level", "WARNING", "overhead", "--wire", "--reps", "5", "--threads", "1"]) == 0
     out = capsys.readouterr().out
     rows = {line.split(" | ")[0].strip("| "): line for line in out.splitlines() if line.startswith("| ")}
-    greedy, sampled = rows["greedy"].split(" | "), rows["T=0.7"].split(" | ")
-    assert int(greedy[1]) == 0 and int(sampled[1]) > 0  # q entries: none under greedy
-    assert int(sampled[6]) > int(greedy[6]) > 0  # the round's bytes: q costs bytes
+    greedy, sampled = rows["greedy"].split(" | "), rows["T=0.7, q as lists"].split(" | ")
+    packed = rows["T=0.7, q packed"].split(" | ")
+    assert int(greedy[1]) == 0 and int(sampled[1]) == int(packed[1]) > 0  # q entries: none under greedy
+    assert int(sampled[6]) > int(greedy[6]) > 0 and int(packed[6]) > int(greedy[6])  # the round's bytes: q costs bytes
     assert "**" in greedy[-1] and "Verify throughput through the server" in out
     assert [line.split(" | ")[1] for line in out.splitlines() if line.startswith("| tiny (fp32)")] == ["1", "4", "16"]
+    # what the q's cost each role, in both encodings, for 1 and 8 sessions
+    costs = [line.strip("| ").split(" | ") for line in out.splitlines() if line.startswith(("| lists |", "| packed |"))]
+    assert [(c[0], c[1]) for c in costs] == [("lists", "1"), ("lists", "8"), ("packed", "1"), ("packed", "8")]
+    assert all(float(x) > 0 for c in costs for x in c[2:])
 
 
 def test_specd_overhead_measures_every_figure_it_prints():

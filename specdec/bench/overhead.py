@@ -104,6 +104,8 @@ async def round_calls(stack: Stack, sampling: str, k: int, prefix: str,
     drafts = [d.token_id for d in proposal]
     qs = [d.q.to_lists() for d in proposal if d.q is not None]
     core_item = VerifyRequestItem(local_t_sid, n, [], drafts, qs)
+    # As the orchestrator: the draft packs its q's when the target reads them packed.
+    packed_q = bool(temperature) and stack.target_client.info.reads_packed_q
     # ("services": the services trace, the client neither spans nor carries a trace context)
     span = stack.telemetry.span if stack.telemetry.tracing and prefix != "services" else (lambda *a, **kw: nullcontext())
 
@@ -111,7 +113,7 @@ async def round_calls(stack: Stack, sampling: str, k: int, prefix: str,
         async def one_round():
             with span(SPAN_ROUND):
                 with span(SPAN_DRAFT_PROPOSE):
-                    drafts, _ = await draft_client.propose(d_sid, n, [], k, DEADLINE_S)
+                    drafts, _ = await draft_client.propose(d_sid, n, [], k, DEADLINE_S, packed_q=packed_q)
                 # The Verify item made of the drafts received, as the orchestrator makes it.
                 item = target_pb2.VerifyItem(session_id=t_sid, keep_length=n,
                                              draft_token_ids=[d.token_id for d in drafts])

@@ -12,6 +12,10 @@ Two Markdown tables (formerly benchmarks/service_overhead.py):
 - Verify throughput with 1, 4 and 16 sessions per call (k drafts each,
   context lengths 50-300), through the server: on the tiny target, and on a
   cached model when one is named (e.g. qwen2.5-coder-1.5b-instruct).
+
+and a third, what a sampled round's q's cost each role in either wire
+encoding (specdec/bench/q_costs.py). The T=0.7 round's bytes are given for
+both encodings.
 """
 from __future__ import annotations
 
@@ -92,19 +96,21 @@ class RoundBytes:
 
 def measure_bytes(services: Services, k: int) -> list[RoundBytes]:
     """One steady-state round each way (rollback and the last emitted token
-    riding on both calls), greedy and T=0.7."""
+    riding on both calls), greedy and T=0.7 (its q's as lists, and packed)."""
+    from specdec.sampling import q_wire
     from specdec.v1 import draft_pb2, target_pb2
 
     rng = random.Random(1)
     vocab = services.verifier.info.vocab_size
     rows = []
-    for label, temperature in (("greedy", 0.0), ("T=0.7", 0.7)):
+    for label, temperature, packed in (("greedy", 0.0, False), ("T=0.7, q as lists", 0.7, False),
+                                       ("T=0.7, q packed", 0.7, True)):
         prompt = _tokens(200, vocab, rng)
         t_sid, d_sid = services.open(prompt, temperature, seed=rng.getrandbits(63))
         last = rng.randrange(3, vocab)  # the previous round's recovery or bonus token
         n = len(prompt) - 1
         propose = draft_pb2.ProposeRequest(session_id=d_sid, keep_length=n, append_token_ids=[last],
-                                           num_draft_tokens=k)
+                                           num_draft_tokens=k, packed_q=packed)
         stream = list(services.draft_stub.Propose(propose, timeout=DEADLINE_S))
         item = target_pb2.VerifyItem(session_id=t_sid, keep_length=n, append_token_ids=[last],
                                      draft_token_ids=[d.token_id for d in stream],
@@ -113,7 +119,7 @@ def measure_bytes(services: Services, k: int) -> list[RoundBytes]:
         reply = services.target_stub.Verify(verify, timeout=DEADLINE_S)
         if reply.results[0].HasField("error"):
             raise RuntimeError(f"Verify failed: {reply.results[0].error}")
-        rows.append(RoundBytes(label, sum(len(d.q.token_ids) for d in stream), verify.ByteSize(),
+        rows.append(RoundBytes(label, sum(len(q_wire.entries(d.q)[0]) for d in stream), verify.ByteSize(),
                                reply.ByteSize(), propose.ByteSize(), sum(d.ByteSize() for d in stream)))
     return rows
 
@@ -213,4 +219,7 @@ def run(k: int, acceptance: float, reps: int, target: str = "", dtype: str = "bf
             throughput += measure_throughput(services, k, 5, f"{target} ({dtype}, {threads} threads)")
         finally:
             services.close()
-    return bytes_report(sizes, k, acceptance) + "\n\n" + throughput_report(throughput)
+    from specdec.bench import q_costs
+
+    return (bytes_report(sizes, k, acceptance) + "\n\n" + throughput_report(throughput) + "\n\n"
+            + q_costs.report(q_costs.measure(k, reps=reps * 5), k))

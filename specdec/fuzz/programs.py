@@ -9,6 +9,8 @@ the time (so calls get deep) and wild otherwise (`contract.mostly`).
 """
 from __future__ import annotations
 
+import struct
+
 from hypothesis import strategies as st
 
 from specdec.fuzz import contract
@@ -39,16 +41,22 @@ def k_values(limit: int) -> st.SearchStrategy:
     return mostly(st.integers(1, limit), st.one_of(st.integers(-2, 0), st.integers(limit + 1, limit + 3), INT32))
 
 
+def _packed(ids: list[int], probs: list[float]) -> bytes:
+    return struct.pack(f"<{len(ids)}i{len(probs)}f", *ids, *probs)
+
+
 @st.composite
 def draft_q(draw, drafts: list[int]) -> tuple[list, bool]:
     """(q list, whether it is valid by construction for a sampled session)."""
     kind = draw(st.integers(0, 5))
     in_range = all(0 <= x < USABLE_VOCAB for x in drafts)
-    if kind <= 2 and in_range:
+    if kind <= 1 and in_range:
         return [common_pb2.SparseDistribution(token_ids=[x], probs=[1.0]) for x in drafts], True
-    if kind <= 3 and in_range:
-        return [common_pb2.SparseDistribution(token_ids=[x, (x + 1) % USABLE_VOCAB, (x + 7) % USABLE_VOCAB],
-                                              probs=[0.5, 0.25, 0.25]) for x in drafts], True
+    if kind <= 3 and in_range:  # three entries, as the lists or packed (specdec/sampling/q_wire.py)
+        entries = [([x, (x + 1) % USABLE_VOCAB, (x + 7) % USABLE_VOCAB], [0.5, 0.25, 0.25]) for x in drafts]
+        if kind == 2:
+            return [common_pb2.SparseDistribution(packed=_packed(ids, probs)) for ids, probs in entries], True
+        return [common_pb2.SparseDistribution(token_ids=ids, probs=probs) for ids, probs in entries], True
     return draw(st.lists(contract.message(common_pb2.SparseDistribution,
                                           {"token_ids": st.lists(TOKEN, max_size=4)}), max_size=6)), False
 
@@ -93,7 +101,8 @@ def one_call(draw, service: str, limit: int, kinds: tuple[str, ...] = ()):
             max_new_tokens=draw(mostly(st.integers(0, 50), INT32)), request_id=draw(contract.TEXT))
     if op in ("work", "propose_all") and service != "target":
         req = _with_keep(draft_pb2.ProposeRequest(session_id=draw(SESSION), append_token_ids=draw(APPEND),
-                                                  num_draft_tokens=draw(k_values(limit))), draw(KEEP))
+                                                  num_draft_tokens=draw(k_values(limit)),
+                                                  packed_q=draw(st.booleans())), draw(KEEP))
         return ("propose_all" if op == "propose_all" else "propose"), req
     if op == "work":  # target: Verify
         items = draw(mostly(st.lists(verify_item(limit), min_size=1, max_size=3),

@@ -20,6 +20,7 @@ from specdec.fuzz.session_sim import Sim, SimSession, cut_and_append, ids_ok, sa
 from specdec.fuzz.system import MAX_CONTEXT, ROWS, USABLE_VOCAB
 from specdec.rpc import lane_methods
 from specdec.rpc.grpc_errors import status_from_number
+from specdec.sampling import q_wire
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
 MAX_VERIFY_BATCH = 64
@@ -194,8 +195,12 @@ class ServiceFuzzer:
         for d in drafts:
             if d.HasField("q") == session.greedy:
                 self.tally.violate(self.service, rpc, "q sent under greedy or missing under sampling", req)
-            elif d.HasField("q") and (d.token_id not in d.q.token_ids or abs(sum(d.q.probs) - 1) > 1e-3):
-                self.tally.violate(self.service, rpc, f"q does not hold its token: {d}", req)
+            elif d.HasField("q") and bool(d.q.packed) != req.packed_q:
+                self.tally.violate(self.service, rpc, f"q not in the encoding asked for (packed: {req.packed_q})", req)
+            elif d.HasField("q"):
+                ids, probs = q_wire.entries(d.q)
+                if d.token_id not in ids or abs(sum(probs) - 1) > 1e-3:
+                    self.tally.violate(self.service, rpc, f"q does not hold its token: {d}", req)
         session.length = new + made
 
     def _verify(self, sim: Sim, req, q_valid: list[bool], concurrent: bool) -> None:

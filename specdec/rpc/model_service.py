@@ -114,6 +114,7 @@ class SessionServicer:
     """
 
     backend_kind = "model"
+    reads_packed_q = False  # ModelInfo.reads_packed_q: whether Verify reads a packed q (targets)
 
     def __init__(self, worker: EngineWorker, limits: SessionLimits, backend=None, telemetry: Telemetry = NOOP):
         self._backend = backend
@@ -163,6 +164,7 @@ class SessionServicer:
         backend = self.backend
         info = info_to_wire(backend.info, self.limits, self.backend_kind)
         info.lane_port = self.lane_port
+        info.reads_packed_q = self.reads_packed_q
         counts = common_pb2.SessionCounts(open=backend.usage()[0], expired=self.expired_sessions)
         return common_pb2.GetModelInfoResponse(info=info, sessions=counts)
 

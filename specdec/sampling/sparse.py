@@ -50,6 +50,21 @@ class SparseDist:
             torch.tensor(list(probs), dtype=torch.float32),
         )
 
+    @classmethod
+    def rows(cls, token_ids: torch.Tensor, probs: torch.Tensor) -> list[SparseDist]:
+        """One SparseDist per row of token_ids [g, n] int64 and probs [g, n]
+        float32 (views of them; no checks of the values), checked as a whole
+        once rather than row by row."""
+        assert token_ids.dim() == 2 and token_ids.dtype == torch.int64 and probs.dtype == torch.float32
+        assert token_ids.shape == probs.shape, (tuple(token_ids.shape), tuple(probs.shape))
+        out = []
+        for ids, ps in zip(token_ids.unbind(0), probs.unbind(0)):
+            dist = object.__new__(cls)  # each row's shape and dtypes are the whole's, checked above
+            object.__setattr__(dist, "token_ids", ids)
+            object.__setattr__(dist, "probs", ps)
+            out.append(dist)
+        return out
+
     def to_lists(self) -> tuple[list[int], list[float]]:
         """(token_ids, probs) for the wire; float32 values survive a proto float exactly."""
         return self.token_ids.tolist(), self.probs.tolist()
@@ -209,11 +224,14 @@ def densify_many(
     return dense
 
 
+SUM_TOLERANCE = 1e-3  # how far from 1 an untrusted q's probabilities may sum (`validate_sparse`)
+
+
 def validate_sparse(
     token_ids: Sequence[int] | torch.Tensor,
     probs: Sequence[float] | torch.Tensor,
     vocab_size: int,
-    tol: float = 1e-3,
+    tol: float = SUM_TOLERANCE,
     drafted_id: int | None = None,
 ) -> SparseDist:
     """Check an untrusted sparse distribution and build it; ValueError says what is wrong.

@@ -1,0 +1,206 @@
+"""A draft's q on the wire in its packed encoding (specdec/sampling/q_wire.py):
+the same entries, the same checks and messages as the lists, the same
+Verify outcomes, and the orchestrator asks for it only from a target that
+reads it."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from draft_service import servicer as draft_servicer
+from specdec.sampling import q_wire
+from specdec.sampling.sparse import SparseDist, prob_of, validate_sparse
+from specdec.v1 import common_pb2, draft_pb2, target_pb2
+from target_service.servicer import TargetServicer
+from tests.conftest import tiny_engine, tiny_model
+from tests.harness import running_draft, running_system, running_target
+from tests.service_calls import DRAFT_MODEL, TARGET_MODEL, T, open_session, tokens, verify
+
+VOCAB = 1000
+
+
+def random_q(rng: random.Random, n: int) -> tuple[list[int], list[float]]:
+    ids = rng.sample(range(VOCAB), n)
+    weights = torch.tensor([rng.random() + 1e-3 for _ in range(n)], dtype=torch.float64)
+    return ids, (weights / weights.sum()).float().tolist()
+
+
+def packed(ids, probs) -> bytes:
+    return q_wire.pack(SparseDist(torch.tensor(ids, dtype=torch.int64), torch.tensor(probs, dtype=torch.float32)))
+
+
+def test_packed_entries_read_back_exactly():
+    rng = random.Random(0)
+    for n in (1, 2, 7, 32):
+        ids, probs = random_q(rng, n)
+        data = packed(ids, probs)
+        assert len(data) == 8 * n
+        assert q_wire.unpack_lists(data) == (ids, probs)
+        got_ids, got_probs = q_wire.unpack(data)
+        assert got_ids.tolist() == ids and got_probs.tolist() == probs
+        msg = common_pb2.SparseDistribution(packed=data)
+        lists = common_pb2.SparseDistribution(token_ids=ids, probs=probs)
+        for x in (ids[0], ids[-1], next(i for i in range(VOCAB) if i not in ids)):
+            assert q_wire.prob_of(msg, x) == q_wire.prob_of(lists, x) == prob_of(ids, probs, x)
+
+
+def test_writing_a_dist_fills_one_encoding():
+    ids, probs = random_q(random.Random(1), 5)
+    dist = SparseDist(torch.tensor(ids), torch.tensor(probs, dtype=torch.float32))
+    as_lists, as_packed = common_pb2.SparseDistribution(), common_pb2.SparseDistribution()
+    q_wire.write(as_lists, dist, packed=False)
+    q_wire.write(as_packed, dist, packed=True)
+    assert list(as_lists.token_ids) == ids and list(as_lists.probs) == probs and not as_lists.packed
+    assert not as_packed.token_ids and not as_packed.probs and q_wire.unpack_lists(as_packed.packed) == (ids, probs)
+
+
+def test_checked_together_as_each_alone():
+    """Mixed sizes and encodings in one item: each q is the SparseDist
+    validate_sparse makes of it, bit for bit."""
+    rng = random.Random(2)
+    for trial in range(30):
+        qs, wire, drafted = [], [], []
+        for _ in range(rng.randint(1, 8)):
+            ids, probs = random_q(rng, rng.choice([1, 3, 32, 32]))
+            x = rng.choice([i for i, p in zip(ids, probs) if p > 0])
+            qs.append((ids, probs))
+            wire.append(packed(ids, probs) if rng.random() < 0.7 else (ids, probs))
+            drafted.append(x)
+        got = q_wire.check_many(wire, drafted, VOCAB)
+        for dist, (ids, probs), x in zip(got, qs, drafted):
+            want = validate_sparse(ids, probs, VOCAB, drafted_id=x)
+            assert torch.equal(dist.token_ids, want.token_ids) and torch.equal(dist.probs, want.probs)
+            assert dist.token_ids.dtype == torch.int64 and dist.probs.dtype == torch.float32
+
+
+def _good() -> tuple[list[int], list[float]]:
+    return [5, 9, 2, 700], [0.5, 0.25, 0.125, 0.125]
+
+
+BAD = {  # name: (ids, probs, drafted)
+    "negative id": ([5, -3, 2, 700], _good()[1], 5),
+    "id beyond the vocabulary": ([5, 9, 2, VOCAB], _good()[1], 5),
+    "duplicate id": ([5, 9, 9, 700], _good()[1], 5),
+    "NaN": (_good()[0], [0.5, float("nan"), 0.25, 0.25], 5),
+    "negative probability": (_good()[0], [0.75, -0.25, 0.25, 0.25], 5),
+    "infinite probability": (_good()[0], [0.5, float("inf"), 0.25, 0.25], 5),
+    "sum off": (_good()[0], [0.5, 0.25, 0.125, 0.0625], 5),
+    "drafted token outside": (*_good(), 6),
+    "drafted token of mass 0": (_good()[0], [0.5, 0.5, 0.0, 0.0], 2),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_a_bad_packed_q_is_refused_as_the_lists_are(case):
+    ids, probs, x = BAD[case]
+    good_ids, good_probs = _good()
+    wire = [packed(good_ids, good_probs), packed(ids, probs), packed(good_ids, good_probs)]
+    lists = [(good_ids, good_probs), (ids, probs), (good_ids, good_probs)]
+    drafted = [5, x, 5]
+    with pytest.raises(ValueError) as from_lists:
+        q_wire.check_many(lists, drafted, VOCAB)
+    with pytest.raises(ValueError) as from_packed:
+        q_wire.check_many(wire, drafted, VOCAB)
+    assert str(from_packed.value) == str(from_lists.value)
+    assert str(from_packed.value).startswith("draft_q[1]: ")
+
+
+def test_malformed_packed_fields_are_refused():
+    with pytest.raises(ValueError, match=r"draft_q\[0\]: packed sparse distribution has 12 bytes"):
+        q_wire.check_many([b"\x01" * 12], [1], VOCAB)
+    both = common_pb2.SparseDistribution(token_ids=[1], probs=[1.0], packed=packed([1], [1.0]))
+    with pytest.raises(ValueError, match=r"draft_q\[0\]: .*both its lists and `packed`"):
+        q_wire.check_many([q_wire.received(both)], [1], VOCAB)
+    with pytest.raises(ValueError, match=r"draft_q\[0\]: sparse distribution is empty"):
+        q_wire.check_many([q_wire.received(common_pb2.SparseDistribution())], [1], VOCAB)
+
+
+# ------------------------------------------------------------ the services
+
+
+@pytest.fixture(scope="module")
+def services():
+    with running_target(tiny_engine(model=TARGET_MODEL)) as (_, target, _l), \
+            running_draft(tiny_engine(model=DRAFT_MODEL)) as (_, draft, _m):
+        yield target, draft
+
+
+def test_only_the_target_says_it_reads_packed_q(services):
+    target, draft = services
+    info = common_pb2.GetModelInfoRequest()
+    assert target.GetModelInfo(info, timeout=T).info.reads_packed_q
+    assert not draft.GetModelInfo(info, timeout=T).info.reads_packed_q
+
+
+def test_a_draft_asked_to_pack_sends_the_same_q_packed(services):
+    _, draft = services
+    prompt = tokens(12, seed=5)
+    replies = {}
+    for pack in (False, True):
+        sid = open_session(draft, prompt, seed=77, temperature=0.7).session_id
+        request = draft_pb2.ProposeRequest(session_id=sid, num_draft_tokens=4, packed_q=pack)
+        replies[pack] = list(draft.ProposeAll(draft_pb2.ProposeAllRequest(propose=request), timeout=T).drafts)
+        streamed = list(draft.Propose(draft_pb2.ProposeRequest(session_id=sid, keep_length=len(prompt),
+                                                                num_draft_tokens=4, packed_q=pack), timeout=T))
+        assert [(d.token_id, d.q.packed, list(d.q.token_ids)) for d in streamed] == \
+            [(d.token_id, d.q.packed, list(d.q.token_ids)) for d in replies[pack]]
+    assert [d.token_id for d in replies[True]] == [d.token_id for d in replies[False]]
+    for as_packed, as_lists in zip(replies[True], replies[False]):
+        assert not as_packed.q.token_ids and not as_packed.q.probs and not as_lists.q.packed
+        assert q_wire.unpack_lists(as_packed.q.packed) == (list(as_lists.q.token_ids), list(as_lists.q.probs))
+
+
+def test_a_verify_of_packed_q_scores_as_one_of_lists(services):
+    target, draft = services
+    prompt = tokens(10, seed=6)
+    d_sid = open_session(draft, prompt, seed=3, temperature=0.9).session_id
+    request = draft_pb2.ProposeRequest(session_id=d_sid, num_draft_tokens=5)
+    drafts = list(draft.ProposeAll(draft_pb2.ProposeAllRequest(propose=request), timeout=T).drafts)
+    ids = [d.token_id for d in drafts]
+    results = []
+    for pack in (False, True):
+        t_sid = open_session(target, prompt, seed=11, temperature=0.9).session_id
+        item = target_pb2.VerifyItem(session_id=t_sid, draft_token_ids=ids)
+        for d in drafts:
+            q = item.draft_q.add()
+            if pack:
+                q.packed = packed(list(d.q.token_ids), list(d.q.probs))
+            else:
+                q.CopyFrom(d.q)
+        (result,) = verify(target, item)
+        assert not result.HasField("error"), result.error
+        assert len(result.target_probs) == len(ids)
+        result.session_id = ""
+        results.append(result)
+    assert results[0] == results[1]
+
+
+# ------------------------------------------------------------ the orchestrator
+
+
+def test_the_orchestrator_asks_for_packed_q_only_from_a_target_that_reads_them(monkeypatch):
+    """A seeded sampled request gives the same tokens either way."""
+    writes = []
+    real_write = q_wire.write
+
+    def spy(msg, dist, packed):
+        writes.append(packed)
+        real_write(msg, dist, packed)
+
+    monkeypatch.setattr(draft_servicer.q_wire, "write", spy)
+    target = tiny_model(seed=0, init_range=0.3)
+    draft = tiny_model(seed=1, init_range=0.3)
+    kwargs = dict(max_tokens=16, temperature=0.8, seed=2024, num_draft_tokens=3)
+    outputs = {}
+    for reads in (True, False):
+        monkeypatch.setattr(TargetServicer, "reads_packed_q", reads)
+        writes.clear()
+        with running_system(tiny_engine(model=target), tiny_engine(model=draft)) as s:
+            outputs[reads] = s.client.complete([3, 17, 42, 5], **kwargs).token_ids
+            greedy = len(writes)
+            s.client.complete([3, 17, 42, 5], max_tokens=6, temperature=0, num_draft_tokens=3)
+            assert len(writes) == greedy, "a greedy request's drafts carry no q"
+        assert writes and set(writes) == {reads}
+    assert outputs[True] == outputs[False] and len(outputs[True]) == 16
