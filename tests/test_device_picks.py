@@ -51,6 +51,32 @@ def test_every_row_picks_what_the_one_row_path_picks(max_q):
             assert token in pick.q.token_ids.tolist() and token < 200
 
 
+@pytest.mark.parametrize("params", PARAMS, ids=lambda p: f"T{p.temperature}-k{p.top_k}-p{p.top_p}")
+def test_a_step_of_one_sampling_picks_what_the_one_row_path_picks(params):
+    """A step whose rows share their sampling takes its tokens as they come
+    out of the group (no scatter into batch-wide tensors): the same picks."""
+    logits = logits_rows(7, seed=11)
+    rows = [DraftRow(params, seed=300 + i, position=20 + i) for i in range(7)]
+    for row, r, pick in zip(logits, rows, pick_drafts(logits, rows, 16)):
+        token, q = one_row_path(row, r, 16)
+        assert pick.token_id == token and (pick.q is None) == (q is None)
+        if q is not None:
+            assert torch.equal(pick.q.token_ids, q.token_ids) and torch.equal(pick.q.probs, q.probs)
+            assert pick.confidence == q.probs[q.token_ids.tolist().index(token)].item()
+
+
+def test_a_step_of_one_sampling_costs_the_same_operations_for_1_or_8_rows():
+    """On a GPU each operation is a launch: the draft's picks of a step take
+    as many for 8 rows as for 1 (9 greedy, 42 at T = 0.7; the count at Qwen's
+    vocabulary is `python -m specdec.bench.kernel_count`'s second table)."""
+    from specdec.bench.kernel_count import count_picks
+
+    for temperature, top_k, top_p in ((0.0, 0, 1.0), (0.7, 0, 1.0), (0.9, 40, 0.95)):
+        counts = [count_picks(temperature, top_k, top_p, batch, vocab=VOCAB) for batch in (1, 8)]
+        assert counts[0] == counts[1], (temperature, counts)
+    assert count_picks(0.7, 0, 1.0, 8, mixed=True, vocab=VOCAB) > count_picks(0.7, 0, 1.0, 8, vocab=VOCAB)
+
+
 def test_a_row_picks_the_same_alone_and_in_any_batch():
     logits = logits_rows(12, seed=3)
     rows = [DraftRow(PARAMS[i % len(PARAMS)], seed=7, position=50 + i) for i in range(12)]

@@ -192,6 +192,18 @@ def test_top_indices_orders_like_a_stable_descending_sort():
     assert torch.equal(top_indices(values, 4), expected[:, :4])
 
 
+def test_top_indices_of_probabilities_skips_the_sign_work_and_orders_alike():
+    """`nonnegative=True` (a softmax's output): the same indices as the
+    general path and as a stable descending sort, ties and zeros included."""
+    gen = torch.Generator().manual_seed(1)
+    probs = torch.softmax(torch.randint(-4, 3, (30, 40), generator=gen).float() * 7, dim=-1)
+    probs[::3, 5:20] = 0.0  # masked ids: exact zeros, tied
+    expected = probs.sort(dim=-1, descending=True, stable=True).indices
+    for n in (1, 7, 40):
+        assert torch.equal(top_indices(probs, n, nonnegative=True), expected[:, :n])
+        assert torch.equal(top_indices(probs, n, nonnegative=True), top_indices(probs, n))
+
+
 # ---------------------------------------------------------------- rng
 
 

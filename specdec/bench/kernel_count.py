@@ -10,6 +10,8 @@ allocation launches nothing on a GPU and is not counted) and the Triton
 kernels it launches, on tiny models of the given architectures with 2 and 4
 layers: the difference is two layers' worth. `--triton` runs the Triton
 kernels (under TRITON_INTERPRET=1 on a CPU, which the command sets itself).
+Then the same count for the draft's picks after a step (its tokens, and q
+when sampling; `sampling/draft_picks.py`), at Qwen's vocabulary.
 """
 from __future__ import annotations
 
@@ -91,6 +93,39 @@ def per_layer(arch: str, fused: str, triton: bool) -> tuple[dict, int]:
     return layer, int(outside)
 
 
+PICK_CASES = (("greedy", 0.0, 0, 1.0), ("T = 0.7", 0.7, 0, 1.0), ("T = 0.7, top-k 50", 0.7, 50, 1.0),
+              ("T = 0.7, top-p 0.9", 0.7, 0, 0.9))
+
+
+def count_picks(temperature: float, top_k: int, top_p: float, batch: int, mixed: bool = False,
+                vocab: int = 151936, max_q_tokens: int = 32) -> int:
+    """Operations the draft's picks of one step launch (`draft_picks.pick_on_device`,
+    bf16 logits [batch, vocab]); `mixed`: every other row greedy."""
+    import torch
+
+    from specdec.sampling.draft_picks import DraftRow, pick_on_device
+    from specdec.sampling.params import SamplingParams
+
+    params = SamplingParams(temperature, top_k, top_p)
+    greedy = SamplingParams(0.0, 0, 1.0)
+    rows = [DraftRow(greedy if mixed and i % 2 else params, 7 + i, 100 + i) for i in range(batch)]
+    logits = torch.randn(batch, vocab, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    pick_on_device(logits, rows, max_q_tokens)  # as in steady state: what is made once per vocabulary, made
+    counts: collections.Counter = collections.Counter()
+    with launch_counter(counts):
+        pick_on_device(logits, rows, max_q_tokens)
+    return sum(counts.values())
+
+
+def picks_table() -> list[str]:
+    lines = ["| the draft's picks of one step | 1 row | 8 rows | 8 rows, every other one greedy |", "|---|---|---|---|"]
+    for label, temperature, top_k, top_p in PICK_CASES:
+        cells = [count_picks(temperature, top_k, top_p, 1), count_picks(temperature, top_k, top_p, 8),
+                 count_picks(temperature, top_k, top_p, 8, mixed=True) if temperature else "-"]
+        lines.append(f"| {label} | " + " | ".join(str(c) for c in cells) + " |")
+    return lines
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--arch", nargs="+", default=["qwen2", "llama"], choices=("qwen2", "llama"))
@@ -110,6 +145,8 @@ def main(argv=None) -> int:
             by_name = ", ".join(f"{k} {v:g}" for k, v in sorted(layer.items(), key=lambda kv: -kv[1]))
             label = "transformers" if fused == "off" else "fused" + (" (Triton)" if args.triton else " (reference ops)")
             print(f"| {arch} | {label} | {sum(layer.values()):g} | {by_name} | {outside} |")
+    print()
+    print("\n".join(picks_table()))
     return 0
 
 

@@ -13,8 +13,8 @@ tokens where they are, before it waits for this one's picks.
 Per row it does exactly what the one-row path does (`truncate`, then
 `draw_draft` with the DRAFT uniform at the token's position): greedy rows
 take the argmax, sampled rows are grouped by their sampling parameters (one
-`logits_to_probs` per group), truncated by `truncate_rows` and drawn by
-`pick_rows`. The uniforms depend on (seed, position) only, so the host
+`logits_to_probs` per group), truncated by `truncate_rows` and drawn as
+`pick_rows` draws. The uniforms depend on (seed, position) only, so the host
 computes them before the step's result exists.
 
 Each pick also carries the draft's confidence in it, its probability of the
@@ -24,6 +24,7 @@ confidences falls below its `min_confidence` (draft_service/drafters.py).
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -32,7 +33,7 @@ import torch
 from specdec.host_copy import to_device
 from specdec.sampling.params import SamplingParams
 from specdec.sampling.rng import Stream, uniform
-from specdec.sampling.sparse import SparseDist, kept, pick_rows, truncate_rows
+from specdec.sampling.sparse import SparseDist, kept, truncate_rows
 from specdec.sampling.transform import argmax_tokens, logits_to_probs
 
 
@@ -115,35 +116,73 @@ class DevicePicks:
 
 def pick_on_device(logits: torch.Tensor, rows: Sequence[DraftRow], max_q_tokens: int) -> DevicePicks:
     """The device half of `pick_drafts`: every row's token and what the host
-    will read, computed where the logits are; nothing waits for the device."""
+    will read, computed where the logits are; nothing waits for the device.
+
+    On a GPU each tensor operation here is a kernel launch, about what the
+    arithmetic costs at these sizes, so the operations are few: a step whose
+    rows share one sampling (the usual case) makes its tokens and
+    confidences as they come out, with no scatter into batch-wide tensors.
+    """
     assert logits.dim() == 2 and logits.shape[0] == len(rows), (tuple(logits.shape), len(rows))
     batch = len(rows)
-    tokens = torch.zeros(batch, dtype=torch.long, device=logits.device)
-    confidence = torch.ones(batch, dtype=torch.float64, device=logits.device)
-    greedy = [i for i, r in enumerate(rows) if r.params.greedy]
-    if greedy:
-        index = _index(greedy, batch, logits.device)
-        chosen = logits[index].float()  # float32 whatever the logits' dtype (the argmax is the same)
-        best = argmax_tokens(chosen)
-        tokens[index] = best
-        # softmax at the argmax: exp(logit there - logsumexp), reading the max already found
-        confidence[index] = torch.exp(chosen.gather(1, best[:, None])[:, 0] - torch.logsumexp(chosen, dim=-1)).double()
-    groups: dict[SamplingParams, list[int]] = {}
+    groups: dict[SamplingParams | None, list[int]] = {}  # None: the greedy rows
     for i, r in enumerate(rows):
-        if not r.params.greedy:
-            groups.setdefault(r.params, []).append(i)
-    sampled, packed = [], []
+        groups.setdefault(None if r.params.greedy else r.params, []).append(i)
+    parts, sampled, packed = [], [], []
     for params, members in groups.items():
         index = _index(members, batch, logits.device)  # one copy of the group's rows to the device
-        ids, q = truncate_rows(logits_to_probs(logits[index], params), max_q_tokens)  # [g, n]
-        picked, ok = pick_rows(q, [uniform(rows[i].seed, rows[i].position, Stream.DRAFT) for i in members])
-        tokens[index] = ids.gather(1, picked[:, None])[:, 0]
-        confidence[index] = q.gather(1, picked[:, None])[:, 0].double()
-        ok = ok * torch.isfinite(q[:, 0]).long() * (q[:, 0] > 0).long()
+        if params is None:
+            parts.append((index, *_greedy(logits[index])))
+            continue
+        tokens, confidence, ids, q, ok = _sampled(logits[index], params, max_q_tokens,
+                                                  [uniform(rows[i].seed, rows[i].position, Stream.DRAFT)
+                                                   for i in members])
+        parts.append((index, tokens, confidence))
         sampled.append((members, ids.shape[1]))
         # float64 holds every token id (< 2**53) and every float32 exactly
-        packed += [ids.double().flatten(), q.double().flatten(), ok.double()]
+        packed += [ids.double().flatten(), q.flatten(), ok.double()]
+    if len(parts) == 1:  # one group: its tensors are the step's
+        _, tokens, confidence = parts[0]
+    else:
+        tokens = torch.empty(batch, dtype=torch.long, device=logits.device)
+        confidence = torch.empty(batch, dtype=torch.float64, device=logits.device)
+        for index, group_tokens, group_confidence in parts:  # the groups cover every row once
+            tokens[index] = group_tokens
+            confidence[index] = group_confidence
     return DevicePicks(tokens, torch.cat([tokens.double(), confidence, *packed]), batch, sampled)
+
+
+def _greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the argmax [g], its softmax probability [g] float64) of logits [g, V]."""
+    chosen = logits.float()  # float32 whatever the logits' dtype (the argmax is the same)
+    best = argmax_tokens(chosen)
+    # softmax at the argmax: exp(logit there - logsumexp), reading the max already found
+    confidence = torch.exp(chosen.gather(1, best[:, None])[:, 0] - torch.logsumexp(chosen, dim=-1)).double()
+    return best, confidence
+
+
+def _sampled(logits: torch.Tensor, params: SamplingParams, max_q_tokens: int,
+             us: list[float]) -> tuple[torch.Tensor, ...]:
+    """A group's draws from its truncated q (`truncate_rows`): (tokens [g],
+    q(token) [g] float64, the q's ids [g, n], q [g, n] float64, ok [g] bool:
+    False for a row without finite mass).
+
+    The draw is `pick_rows`' inverse-CDF draw, for rows it knows more of: a
+    truncated row's entries of mass > 0 come first, so the last of them is
+    found by counting, and the float64 q it reads is the one sent home."""
+    ids, q = truncate_rows(logits_to_probs(logits, params), max_q_tokens)  # [g, n]
+    weights = q.double()  # exactly the float32 values
+    cumulative = torch.cumsum(weights, dim=-1)  # [g, n]
+    totals = cumulative[:, -1]
+    u = to_device(us, weights.device, torch.float64)  # without waiting for the work queued
+    picked = torch.searchsorted(cumulative, (u * totals)[:, None], right=True)[:, 0]
+    # u * total rounding up to the total (no index qualifies): the last entry of mass > 0
+    last = (weights > 0).sum(dim=-1) - 1
+    picked = torch.minimum(picked, last).clamp_(min=0)  # (0 for a row with no mass: refused below)
+    first = weights[:, 0]  # the largest entry
+    ok = (totals > 0) & (totals < math.inf) & (first > 0) & (first < math.inf)
+    at = picked[:, None]
+    return ids.gather(1, at)[:, 0], weights.gather(1, at)[:, 0], ids, weights, ok
 
 
 def _index(members: list[int], batch: int, device) -> torch.Tensor | slice:

@@ -116,7 +116,8 @@ def truncate(probs_row: torch.Tensor, max_tokens: int) -> SparseDist:
 
 
 def truncate_rows(probs: torch.Tensor, max_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`truncate` of every row of probs [B, V], where they are (no transfer).
+    """`truncate` of every row of probs [B, V] (probabilities: each +0.0 or
+    more), where they are (no transfer).
 
     Returns (ids [B, n], q [B, n] float32), n = min(max_tokens, V), most likely
     first. Per row: divide the kept values by their sum in float64, round to
@@ -130,11 +131,12 @@ def truncate_rows(probs: torch.Tensor, max_tokens: int) -> tuple[torch.Tensor, t
     """
     assert probs.dim() == 2 and max_tokens >= 1, (tuple(probs.shape), max_tokens)
     n = min(max_tokens, probs.shape[-1])
-    ids = top_indices(probs, n)  # [B, n], most likely first
+    ids = top_indices(probs, n, nonnegative=True)  # [B, n], most likely first
     vals = probs.gather(-1, ids).to(torch.float64)  # [B, n]
     q = (vals / torch.cumsum(vals, dim=-1)[:, -1:]).float()  # [B, n]
-    fold = 1.0 - torch.cumsum(q.double(), dim=-1)[:, -1]  # [B]
-    q[:, 0] = (q[:, 0].double() + fold).float()
+    widened = q.double()
+    fold = 1.0 - torch.cumsum(widened, dim=-1)[:, -1]  # [B]
+    q[:, 0] = (widened[:, 0] + fold).float()
     return ids, q
 
 
