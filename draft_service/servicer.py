@@ -35,7 +35,7 @@ class DraftServicer(SessionServicer, draft_pb2_grpc.DraftServiceServicer):
             # it is drafted.
             async for draft, seconds in self.steps.stream(stream):
                 sent += 1
-                yield _to_wire(draft, seconds, request.packed_q)
+                yield draft_to_wire(draft, seconds, request.packed_q)
             span.set_attribute(A_TOKENS, sent)
 
     @grpc_errors.unary
@@ -60,7 +60,7 @@ class DraftServicer(SessionServicer, draft_pb2_grpc.DraftServiceServicer):
             drafts = await self.steps.start_and_collect(functools.partial(_validate, self.backend, request),
                                                         request.session_id)
             span.set_attribute(A_TOKENS, len(drafts))
-        return draft_pb2.ProposeAllResponse(drafts=[_to_wire(draft, seconds, request.packed_q)
+        return draft_pb2.ProposeAllResponse(drafts=[draft_to_wire(draft, seconds, request.packed_q)
                                                   for draft, seconds in drafts])
 
     def _span(self, request, metadata):
@@ -80,7 +80,8 @@ def _validate(backend, request):
                            list(request.append_token_ids), request.num_draft_tokens, request.min_confidence)
 
 
-def _to_wire(draft, seconds: float, packed_q: bool) -> draft_pb2.ProposeResponse:
+def draft_to_wire(draft, seconds: float, packed_q: bool) -> draft_pb2.ProposeResponse:
+    """A drafted token as the service sends it; its q packed or as lists (specdec/sampling/q_wire.py)."""
     msg = draft_pb2.ProposeResponse(index=draft.index, token_id=draft.token_id, length=draft.length,
                                     compute_micros=round(seconds * 1e6), confidence=draft.confidence)
     if draft.q is not None:

@@ -5,7 +5,7 @@ Per encoding (the lists, packed) and per number of sessions in a Verify, in
 this process and on the CPU, microseconds:
 
 - the draft: its ProposeAll reply of k drafts built and serialized
-  (the service's own `_to_wire`);
+  (the service's own `draft_to_wire`);
 - the orchestrator: that reply parsed, the Verify item made of it with the
   q's passed on, q_i(x_i) read for the accept test, the Verify serialized;
 - the target: the Verify parsed and every q checked (`Verifier.verify`'s
@@ -24,13 +24,13 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.bench.wire import QWEN_VOCAB, _table
+from specdec.bench.wire import QWEN_VOCAB, table
 
 ENCODINGS = ("lists", "packed")
 
 
 @dataclass(frozen=True)
-class _Draft:  # what the draft service's `_to_wire` reads of a drafted token
+class _Draft:  # what the draft service's `draft_to_wire` reads of a drafted token
     index: int
     token_id: int
     length: int
@@ -73,7 +73,7 @@ def _best_us(fn, reps: int) -> float:
 
 
 def measure(k: int = 4, entries: int = 32, sessions: tuple[int, ...] = (1, 8), reps: int = 1000) -> list[QCosts]:
-    from draft_service.servicer import _to_wire
+    from draft_service.servicer import draft_to_wire
     from specdec.bench.overhead_stack import tiny_engine
     from specdec.sampling import q_wire
     from specdec.v1 import draft_pb2, target_pb2
@@ -87,7 +87,7 @@ def measure(k: int = 4, entries: int = 32, sessions: tuple[int, ...] = (1, 8), r
         packed = encoding == "packed"
 
         def draft_reply() -> bytes:
-            return draft_pb2.ProposeAllResponse(drafts=[_to_wire(d, 1e-3, packed) for d in drafts]).SerializeToString()
+            return draft_pb2.ProposeAllResponse(drafts=[draft_to_wire(d, 1e-3, packed) for d in drafts]).SerializeToString()
 
         reply = draft_reply()
 
@@ -137,5 +137,5 @@ def report(rows: list[QCosts], k: int = 4, entries: int = 32) -> str:
              f"{r.target_warm_us:.1f}", f"{r.target_cold_us:.1f}"] for r in rows]
     return (f"A sampled round's q's in each encoding: CPU per Verify (k={k}, {entries} entries per q; "
             "the draft's and the orchestrator's part per session, times the sessions), microseconds\n\n"
-            + _table(["q encoding", "sessions", "draft: replies built", "orchestrator: q's passed on, q(x) read",
+            + table(["q encoding", "sessions", "draft: replies built", "orchestrator: q's passed on, q(x) read",
                       "target: q's checked, warm", "target: the same after a forward pass"], body))

@@ -13,9 +13,9 @@ Two Markdown tables (formerly benchmarks/service_overhead.py):
   context lengths 50-300), through the server: on the tiny target, and on a
   cached model when one is named (e.g. qwen2.5-coder-1.5b-instruct).
 
-and a third, what a sampled round's q's cost each role in either wire
-encoding (specdec/bench/q_costs.py). The T=0.7 round's bytes are given for
-both encodings.
+The T=0.7 round's bytes are given for both encodings of its q's
+(specdec/sampling/q_wire.py); what each encoding costs each role in CPU is
+specdec/bench/q_costs.py, which `specd overhead --wire` prints after these.
 """
 from __future__ import annotations
 
@@ -168,7 +168,7 @@ def measure_throughput(services: Services, k: int, reps: int, label: str,
     return rows
 
 
-def _table(header: list[str], rows: list[list[str]]) -> str:
+def table(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
 
@@ -180,7 +180,7 @@ def bytes_report(rows: list[RoundBytes], k: int, acceptance: float) -> str:
              f"**{r.total / expected:.0f}**"] for r in rows]
     return (f"Bytes per round at vocab {QWEN_VOCAB}, k={k}; per emitted token at a={acceptance} "
             f"(E = {expected:.3f} tokens/round)\n\n"
-            + _table(["sampling", "q entries", "Verify req", "Verify reply", "Propose req", "Propose stream",
+            + table(["sampling", "q entries", "Verify req", "Verify reply", "Propose req", "Propose stream",
                       "round total", "B/token (Verify only)", "B/token (round)"], body))
 
 
@@ -189,7 +189,7 @@ def throughput_report(rows: list[Throughput]) -> str:
              f"{r.items_per_s:.3g}", f"{r.items_per_s * (r.k + 1):.3g}"] for r in rows]
     k = rows[0].k if rows else 0
     return (f"Verify throughput through the server (k={k}, contexts 50-300, greedy)\n\n"
-            + _table(["target", "sessions/call", "call ms", "server compute ms", "items/s", "tokens scored/s"],
+            + table(["target", "sessions/call", "call ms", "server compute ms", "items/s", "tokens scored/s"],
                      body))
 
 
@@ -219,7 +219,4 @@ def run(k: int, acceptance: float, reps: int, target: str = "", dtype: str = "bf
             throughput += measure_throughput(services, k, 5, f"{target} ({dtype}, {threads} threads)")
         finally:
             services.close()
-    from specdec.bench import q_costs
-
-    return (bytes_report(sizes, k, acceptance) + "\n\n" + throughput_report(throughput) + "\n\n"
-            + q_costs.report(q_costs.measure(k, reps=reps * 5), k))
+    return bytes_report(sizes, k, acceptance) + "\n\n" + throughput_report(throughput)

@@ -1,7 +1,8 @@
 """`specd overhead`: what a speculative round spends outside the models,
 against bare grpcio calls measured in the same run (specdec/bench/overhead.py);
-with --wire, the bytes of a round and the Verify throughput through the
-server instead (specdec/bench/wire.py); with --end-to-end, tokens/s through
+with --wire, the bytes of a round, the Verify throughput through the
+server, and what a sampled round's q's cost each role in either encoding
+instead (specdec/bench/wire.py, specdec/bench/q_costs.py); with --end-to-end, tokens/s through
 two whole systems with tracing on and off, and spans per generated token
 (specdec/bench/tracing_cost.py).
 
@@ -73,6 +74,9 @@ def run(args: argparse.Namespace) -> int:
         threads = args.threads or 2
         torch.set_num_threads(threads)
         print(wire(args.num_draft_tokens, args.acceptance, args.reps, args.target, args.dtype or "bfloat16", threads))
+        from specdec.bench import q_costs
+
+        print("\n" + q_costs.report(q_costs.measure(args.num_draft_tokens, reps=args.reps * 5), args.num_draft_tokens))
         return 0
     torch.set_num_threads(args.threads or 1)
     held = cpu_latency.hold(args.cpu_wake_latency_us)
