@@ -138,6 +138,7 @@ def test_services_in_processes_of_their_own_serve_traced_rounds_and_stop(tmp_pat
             assert all(value > 0 for value in cpu.spent.values())
             for service in ("draft", "target"):
                 assert cpu.spent[service] - cpu.outside[service] == pytest.approx(cpu.compute[service])
+            stack.telemetry.force_flush()
         finally:
             await stack.close_clients()
             for service in (stack.target, stack.draft):
@@ -147,8 +148,17 @@ def test_services_in_processes_of_their_own_serve_traced_rounds_and_stop(tmp_pat
 
     stack = asyncio.run(run())
     assert stack.target.process.poll() == 0 and stack.draft.process.poll() == 0
-    names = {span["name"] for span in read_spans(tmp_path / "spans.jsonl")}
+    spans = read_spans(tmp_path / "spans.jsonl")
+    names = {span["name"] for span in spans}
     assert {"propose", "verify", "prefill"} <= names, names
+    # The client spans its rounds as the orchestrator does, and the services' spans join them.
+    by_id = {span["span_id"]: span for span in spans}
+    parent = {span["name"]: by_id.get(span["parent_id"], {}).get("name") for span in spans if span["service"] != "draft"
+              and span["name"] != "prefill"}
+    assert parent["draft.propose"] == parent["target.verify"] == parent["accept"] == "round"
+    assert parent["verify.batch"] == "target.verify" and parent["verify"] == "verify.batch"
+    assert any(span["name"] == "propose" and by_id.get(span["parent_id"], {}).get("name") == "draft.propose"
+               for span in spans)
 
 
 def test_the_bare_server_in_a_process_of_its_own_answers_and_stops():

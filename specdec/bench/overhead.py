@@ -32,8 +32,10 @@ machine that slows down during the run moves all of them alike:
   server).
 - tracing: the same round with tracing on as `specd up` runs it (a batch span
   processor into a JSON-lines file, trace context on every call, the
-  orchestrator's client spans round / draft.propose / target.verify around
-  the calls) minus the round with tracing off; and, greedy, the services'
+  orchestrator's five spans of a round, with their attributes: round,
+  draft.propose and target.verify around the calls, the verify batcher's
+  verify.batch inside target.verify, and accept) minus the round with
+  tracing off; and, greedy, the services'
   part of it: the round on traced services from a client that neither spans
   nor carries a trace context, minus the untraced round.
 
@@ -84,7 +86,13 @@ async def round_calls(stack: Stack, sampling: str, k: int, prefix: str,
     from orchestrator.downstream import open_request
     from specdec.rpc.model_service import SessionMeta
     from specdec.sampling.params import SamplingParams
-    from specdec.telemetry import SPAN_DRAFT_PROPOSE, SPAN_ROUND, SPAN_TARGET_VERIFY
+    from opentelemetry import context as otel_context
+    from opentelemetry.trace import INVALID_SPAN as NO_SPAN_OBJECT
+    from opentelemetry.trace import SpanKind
+
+    from specdec.telemetry import (A_ACCEPTED, A_BATCH_ITEMS, A_BATCH_SESSIONS, A_EMITTED, A_FALLBACK, A_K,
+                                   A_MIN_CONFIDENCE, A_PEER, A_PLAIN, A_RETURNED, A_ROUND, SPAN_ACCEPT,
+                                   SPAN_DRAFT_PROPOSE, SPAN_ROUND, SPAN_TARGET_VERIFY, SPAN_VERIFY_BATCH)
     from specdec.v1 import target_pb2
     from target_service.verifier import VerifyRequestItem
 
@@ -107,20 +115,35 @@ async def round_calls(stack: Stack, sampling: str, k: int, prefix: str,
     # As the orchestrator: the draft packs its q's when the target reads them packed.
     packed_q = bool(temperature) and stack.target_client.info.reads_packed_q
     # ("services": the services trace, the client neither spans nor carries a trace context)
-    span = stack.telemetry.span if stack.telemetry.tracing and prefix != "services" else (lambda *a, **kw: nullcontext())
+    traced = stack.telemetry.tracing and prefix != "services"
+    span = stack.telemetry.span if traced else (lambda *a, **kw: nullcontext(NO_SPAN_OBJECT))
+    leaf_span = stack.telemetry.leaf_span if traced else (lambda *a, **kw: nullcontext(NO_SPAN_OBJECT))
+    current = otel_context.get_current if traced else (lambda: None)
 
     def remote_round(draft_client, target_client):
         async def one_round():
-            with span(SPAN_ROUND):
-                with span(SPAN_DRAFT_PROPOSE):
+            # The spans of the orchestrator's round (orchestrator/speculation.py and the
+            # verify batcher's RPC span, orchestrator/batcher.py), with their attributes.
+            with span(SPAN_ROUND, {A_ROUND: 1}) as round_span:
+                with span(SPAN_DRAFT_PROPOSE, {A_PEER: "draft", A_K: k, A_MIN_CONFIDENCE: 0.0},
+                          kind=SpanKind.CLIENT) as propose_span:
                     drafts, _ = await draft_client.propose(d_sid, n, [], k, DEADLINE_S, packed_q=packed_q)
+                    propose_span.set_attribute(A_RETURNED, len(drafts))
                 # The Verify item made of the drafts received, as the orchestrator makes it.
                 item = target_pb2.VerifyItem(session_id=t_sid, keep_length=n,
                                              draft_token_ids=[d.token_id for d in drafts])
                 if temperature:
                     item.draft_q.extend(d.q for d in drafts)
-                with span(SPAN_TARGET_VERIFY):
-                    reply, _ = await target_client.verify([item], DEADLINE_S)
+                with span(SPAN_TARGET_VERIFY, {A_K: len(drafts)}) as verify_span:
+                    with span(SPAN_VERIFY_BATCH, {A_PEER: "target", A_BATCH_ITEMS: 1}, parent=current(),
+                              kind=SpanKind.CLIENT) as batch_span:
+                        reply, _ = await target_client.verify([item], DEADLINE_S)
+                        batch_span.set_attribute(A_BATCH_SESSIONS, reply.batch_size)
+                    verify_span.set_attributes({A_BATCH_ITEMS: 1, A_BATCH_SESSIONS: reply.batch_size})
+                with leaf_span(SPAN_ACCEPT) as accept_span:
+                    accept_span.set_attribute(A_ACCEPTED, k)
+                round_span.set_attributes({A_K: k, A_RETURNED: len(drafts), A_ACCEPTED: k, A_EMITTED: k + 1,
+                                           A_FALLBACK: False, A_PLAIN: False})
             draft_s = sum(d.compute_micros for d in drafts) / 1e6
             computed.append((draft_s, reply.compute_micros / 1e6))
             return ReportedCompute(draft_s + reply.compute_micros / 1e6)
