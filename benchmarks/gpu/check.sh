@@ -26,7 +26,8 @@
 #   heads   `specd steps` on the draft with its full head and heads of 32768, 16384 and 8192 ids
 #           (issue 15's trimmed draft vocabulary; the lowest ids on random weights: costs only),
 #           and with each a Propose of 4 per drafted token, its steps one at a time vs run ahead
-#           (--propose: each step fed the step before's picks on the device, no sync between)
+#           (--propose: each step fed the step before's picks on the device, no sync between), and
+#           run ahead at T = 0.7 (what the sampled picks add to a step)
 #   ahead   the bench's fixed k = 4 rows again with SPECD_RUN_AHEAD=off (the draft's steps one at
 #           a time, a host sync each), against the bench phase's, run ahead (the default on CUDA)
 #   overhead `specd overhead` (issue 15) on this host's CPUs: in-process, deployed, and in-process

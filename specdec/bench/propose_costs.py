@@ -7,9 +7,12 @@ the device and queued before the host reads them).
 
 Measured on the drafter itself, no service around it: B sessions of `context`
 tokens are cut back to their context and handed one token, as a round's
-Propose is, and drafted k greedy tokens each (min_confidence 0: all k). The
-two ways alternate run by run on the same engine, so a busy machine's load
-falls on both alike; medians of `repeat` runs after one warm-up run each.
+Propose is, and drafted k greedy tokens each (min_confidence 0: all k); and
+run ahead once more with sessions sampling at T = 0.7, whose picks after
+each step (the q's truncation and draw, sampling/draft_picks.py) are what a
+sampled step adds. The ways alternate run by run on the same engine, so a
+busy machine's load falls on all alike; medians of `repeat` runs after one
+warm-up run each.
 Both make the same drafts (tests/test_draft_run_ahead.py); on a CPU each step
 runs as it is called, so the two should cost the same there, and a GPU shows
 what the sync per step cost.
@@ -21,36 +24,41 @@ import time
 
 from specdec.bench.step_costs import StepCost, sync, weight_bytes
 
-MODES = (("off", "propose, steps one at a time"), ("on", "propose, run ahead"))
+# (the drafter's run_ahead, the sessions' temperature, the row's label)
+MODES = (("off", 0.0, "propose, steps one at a time"), ("on", 0.0, "propose, run ahead"),
+         ("on", 0.7, "propose, run ahead, T = 0.7"))
 
 
 def measure(engine, *, ks=(4,), batches=(1, 8), context: int = 200, repeat: int = 10,
             bandwidth: float) -> list[StepCost]:
-    """Per drafted token, both ways, for each batch size and k (see module doc)."""
+    """Per drafted token, each way, for each batch size and k (see module doc)."""
     from draft_service.drafters import ModelDrafter
     from specdec.rpc.model_service import SessionMeta
     from specdec.sampling.params import SamplingParams
 
-    drafters = {mode: ModelDrafter(engine, max_draft_tokens=max(ks), run_ahead=mode) for mode, _ in MODES}
-    greedy = SessionMeta(params=SamplingParams(0.0, 0, 1.0), seed=1)
+    drafters = {run_ahead: ModelDrafter(engine, max_draft_tokens=max(ks), run_ahead=run_ahead)
+                for run_ahead in ("off", "on")}
     floor_ms = weight_bytes(engine.model) / bandwidth * 1000
     dtype = str(engine.dtype).removeprefix("torch.")
+    opener = drafters["off"]
     out = []
     for b in batches:
-        opener = drafters["off"]
-        sids = [opener.open([3 + (i + j) % 100 for j in range(context)], greedy, max(ks) + 2)[0] for i in range(b)]
+        sids = {temperature: [opener.open([3 + (i + j) % 100 for j in range(context)],
+                                          SessionMeta(params=SamplingParams(temperature, 0, 1.0), seed=1 + i),
+                                          max(ks) + 2)[0] for i in range(b)]
+                for temperature in sorted({t for _, t, _ in MODES})}
         try:
             for k in ks:
-                times: dict[str, list[float]] = {mode: [] for mode, _ in MODES}
+                times: dict[str, list[float]] = {label: [] for _, _, label in MODES}
                 for _ in range(repeat + 1):
-                    for mode, _ in MODES:
-                        times[mode].append(_timed_propose(drafters[mode], sids, context, k))
-                for mode, label in MODES:
-                    per_token_ms = statistics.median(times[mode][1:]) / k * 1000
+                    for run_ahead, temperature, label in MODES:
+                        times[label].append(_timed_propose(drafters[run_ahead], sids[temperature], context, k))
+                for _, _, label in MODES:
+                    per_token_ms = statistics.median(times[label][1:]) / k * 1000
                     out.append(StepCost(engine.name, str(engine.device), dtype, label, f"propose {b}x{k}", b, k,
                                         per_token_ms, floor_ms))
         finally:
-            for sid in sids:
+            for sid in (sid for group in sids.values() for sid in group):
                 opener.close(sid)
     return out
 

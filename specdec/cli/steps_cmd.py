@@ -50,7 +50,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "and/or off, interleaved like --quantize (default auto)")
     p.add_argument("--propose", action="store_true",
                    help="also time a Propose of each --num-draft-tokens k greedy drafts per session, per drafted "
-                   "token, its steps one at a time vs run ahead on the device (bench/propose_costs.py)")
+                   "token, its steps one at a time vs run ahead on the device, and run ahead at T = 0.7 "
+                   "(what the sampled picks add; bench/propose_costs.py)")
     life = p.add_argument_group("--lifecycle: the engine's costs around the steps")
     life.add_argument("--lifecycle", action="store_true",
                       help="also measure load time, prefill of a --context-token prompt, rollback at "
