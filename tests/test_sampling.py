@@ -183,6 +183,25 @@ def test_greedy_params_give_one_hot_argmax():
     ]
 
 
+def test_rows_draw_only_entries_of_mass_and_say_which_rows_have_none():
+    """`pick_rows`, the batched inverse-CDF draw: rows with zeros inside and
+    at the end, the last uniform the rng gives, and rows without finite mass."""
+    from specdec.sampling.sparse import pick_rows
+
+    rows = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0], [0.25, 0.0, 0.75, 0.0, 0.0], [0.0] * 5,
+                         [0.5, float("inf"), 0.0, 0.0, 0.0], [0.5, float("nan"), 0.0, 0.0, 0.0]])
+    for us, want in (([0.0] * 5, [1, 0]), ([LAST_U] * 5, [3, 2]), ([0.5] * 5, [3, 2]), ([0.49] * 5, [1, 2])):
+        picked, ok = pick_rows(rows, us)
+        assert picked[:2].tolist() == want and ok.tolist() == [1, 1, 0, 0, 0]
+    gen = torch.Generator().manual_seed(3)
+    sparse_rows = torch.rand(64, 40, generator=gen) * (torch.rand(64, 40, generator=gen) < 0.3)
+    sparse_rows[:, 0] = 0.0  # never the first entry either
+    picked, ok = pick_rows(sparse_rows, [i / 64 for i in range(63)] + [LAST_U])
+    has_mass = sparse_rows.sum(-1) > 0
+    assert ok.bool().tolist() == has_mass.tolist()
+    assert all(sparse_rows[r, picked[r]] > 0 for r in range(64) if has_mass[r])
+
+
 def test_top_indices_orders_like_a_stable_descending_sort():
     gen = torch.Generator().manual_seed(0)
     values = torch.randint(-3, 4, (20, 9), generator=gen).float() / 2  # many ties

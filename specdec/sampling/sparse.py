@@ -176,8 +176,11 @@ def pick_rows(rows: torch.Tensor, us: Sequence[float]) -> tuple[torch.Tensor, to
     u = to_device(list(us), weights.device, torch.float64)  # without waiting for the work queued
     picked = torch.searchsorted(cumulative, (u * totals)[:, None], right=True)[:, 0]  # [R]
     last_positive = vocab - 1 - torch.argmax((weights > 0).flip(-1).to(torch.int8), dim=-1)
-    picked = torch.where(picked >= vocab, last_positive, picked)
-    return picked, ((totals > 0) & torch.isfinite(totals)).long()
+    # Past the last entry of mass only when u * total rounds up to the total (a
+    # drawn index is never beyond it otherwise); finite by comparison, where
+    # `isfinite` dispatches four operations (each a launch on a GPU).
+    picked = torch.minimum(picked, last_positive)
+    return picked, ((totals > 0) & (totals < math.inf)).long()
 
 
 def sample(dist: SparseDist, u: float) -> int:
