@@ -90,6 +90,7 @@ class TargetLease:
                     continue
                 self._move_to(replica)
                 await self._release_failed(failed)
+                await self._reread_info(replica, give_up)
                 log.info("target session re-opened on %s (%d tokens prefilled)", replica.address,
                          len(open_request.prompt_token_ids))
                 return reply.session_id, CallCost(time.perf_counter() - start,
@@ -101,6 +102,16 @@ class TargetLease:
             await asyncio.sleep(min(wait, left))
             wait = min(wait * 2, self.settings.retry_max_s)
             await self._refresh()
+
+    @staticmethod
+    async def _reread_info(replica: Replica, give_up: float) -> None:
+        """The replica's ModelInfo again: a target restarted in place may be
+        another version (whether it reads packed q's, ModelInfo.reads_packed_q,
+        decides what the drafts send it). Best effort: the old one stays."""
+        try:
+            await replica.client.fetch_info(min(max(give_up - time.monotonic(), 0.5), 10.0))
+        except grpc.aio.AioRpcError as exc:
+            log.info("re-reading %s's model info failed: %s", replica.address, exc.code().name)
 
     def _candidates(self, failed: Replica) -> list[Replica]:
         live = [r for r in self.pool.replicas.values() if not r.retired and r is not failed]

@@ -67,9 +67,10 @@ class Verifier(EngineBackend):
         results = [VerifyItemResult() for _ in items]
         valid: list[tuple[int, ExtendItem, list[SparseDist]]] = []
         seen: set[str] = set()
-        # Every item's q's at once (the packed ones of one size are checked together).
-        checked_q = q_wire.check_items([(it.draft_q, it.drafts) if len(it.draft_q) == len(it.drafts) else ((), ())
-                                        for it in items], self.engine.usable_vocab_size)
+        # The q's of every item that will need them, at once (the packed ones of
+        # one size are checked together); a greedy session's are never read.
+        checked_q = q_wire.check_items([(it.draft_q, it.drafts) if self._reads_q(it) else ((), ()) for it in items],
+                                       self.engine.usable_vocab_size)
         for i, item in enumerate(items):
             try:
                 if item.session_id in seen:
@@ -97,6 +98,17 @@ class Verifier(EngineBackend):
         extend = ExtendItem(item.session_id, item.keep_length, [*item.append, *item.drafts], num_logits=k + 1)
         self.engine.validate([extend])
         return extend, q
+
+    def _reads_q(self, item: VerifyRequestItem) -> bool:
+        """Whether the item's q's are to be checked: its session samples, and it
+        has one q per draft and no more drafts than allowed (the item fails
+        otherwise, and says why in `_check_item`)."""
+        if len(item.draft_q) != len(item.drafts) or len(item.drafts) > self.max_draft_tokens:
+            return False
+        try:
+            return not self.engine.session(item.session_id).meta.params.greedy
+        except SpecdecError:  # an unknown session: the item fails in `_check_item`
+            return False
 
     @staticmethod
     def _check_q(item: VerifyRequestItem, checked_q: list[SparseDist] | ValueError) -> list[SparseDist]:

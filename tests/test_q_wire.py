@@ -89,6 +89,7 @@ BAD = {  # name: (ids, probs, drafted)
     "sum off": (_good()[0], [0.5, 0.25, 0.125, 0.0625], 5),
     "drafted token outside": (*_good(), 6),
     "drafted token of mass 0": (_good()[0], [0.5, 0.5, 0.0, 0.0], 2),
+    "NaN before +inf and -inf": (_good()[0], [float("nan"), float("inf"), float("-inf"), 0.5], 5),
 }
 
 
@@ -115,6 +116,31 @@ def test_malformed_packed_fields_are_refused():
         q_wire.check_many([q_wire.received(both)], [1], VOCAB)
     with pytest.raises(ValueError, match=r"draft_q\[0\]: sparse distribution is empty"):
         q_wire.check_many([q_wire.received(common_pb2.SparseDistribution())], [1], VOCAB)
+
+
+def test_a_bad_q_fails_its_item_alone_and_a_greedy_items_q_is_never_read():
+    """In one Verify: a sampled item with good packed q's, one whose q's hold
+    NaN, +inf and -inf, and a greedy item carrying junk (its q's are not
+    read, as before they could be sent packed)."""
+    from specdec.errors import InvalidArgument
+    from specdec.rpc.model_service import SessionMeta
+    from specdec.sampling.params import SamplingParams
+    from target_service.verifier import Verifier, VerifyRequestItem
+
+    verifier = Verifier(tiny_engine(model=TARGET_MODEL))
+    sampled, greedy = (SessionMeta(params=SamplingParams(t, 0, 1.0), seed=3) for t in (0.8, 0.0))
+    prompt = tokens(9, seed=8)
+    good_sid, bad_sid = (verifier.open(prompt, sampled, 0)[0] for _ in range(2))
+    greedy_sid = verifier.open(prompt, greedy, 0)[0]
+    good = packed([5, 9, 2, 70], [0.5, 0.25, 0.125, 0.125])
+    bad = packed([5, 9, 2, 70], [float("nan"), float("inf"), float("-inf"), 0.5])
+    out = verifier.verify([VerifyRequestItem(good_sid, None, [], [5, 9], [good, good]),
+                           VerifyRequestItem(bad_sid, None, [], [5, 9], [good, bad]),
+                           VerifyRequestItem(greedy_sid, None, [], [5, 9], [b"junk", bad])])
+    assert out.items[0].error is None and len(out.items[0].outcome.target_probs) == 2
+    assert isinstance(out.items[1].error, InvalidArgument)
+    assert str(out.items[1].error).startswith("draft_q[1]: sparse distribution has a negative, NaN or infinite")
+    assert out.items[2].error is None and len(out.items[2].outcome.argmax_ids) == 3
 
 
 # ------------------------------------------------------------ the services
@@ -204,3 +230,45 @@ def test_the_orchestrator_asks_for_packed_q_only_from_a_target_that_reads_them(m
             assert len(writes) == greedy, "a greedy request's drafts carry no q"
         assert writes and set(writes) == {reads}
     assert outputs[True] == outputs[False] and len(outputs[True]) == 16
+
+
+def test_a_target_restarted_as_a_version_that_reads_no_packed_q_gets_lists(monkeypatch):
+    """Without lanes nothing else re-reads a target's ModelInfo: the request's
+    recovery does, so a target restarted in place as an older version (no
+    `reads_packed_q`) is sent lists from then on, and the seeded request keeps
+    its tokens."""
+    from orchestrator.client import build_request
+    from tests.test_orchestrator import _port, perturbed, without_eos
+
+    writes = []
+    real_write = q_wire.write
+    monkeypatch.setattr(draft_servicer.q_wire, "write", lambda msg, dist, packed: (writes.append(packed),
+                                                                                   real_write(msg, dist, packed)))
+    monkeypatch.setattr(TargetServicer, "reads_packed_q", True)
+    target = without_eos(tiny_model(seed=0, init_range=0.3))
+    kwargs = dict(temperature=0.8, seed=99, num_draft_tokens=3)
+    prompt = [3, 9, 27, 81, 5]
+    with running_system(tiny_engine(model=target), tiny_engine(model=perturbed(target, 0.2, 3)), lanes=False) as s:
+        alone = s.client.complete(prompt, max_tokens=24, **kwargs).token_ids
+        port, tokens, restarted = s.target.port, [], None
+        stream = s.client.stub.Generate(build_request(prompt, max_tokens=24, **kwargs), timeout=60)
+        try:
+            for i, reply in enumerate(stream):
+                if reply.HasField("stats"):
+                    assert reply.stats.target_recoveries >= 1
+                    break
+                tokens.extend(reply.chunk.token_ids)
+                if i == 1:
+                    s.target_loop.run(s.target.stop(0))
+                    monkeypatch.setattr(TargetServicer, "reads_packed_q", False)  # the older version
+                    writes.clear()
+                    restarted = running_target(tiny_engine(model=target), server_cfg=_port(port))
+                    restarted.__enter__()
+        finally:
+            if restarted is not None:
+                restarted.__exit__(None, None, None)
+    assert tokens == alone
+    # The round in flight was drafted packed (the restarted target refuses it for
+    # the session it lost, before reading a q); every round after the recovery, lists.
+    first_list = writes.index(False)
+    assert all(writes[:first_list]) and not any(writes[first_list:]), writes

@@ -11,7 +11,10 @@ kernels it launches, on tiny models of the given architectures with 2 and 4
 layers: the difference is two layers' worth. `--triton` runs the Triton
 kernels (under TRITON_INTERPRET=1 on a CPU, which the command sets itself).
 Then the same count for the draft's picks after a step (its tokens, and q
-when sampling; `sampling/draft_picks.py`), at Qwen's vocabulary.
+when sampling; `sampling/draft_picks.py`), at Qwen's vocabulary. On a CPU a
+list made a tensor launches nothing; on a GPU it is one copy to the device
+more for each sampled group (its uniforms) and each group of a mixed step
+(its rows), in this count's before and after alike.
 """
 from __future__ import annotations
 

@@ -93,6 +93,8 @@ async def round_calls(stack: Stack, sampling: str, k: int, prefix: str,
     from specdec.telemetry import (A_ACCEPTED, A_BATCH_ITEMS, A_BATCH_SESSIONS, A_EMITTED, A_FALLBACK, A_K,
                                    A_MIN_CONFIDENCE, A_PEER, A_PLAIN, A_RETURNED, A_ROUND, SPAN_ACCEPT,
                                    SPAN_DRAFT_PROPOSE, SPAN_ROUND, SPAN_TARGET_VERIFY, SPAN_VERIFY_BATCH)
+    from specdec.sampling import q_wire
+    from specdec.sampling.rejection import VerifyOutcome, accept_greedy, accept_sampled
     from specdec.v1 import target_pb2
     from target_service.verifier import VerifyRequestItem
 
@@ -110,10 +112,11 @@ async def round_calls(stack: Stack, sampling: str, k: int, prefix: str,
     local_d_sid, local_t_sid = stack.drafter.open(prompt, meta, 0)[0], stack.verifier.open(prompt, meta, 0)[0]
     proposal = list(stack.drafter.propose(local_d_sid, n, [], k))  # the same drafts and q, every rep
     drafts = [d.token_id for d in proposal]
-    qs = [d.q.to_lists() for d in proposal if d.q is not None]
-    core_item = VerifyRequestItem(local_t_sid, n, [], drafts, qs)
-    # As the orchestrator: the draft packs its q's when the target reads them packed.
+    # As the orchestrator: the draft packs its q's when the target reads them packed;
+    # the in-process Verify reads them as the service does.
     packed_q = bool(temperature) and stack.target_client.info.reads_packed_q
+    qs = [(q_wire.pack(d.q) if packed_q else d.q.to_lists()) for d in proposal if d.q is not None]
+    core_item = VerifyRequestItem(local_t_sid, n, [], drafts, qs)
     # ("services": the services trace, the client neither spans nor carries a trace context)
     traced = stack.telemetry.tracing and prefix != "services"
     span = stack.telemetry.span if traced else (lambda *a, **kw: nullcontext(NO_SPAN_OBJECT))
@@ -140,7 +143,16 @@ async def round_calls(stack: Stack, sampling: str, k: int, prefix: str,
                         reply, _ = await target_client.verify([item], DEADLINE_S)
                         batch_span.set_attribute(A_BATCH_SESSIONS, reply.batch_size)
                     verify_span.set_attributes({A_BATCH_ITEMS: 1, A_BATCH_SESSIONS: reply.batch_size})
-                with leaf_span(SPAN_ACCEPT) as accept_span:
+                with leaf_span(SPAN_ACCEPT) as accept_span:  # the orchestrator's accept test, as it runs it
+                    result = reply.results[0]
+                    ids = [d.token_id for d in drafts]
+                    if temperature:
+                        outcome = VerifyOutcome(target_probs=list(result.target_probs),
+                                                recovery_ids=list(result.recovery_token_ids),
+                                                bonus_id=result.bonus_token_id)
+                        accept_sampled(ids, [q_wire.prob_of(d.q, d.token_id) for d in drafts], outcome, 1, n)
+                    else:
+                        accept_greedy(ids, list(result.argmax_token_ids))
                     accept_span.set_attribute(A_ACCEPTED, k)
                 round_span.set_attributes({A_K: k, A_RETURNED: len(drafts), A_ACCEPTED: k, A_EMITTED: k + 1,
                                            A_FALLBACK: False, A_PLAIN: False})

@@ -13,9 +13,10 @@ each step (the q's truncation and draw, sampling/draft_picks.py) are what a
 sampled step adds. The ways alternate run by run on the same engine, so a
 busy machine's load falls on all alike; medians of `repeat` runs after one
 warm-up run each.
-Both make the same drafts (tests/test_draft_run_ahead.py); on a CPU each step
-runs as it is called, so the two should cost the same there, and a GPU shows
-what the sync per step cost.
+The two greedy ways make the same drafts (tests/test_draft_run_ahead.py); on a
+CPU each step runs as it is called, so they should cost the same there, and a
+GPU shows what the sync per step cost. The T = 0.7 row drafts other tokens, of
+course: what it adds to run ahead's row is the sampled picks' cost.
 """
 from __future__ import annotations
 

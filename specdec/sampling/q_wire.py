@@ -131,8 +131,11 @@ def check_items(items: Sequence[tuple[Sequence[Received], Sequence[int]]],
             if type(q) is bytes and q and len(q) % 8 == 0:
                 by_size.setdefault(len(q), []).append((a, i))
     for size, members in by_size.items():
-        dists = _check_packed([items[a][0][i] for a, i in members], [items[a][1][i] for a, i in members],
-                              size // 8, vocab_size)
+        try:
+            dists = _check_packed([items[a][0][i] for a, i in members], [items[a][1][i] for a, i in members],
+                                  size // 8, vocab_size)
+        except (ValueError, OverflowError):  # never meant to happen: each q is then checked alone
+            dists = None
         for (a, i), dist in zip(members, dists or ()):
             found[a][i] = dist
     out: list[list[SparseDist] | ValueError] = []
@@ -161,9 +164,10 @@ def _check_packed(blobs: list[bytes], drafted: list[int], n: int, vocab_size: in
     for j, x in enumerate(drafted):
         at = 2 * n * j
         ids, probs = ids_all[at: at + n], probs_all[at + n: at + 2 * n]
-        # As validate_sparse decides; a NaN or infinite probability fails the sum.
-        if min(ids) < 0 or max(ids) >= vocab_size or len(set(ids)) != n or min(probs) < 0 or \
-                not abs(math.fsum(probs) - 1.0) <= SUM_TOLERANCE:
+        # As validate_sparse decides: every probability finite and >= 0 (a NaN
+        # fails both comparisons) before the exact sum, which could not add +inf and -inf.
+        if min(ids) < 0 or max(ids) >= vocab_size or len(set(ids)) != n or \
+                not all(0.0 <= p < math.inf for p in probs) or abs(math.fsum(probs) - 1.0) > SUM_TOLERANCE:
             return None
         try:
             if not probs[ids.index(x)] > 0:

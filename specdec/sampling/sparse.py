@@ -102,7 +102,8 @@ def prob_of(token_ids: Sequence[int], probs: Sequence[float], token_id: int) -> 
 
 
 def truncate(probs_row: torch.Tensor, max_tokens: int) -> SparseDist:
-    """Keep the top max_tokens tokens of probs_row [V] and renormalize: the proposal q.
+    """Keep the top max_tokens tokens of probs_row [V] (probabilities: each
+    +0.0 or more) and renormalize: the proposal q.
 
     Fewer tokens are kept if fewer have nonzero mass; ties at the cut go to the
     lower token id. The float32 probabilities are made to sum to 1 as exactly as
