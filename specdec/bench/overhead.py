@@ -59,7 +59,6 @@ import random
 import statistics
 import sys
 import tempfile
-from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,13 +86,13 @@ async def round_calls(stack: Stack, sampling: str, k: int, prefix: str,
     from specdec.rpc.model_service import SessionMeta
     from specdec.sampling.params import SamplingParams
     from opentelemetry import context as otel_context
-    from opentelemetry.trace import INVALID_SPAN as NO_SPAN_OBJECT
     from opentelemetry.trace import SpanKind
 
     from specdec.telemetry import (A_ACCEPTED, A_BATCH_ITEMS, A_BATCH_SESSIONS, A_EMITTED, A_FALLBACK, A_K,
                                    A_MIN_CONFIDENCE, A_PEER, A_PLAIN, A_RETURNED, A_ROUND, SPAN_ACCEPT,
                                    SPAN_DRAFT_PROPOSE, SPAN_ROUND, SPAN_TARGET_VERIFY, SPAN_VERIFY_BATCH)
     from specdec.sampling import q_wire
+    from specdec.spans import NO_SPAN
     from specdec.sampling.rejection import VerifyOutcome, accept_greedy, accept_sampled
     from specdec.v1 import target_pb2
     from target_service.verifier import VerifyRequestItem
@@ -119,8 +118,8 @@ async def round_calls(stack: Stack, sampling: str, k: int, prefix: str,
     core_item = VerifyRequestItem(local_t_sid, n, [], drafts, qs)
     # ("services": the services trace, the client neither spans nor carries a trace context)
     traced = stack.telemetry.tracing and prefix != "services"
-    span = stack.telemetry.span if traced else (lambda *a, **kw: nullcontext(NO_SPAN_OBJECT))
-    leaf_span = stack.telemetry.leaf_span if traced else (lambda *a, **kw: nullcontext(NO_SPAN_OBJECT))
+    span = stack.telemetry.span if traced else (lambda *a, **kw: NO_SPAN)
+    leaf_span = stack.telemetry.leaf_span if traced else (lambda *a, **kw: NO_SPAN)
     current = otel_context.get_current if traced else (lambda: None)
 
     def remote_round(draft_client, target_client):

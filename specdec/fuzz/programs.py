@@ -9,13 +9,13 @@ the time (so calls get deep) and wild otherwise (`contract.mostly`).
 """
 from __future__ import annotations
 
-import struct
-
 from hypothesis import strategies as st
 
 from specdec.fuzz import contract
 from specdec.fuzz.contract import INT32, mostly
 from specdec.fuzz.system import MAX_CONTEXT, ROWS, USABLE_VOCAB
+from specdec.sampling import q_wire
+from specdec.sampling.sparse import SparseDist
 from specdec.v1 import common_pb2, draft_pb2, target_pb2
 
 SLOTS = ["@0", "@1", "@2", "@3"]
@@ -41,10 +41,6 @@ def k_values(limit: int) -> st.SearchStrategy:
     return mostly(st.integers(1, limit), st.one_of(st.integers(-2, 0), st.integers(limit + 1, limit + 3), INT32))
 
 
-def _packed(ids: list[int], probs: list[float]) -> bytes:
-    return struct.pack(f"<{len(ids)}i{len(probs)}f", *ids, *probs)
-
-
 @st.composite
 def draft_q(draw, drafts: list[int]) -> tuple[list, bool]:
     """(q list, whether it is valid by construction for a sampled session)."""
@@ -55,7 +51,8 @@ def draft_q(draw, drafts: list[int]) -> tuple[list, bool]:
     if kind <= 3 and in_range:  # three entries, as the lists or packed (specdec/sampling/q_wire.py)
         entries = [([x, (x + 1) % USABLE_VOCAB, (x + 7) % USABLE_VOCAB], [0.5, 0.25, 0.25]) for x in drafts]
         if kind == 2:
-            return [common_pb2.SparseDistribution(packed=_packed(ids, probs)) for ids, probs in entries], True
+            return [common_pb2.SparseDistribution(packed=q_wire.pack(SparseDist.from_lists(ids, probs)))
+                    for ids, probs in entries], True
         return [common_pb2.SparseDistribution(token_ids=ids, probs=probs) for ids, probs in entries], True
     return draw(st.lists(contract.message(common_pb2.SparseDistribution,
                                           {"token_ids": st.lists(TOKEN, max_size=4)}), max_size=6)), False

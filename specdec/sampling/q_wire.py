@@ -20,7 +20,6 @@ with its messages: a proposal that fails them is checked again by it alone.
 """
 from __future__ import annotations
 
-import math
 import struct
 import sys
 from collections.abc import Sequence
@@ -29,7 +28,7 @@ import numpy as np
 import torch
 
 from specdec.sampling import sparse
-from specdec.sampling.sparse import SUM_TOLERANCE, SparseDist, validate_sparse
+from specdec.sampling.sparse import SparseDist, sparse_problem, validate_sparse
 
 IDS = np.dtype("<i4")
 PROBS = np.dtype("<f4")
@@ -64,11 +63,15 @@ def unpack_lists(data: bytes) -> tuple[list[int], list[float]]:
     """(token ids, probabilities) of a packed proposal as Python lists, as
     the message's lists would read (the probabilities' float32 values, exactly)."""
     n = _entries(data)
+    view = memoryview(data)
+    return _read(view[:4 * n], "i"), _read(view[4 * n:], "f")
+
+
+def _read(data, kind: str) -> list:
+    """The 4-byte words of `data` as Python numbers: int32 ("i") or float32 ("f")."""
     if _NATIVE_IS_WIRE:  # the memory's own reading is the wire's: no array machinery for a few dozen entries
-        view = memoryview(data)
-        return view[:4 * n].cast("i").tolist(), view[4 * n:].cast("f").tolist()
-    ids, probs = unpack(data)
-    return ids.tolist(), probs.tolist()
+        return memoryview(data).cast(kind).tolist()
+    return np.frombuffer(data, IDS if kind == "i" else PROBS).tolist()
 
 
 def _entries(data: bytes) -> int:
@@ -131,11 +134,8 @@ def check_items(items: Sequence[tuple[Sequence[Received], Sequence[int]]],
             if type(q) is bytes and q and len(q) % 8 == 0:
                 by_size.setdefault(len(q), []).append((a, i))
     for size, members in by_size.items():
-        try:
-            dists = _check_packed([items[a][0][i] for a, i in members], [items[a][1][i] for a, i in members],
-                                  size // 8, vocab_size)
-        except (ValueError, OverflowError):  # never meant to happen: each q is then checked alone
-            dists = None
+        dists = _check_packed([items[a][0][i] for a, i in members], [items[a][1][i] for a, i in members],
+                              size // 8, vocab_size)
         for (a, i), dist in zip(members, dists or ()):
             found[a][i] = dist
     out: list[list[SparseDist] | ValueError] = []
@@ -151,28 +151,14 @@ def check_items(items: Sequence[tuple[Sequence[Received], Sequence[int]]],
 def _check_packed(blobs: list[bytes], drafted: list[int], n: int, vocab_size: int) -> list[SparseDist] | None:
     """g packed proposals of n entries each, checked together; None when any
     fails a check (the caller then finds which, and why, one by one). The
-    checks run on Python lists (a few dozen entries each: array calls cost
-    more, with the caches cold after the forward pass), the tensors are made
-    once for all of them."""
+    checks (`sparse_problem`) run on Python lists read off the bytes in one
+    go (a few dozen entries each: array calls cost more, with the caches cold
+    after the forward pass), the tensors are made once for all of them."""
     data = b"".join(blobs)
-    if _NATIVE_IS_WIRE:
-        words = memoryview(data)
-        ids_all, probs_all = words.cast("i").tolist(), words.cast("f").tolist()
-    else:
-        both = np.frombuffer(data, _WORD)
-        ids_all, probs_all = both.view(IDS).tolist(), both.view(PROBS).tolist()
+    ids_all, probs_all = _read(data, "i"), _read(data, "f")
     for j, x in enumerate(drafted):
         at = 2 * n * j
-        ids, probs = ids_all[at: at + n], probs_all[at + n: at + 2 * n]
-        # As validate_sparse decides: every probability finite and >= 0 (a NaN
-        # fails both comparisons) before the exact sum, which could not add +inf and -inf.
-        if min(ids) < 0 or max(ids) >= vocab_size or len(set(ids)) != n or \
-                not all(0.0 <= p < math.inf for p in probs) or abs(math.fsum(probs) - 1.0) > SUM_TOLERANCE:
-            return None
-        try:
-            if not probs[ids.index(x)] > 0:
-                return None
-        except ValueError:  # x is not in the support
+        if sparse_problem(ids_all[at: at + n], probs_all[at + n: at + 2 * n], vocab_size, drafted_id=x) is not None:
             return None
     words = np.frombuffer(data, _WORD).reshape(len(blobs), 2, n)
     return SparseDist.rows(torch.from_numpy(words[:, 0].view(IDS).astype(np.int64)),

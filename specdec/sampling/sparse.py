@@ -251,21 +251,35 @@ def validate_sparse(
     """
     ids_t = torch.as_tensor(token_ids, dtype=torch.int64).reshape(-1)
     ps_t = torch.as_tensor(probs, dtype=torch.float32).reshape(-1)
-    ids, ps = ids_t.tolist(), ps_t.tolist()  # ps: the float32 values, exactly
+    problem = sparse_problem(ids_t.tolist(), ps_t.tolist(), vocab_size, tol, drafted_id)  # ps: float32 values
+    if problem is not None:
+        raise ValueError(problem)
+    return SparseDist(ids_t, ps_t)
+
+
+def sparse_problem(ids: list[int], ps: list[float], vocab_size: int, tol: float = SUM_TOLERANCE,
+                   drafted_id: int | None = None) -> str | None:
+    """What is wrong with a sparse distribution given as lists (`validate_sparse`'s
+    checks, in its order), or None. A valid one costs a few passes of builtins."""
     if len(ids) != len(ps):
-        raise ValueError(f"sparse distribution has {len(ids)} token ids but {len(ps)} probabilities")
+        return f"sparse distribution has {len(ids)} token ids but {len(ps)} probabilities"
     if not ids:
-        raise ValueError("sparse distribution is empty")
-    for token in ids:
-        if not 0 <= token < vocab_size:
-            raise ValueError(f"sparse distribution has token id {token} outside [0, {vocab_size})")
+        return "sparse distribution is empty"
+    if min(ids) < 0 or max(ids) >= vocab_size:
+        token = next(t for t in ids if not 0 <= t < vocab_size)
+        return f"sparse distribution has token id {token} outside [0, {vocab_size})"
     if len(set(ids)) != len(ids):
-        raise ValueError("sparse distribution has duplicate token ids")
-    if not all(math.isfinite(p) and p >= 0 for p in ps):
-        raise ValueError("sparse distribution has a negative, NaN or infinite probability")
+        return "sparse distribution has duplicate token ids"
+    if not all(0.0 <= p < math.inf for p in ps):  # a NaN fails both comparisons
+        return "sparse distribution has a negative, NaN or infinite probability"
     total = math.fsum(ps)
     if abs(total - 1.0) > tol:
-        raise ValueError(f"sparse distribution sums to {total:.6g}, not 1 (tolerance {tol})")
-    if drafted_id is not None and (drafted_id not in ids or ps[ids.index(drafted_id)] <= 0):
-        raise ValueError(f"drafted token {drafted_id} has probability 0 under its own q")
-    return SparseDist(ids_t, ps_t)
+        return f"sparse distribution sums to {total:.6g}, not 1 (tolerance {tol})"
+    if drafted_id is not None:
+        try:
+            if ps[ids.index(drafted_id)] > 0:
+                return None
+        except ValueError:  # not in the support
+            pass
+        return f"drafted token {drafted_id} has probability 0 under its own q"
+    return None
