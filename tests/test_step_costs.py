@@ -28,7 +28,9 @@ def test_copy_bandwidth_is_positive():
 def test_propose_costs_time_both_ways_per_drafted_token_and_leave_nothing_open():
     from specdec.bench import propose_costs
 
-    engine = tiny_engine("llama", max_context=256)
+    # Sized as `specd steps` sizes it, for its largest batch: the greedy and the sampled sessions
+    # take turns (on a GPU's KV store, 8 slots for --batches 1 8, both sets at once did not fit).
+    engine = tiny_engine("llama", max_context=256, max_sessions=3)
     costs = propose_costs.measure(engine, ks=(2, 5), batches=(1, 3), context=40, repeat=2, bandwidth=1e9)
     assert [(c.path, c.shape) for c in costs] == [(label, f"propose {b}x{k}") for b in (1, 3) for k in (2, 5)
                                                   for _, _, label in propose_costs.MODES]

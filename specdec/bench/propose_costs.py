@@ -34,34 +34,58 @@ def measure(engine, *, ks=(4,), batches=(1, 8), context: int = 200, repeat: int 
             bandwidth: float) -> list[StepCost]:
     """Per drafted token, each way, for each batch size and k (see module doc)."""
     from draft_service.drafters import ModelDrafter
-    from specdec.rpc.model_service import SessionMeta
-    from specdec.sampling.params import SamplingParams
 
     drafters = {run_ahead: ModelDrafter(engine, max_draft_tokens=max(ks), run_ahead=run_ahead)
                 for run_ahead in ("off", "on")}
     floor_ms = weight_bytes(engine.model) / bandwidth * 1000
     dtype = str(engine.dtype).removeprefix("torch.")
-    opener = drafters["off"]
     out = []
     for b in batches:
-        sids = {temperature: [opener.open([3 + (i + j) % 100 for j in range(context)],
-                                          SessionMeta(params=SamplingParams(temperature, 0, 1.0), seed=1 + i),
-                                          max(ks) + 2)[0] for i in range(b)]
-                for temperature in sorted({t for _, t, _ in MODES})}
+        sessions = _Sessions(drafters["off"], b, context, max(ks) + 2)
         try:
             for k in ks:
                 times: dict[str, list[float]] = {label: [] for _, _, label in MODES}
                 for _ in range(repeat + 1):
                     for run_ahead, temperature, label in MODES:
-                        times[label].append(_timed_propose(drafters[run_ahead], sids[temperature], context, k))
+                        sids = sessions.at(temperature)
+                        times[label].append(_timed_propose(drafters[run_ahead], sids, context, k))
                 for _, _, label in MODES:
                     per_token_ms = statistics.median(times[label][1:]) / k * 1000
                     out.append(StepCost(engine.name, str(engine.device), dtype, label, f"propose {b}x{k}", b, k,
                                         per_token_ms, floor_ms))
         finally:
-            for sid in (sid for group in sids.values() for sid in group):
-                opener.close(sid)
+            sessions.close()
     return out
+
+
+class _Sessions:
+    """The B sessions of one temperature, open one temperature at a time: an
+    engine sized for B sessions (`specd steps` sizes it for its largest batch;
+    a GPU's KV store has that many slots) has no room for both sets at once.
+    Switching closes one set and opens the other, outside the timed Proposes."""
+
+    def __init__(self, opener, batch: int, context: int, max_new_tokens: int):
+        self.opener, self.batch, self.context, self.max_new_tokens = opener, batch, context, max_new_tokens
+        self.temperature: float | None = None
+        self.sids: list[str] = []
+
+    def at(self, temperature: float) -> list[str]:
+        from specdec.rpc.model_service import SessionMeta
+        from specdec.sampling.params import SamplingParams
+
+        if temperature != self.temperature:
+            self.close()
+            for i in range(self.batch):
+                meta = SessionMeta(params=SamplingParams(temperature, 0, 1.0), seed=1 + i)
+                prompt = [3 + (i + j) % 100 for j in range(self.context)]
+                self.sids.append(self.opener.open(prompt, meta, self.max_new_tokens)[0])
+            self.temperature = temperature
+        return self.sids
+
+    def close(self) -> None:
+        while self.sids:
+            self.opener.close(self.sids.pop())
+        self.temperature = None
 
 
 def _timed_propose(drafter, sids: list[str], context: int, k: int) -> float:
