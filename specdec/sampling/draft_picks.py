@@ -33,7 +33,7 @@ import torch
 from specdec.host_copy import to_device
 from specdec.sampling.params import SamplingParams
 from specdec.sampling.rng import Stream, uniform
-from specdec.sampling.sparse import SparseDist, kept, truncate_rows
+from specdec.sampling.sparse import SparseDist, truncate_rows
 from specdec.sampling.transform import argmax_tokens, logits_to_probs
 
 
@@ -104,13 +104,21 @@ class DevicePicks:
         at = 2 * batch
         for members, n in self.sampled:
             g = len(members)
-            ids = host[at: at + g * n].long().view(g, n)
-            q = host[at + g * n: at + 2 * g * n].float().view(g, n)
+            # Each row's entries of mass > 0 (`kept`), masked in numpy for the
+            # whole group: torch's masking costs ~10 µs of dispatch a row.
+            ids = host[at: at + g * n].long().view(g, n).numpy()
+            q = host[at + g * n: at + 2 * g * n].float().view(g, n).numpy()
             ok = host[at + 2 * g * n: at + 2 * g * n + g].tolist()
             at += 2 * g * n + g
+            mass = q > 0
             for j, i in enumerate(members):
-                out[i] = DraftPick(out[i].token_id, kept(ids[j], q[j]), out[i].confidence) if ok[j] else NoMass(
-                    "the draft model's distribution has no finite mass at this position (NaN or inf logits)")
+                if not ok[j]:
+                    out[i] = NoMass("the draft model's distribution has no finite mass at this position "
+                                    "(NaN or inf logits)")
+                    continue
+                row = mass[j]
+                dist = SparseDist(torch.from_numpy(ids[j][row]), torch.from_numpy(q[j][row]))
+                out[i] = DraftPick(out[i].token_id, dist, out[i].confidence)
         return out
 
 
