@@ -47,6 +47,7 @@ from specdec.errors import OutOfRange
 from specdec.limits import DEFAULT_MAX_DRAFT_TOKENS, check_min_confidence, check_num_draft_tokens
 from specdec.rpc.model_service import EngineBackend, SessionMeta
 from specdec.sampling.draft_picks import DevicePicks, DraftPick, DraftRow
+from specdec.sampling.pick_graphs import PickGraphs
 from specdec.sampling.sparse import SparseDist
 
 log = logging.getLogger(__name__)
@@ -165,6 +166,15 @@ class ModelDrafter(EngineBackend):
             raise ValueError(f"run_ahead must be auto, on or off, not {run_ahead!r}")
         self.run_ahead = run_ahead == "on" or (run_ahead == "auto" and engine.device.type == "cuda")
         self.steps_fed = 0  # steps run ahead: fed the step before's tokens on the device
+        self._pick_graphs: PickGraphs | None = None  # made once the engine's steps are captured
+
+    @property
+    def pick_graphs(self) -> PickGraphs | None:
+        """The step's picks as CUDA graph replays (specdec/sampling/pick_graphs.py),
+        on a GPU whose engine replays its steps as graphs; None elsewhere."""
+        if self._pick_graphs is None and self.engine.device.type == "cuda":
+            self._pick_graphs = PickGraphs.for_engine(self.engine)
+        return self._pick_graphs
 
     def propose(self, session_id, keep_length, append, k, min_confidence=0.0):
         """Validate now; the returned stream makes the k drafts one step at a
@@ -265,7 +275,7 @@ class ModelDrafter(EngineBackend):
             step.add(i, session, DraftRow(session.meta.params, session.meta.seed, session.length))
             last.append(row_of[i][-1:])
         if step.where:
-            step.pick(torch.cat(last), self.max_q_tokens)
+            step.pick(torch.cat(last), self.max_q_tokens, self.pick_graphs)
         return step
 
     def _launch_ahead(self, streams, step: LaunchedStep, more) -> LaunchedStep | None:
@@ -289,7 +299,7 @@ class ModelDrafter(EngineBackend):
         ahead = LaunchedStep([None] * len(streams))
         for i, session, row in zip(going.where, going.sessions, going.rows):
             ahead.add(i, session, DraftRow(row.params, row.seed, row.position + 1))
-        ahead.pick(logits, self.max_q_tokens)
+        ahead.pick(logits, self.max_q_tokens, self.pick_graphs)
         return ahead
 
     def _settle(self, streams, step: LaunchedStep, fed=()) -> list:

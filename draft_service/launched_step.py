@@ -52,12 +52,13 @@ class LaunchedStep:
         self.sessions.append(session)
         self.rows.append(row)
 
-    def pick(self, logits: torch.Tensor, max_q_tokens: int) -> None:
-        """The device half of the rows' picks; an unexpected failure, here
-        or when they are read, is isolated row by row."""
+    def pick(self, logits: torch.Tensor, max_q_tokens: int, graphs=None) -> None:
+        """The device half of the rows' picks (as a CUDA graph replay where
+        `graphs`, a PickGraphs, has one); an unexpected failure, here or when
+        they are read, is isolated row by row."""
         self.picked_rows, self.logits, self.max_q_tokens = list(self.rows), logits, max_q_tokens
         try:
-            self.picks = pick_on_device(logits, self.rows, max_q_tokens)
+            self.picks = pick_on_device(logits, self.rows, max_q_tokens, graphs)
         except Exception:  # noqa: BLE001 - unexpected: isolate it, row by row
             self.picks = self._one_by_one()
 

@@ -249,3 +249,77 @@ def test_rows_of_another_width_are_never_read_as_the_first_ones_width():
     jobs = [ScoreJob(rows, [0], [], PARAMS[0], 0, 5) for rows in (big[0:2], big[2:4, :6])]
     with pytest.raises(RuntimeError):  # torch.cat refuses the widths; before: one [4, 10] view
         rejection._rows(jobs)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_a_replayed_pick_graph_gives_the_eager_picks_bit_for_bit():
+    """PickGraphs (specdec/sampling/pick_graphs.py) against `one_group` run
+    eagerly on the same logits and uniforms: Qwen's vocabulary, bf16 and fp32
+    logits, 1-8 rows, greedy and sampled (top-k, top-p); each replay on new
+    logits, and what an earlier replay returned is not overwritten by a later one."""
+    from specdec.sampling.draft_picks import DevicePicks, one_group
+    from specdec.sampling.pick_graphs import PickGraphs
+
+    graphs = PickGraphs(torch.device("cuda"))
+    g = torch.Generator().manual_seed(3)
+    for dtype in (torch.bfloat16, torch.float32):
+        for rows in (1, 3, 8):
+            for params in (None, SamplingParams(0.7, 0, 1.0), SamplingParams(1.0, 50, 1.0), SamplingParams(0.8, 0, 0.9)):
+                kept_back = []
+                for rep in range(3):
+                    logits = (torch.randn(rows, 151936, generator=g) * 4).to("cuda", dtype)
+                    us = [float(u) for u in torch.rand(rows, generator=g, dtype=torch.float64)]
+                    want = one_group(logits, params, 32, None if params is None else
+                                     torch.tensor(us, dtype=torch.float64, device="cuda"))
+                    got = graphs.run(logits, params, 32, None if params is None else us)
+                    assert got is not None, (dtype, rows, params)
+                    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and got[2] == want[2]
+                    kept_back.append((got, want))
+                for got, want in kept_back:  # the clones out of the graph stay as they were
+                    assert torch.equal(got[1], want[1])
+                members = [(list(range(rows)), got[2])] if params is not None else []
+                a = DevicePicks(got[0], got[1], rows, members).read()
+                b = DevicePicks(want[0], want[1], rows, members).read()
+                assert [(p.token_id, p.confidence) for p in a] == [(p.token_id, p.confidence) for p in b]
+                assert all(p.q is None if params is None else torch.equal(p.q.probs, r.q.probs) for p, r in zip(a, b))
+    assert graphs.captures == 2 * 3 * 4 and graphs.replays == 2 * 3 * 4 * 3
+
+
+def test_a_step_that_samples_alike_is_offered_to_the_pick_graphs_and_a_mixed_one_is_not():
+    """The wiring of pick_graphs.py, on the CPU: a step whose rows share one
+    sampling asks `graphs.run` with its rows' uniforms and uses what it
+    returns; None (no graph for that shape) runs the same operations
+    eagerly; a step of mixed samplings never asks. The picks are the same
+    every way."""
+    from specdec.sampling.draft_picks import one_group, pick_on_device
+    from specdec.sampling.rng import Stream, uniform
+
+    class Graphs:
+        def __init__(self, replays: bool):
+            self.replays, self.asked = replays, []
+
+        def run(self, logits, params, max_q_tokens, us):
+            self.asked.append((params, us))
+            if not self.replays:
+                return None
+            return one_group(logits, params, max_q_tokens, None if us is None else torch.tensor(us, dtype=torch.float64))
+
+    def picked(picks):
+        return [(p.token_id, p.confidence, None if p.q is None else (p.q.token_ids.tolist(), p.q.probs.tolist()))
+                for p in picks.read()]
+
+    for params in (PARAMS[0], PARAMS[1], PARAMS[5]):
+        rows = [DraftRow(params, seed=s, position=40 + s) for s in range(4)]
+        logits = logits_rows(4, seed=31)
+        expected = picked(pick_on_device(logits, rows, 16))
+        for replays in (True, False):
+            graphs = Graphs(replays)
+            assert picked(pick_on_device(logits, rows, 16, graphs)) == expected
+            us = None if params.greedy else [uniform(r.seed, r.position, Stream.DRAFT) for r in rows]
+            assert graphs.asked == [(None if params.greedy else params, us)]
+    mixed = [DraftRow(PARAMS[i % 3], seed=i, position=9) for i in range(5)]
+    graphs = Graphs(True)
+    assert picked(pick_on_device(logits_rows(5, seed=2), mixed, 16, graphs)) == picked(
+        pick_on_device(logits_rows(5, seed=2), mixed, 16))
+    assert graphs.asked == []

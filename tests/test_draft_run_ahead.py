@@ -364,3 +364,24 @@ def test_pipelined_drafting_with_the_steps_run_ahead_keeps_greedy_output_and_see
     assert [r[1] for r in outputs["on"]] == [r[1] for r in outputs["off"]]
     assert sum(r[2] for r in outputs["on"]) > 0, "no round used drafts made ahead"
     assert fed["on"] > 0 and fed["off"] == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_picks_replayed_as_cuda_graphs_draft_what_eager_picks_draft(monkeypatch):
+    """specdec/sampling/pick_graphs.py: a step whose rows sample alike picks
+    by a graph replay; the drafts, q's and confidences are those of the
+    eager picks, bit for bit (fp32 and bf16, run ahead and one at a time)."""
+    from tests.test_gpu_engine import cuda_engine
+
+    for dtype in ("float32", "bfloat16"):
+        monkeypatch.setenv("SPECD_PICK_GRAPHS", "off")
+        eager = ModelDrafter(cuda_engine(dtype, graphs=True, arch="llama", seed=2))
+        assert eager.pick_graphs is None
+        monkeypatch.setenv("SPECD_PICK_GRAPHS", "on")
+        graphed = ModelDrafter(cuda_engine(dtype, graphs=True, arch="llama", seed=2))
+        for ks in ((4,), (6, 4), (1, 3, 5, 2)):
+            for run in (one_by_one, lambda d, s: chained(d, s)[0]):
+                # one stream a call: every step's rows share one sampling, so each step is a replay
+                assert rounds(graphed, ks, 0.0, run, together=False) == rounds(eager, ks, 0.0, run, together=False)
+        assert graphed.pick_graphs.replays > 0 and graphed.pick_graphs.captures >= 4, dtype
