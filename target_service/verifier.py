@@ -14,7 +14,7 @@ from typing import Sequence
 
 import torch
 
-from specdec.engine.engine import ExtendItem, ModelEngine
+from specdec.engine.engine import EngineSession, ExtendItem, ModelEngine
 from specdec.errors import InvalidArgument, SpecdecError
 from specdec.limits import DEFAULT_MAX_DRAFT_TOKENS, check_num_draft_tokens
 from specdec.rpc.model_service import EngineBackend, SessionMeta
@@ -67,48 +67,54 @@ class Verifier(EngineBackend):
         results = [VerifyItemResult() for _ in items]
         valid: list[tuple[int, ExtendItem, list[SparseDist]]] = []
         seen: set[str] = set()
+        # Each item's session, looked up once (or the NotFound its item fails with).
+        sessions = [self._session(item.session_id) for item in items]
         # The q's of every item that will need them, at once (the packed ones of
         # one size are checked together); a greedy session's are never read.
-        checked_q = q_wire.check_items([(it.draft_q, it.drafts) if self._reads_q(it) else ((), ()) for it in items],
-                                       self.engine.usable_vocab_size)
+        checked_q = q_wire.check_items([(it.draft_q, it.drafts) if self._reads_q(it, s) else ((), ())
+                                        for it, s in zip(items, sessions)], self.engine.usable_vocab_size)
         for i, item in enumerate(items):
             try:
                 if item.session_id in seen:
                     raise InvalidArgument(f"session {item.session_id!r} appears twice in one Verify")
                 seen.add(item.session_id)
-                valid.append((i, *self._check_item(item, checked_q[i])))
+                valid.append((i, *self._check_item(item, sessions[i], checked_q[i])))
             except SpecdecError as exc:
                 results[i].error = exc
         if valid:
             logits = self.engine.extend([extend for _, extend, _ in valid])
-            jobs = [self._job(items[i], q, rows) for (i, _, q), rows in zip(valid, logits)]
+            jobs = [self._job(items[i], sessions[i], q, rows) for (i, _, q), rows in zip(valid, logits)]
             for (i, _, _), (job, length), outcome in zip(valid, jobs, score_many([job for job, _ in jobs])):
                 if isinstance(outcome, Exception):
                     raise outcome  # the model itself failed: not one item's fault
                 results[i] = VerifyItemResult(outcome=outcome, length=length)
         return VerifyBatchResult(items=results, batch_size=len(valid))
 
-    def _check_item(self, item: VerifyRequestItem,
+    def _session(self, session_id: str) -> EngineSession | SpecdecError:
+        try:
+            return self.engine.session(session_id)
+        except SpecdecError as exc:
+            return exc
+
+    def _check_item(self, item: VerifyRequestItem, session: EngineSession | SpecdecError,
                     checked_q: list[SparseDist] | ValueError) -> tuple[ExtendItem, list[SparseDist]]:
         k = len(item.drafts)
         check_num_draft_tokens(k, self.max_draft_tokens, lowest=0)
-        session = self.engine.session(item.session_id)
+        if isinstance(session, SpecdecError):
+            raise session
         meta: SessionMeta = session.meta
         q = [] if meta.params.greedy else self._check_q(item, checked_q)
         extend = ExtendItem(item.session_id, item.keep_length, [*item.append, *item.drafts], num_logits=k + 1)
         self.engine.validate([extend])
         return extend, q
 
-    def _reads_q(self, item: VerifyRequestItem) -> bool:
-        """Whether the item's q's are to be checked: its session samples, and it
-        has one q per draft and no more drafts than allowed (the item fails
-        otherwise, and says why in `_check_item`)."""
+    def _reads_q(self, item: VerifyRequestItem, session: EngineSession | SpecdecError) -> bool:
+        """Whether the item's q's are to be checked: its session exists and
+        samples, and it has one q per draft and no more drafts than allowed
+        (the item fails otherwise, and says why in `_check_item`)."""
         if len(item.draft_q) != len(item.drafts) or len(item.drafts) > self.max_draft_tokens:
             return False
-        try:
-            return not self.engine.session(item.session_id).meta.params.greedy
-        except SpecdecError:  # an unknown session: the item fails in `_check_item`
-            return False
+        return not isinstance(session, SpecdecError) and not session.meta.params.greedy
 
     @staticmethod
     def _check_q(item: VerifyRequestItem, checked_q: list[SparseDist] | ValueError) -> list[SparseDist]:
@@ -121,9 +127,9 @@ class Verifier(EngineBackend):
             raise InvalidArgument(str(checked_q)) from None
         return checked_q
 
-    def _job(self, item, q: list[SparseDist], rows: torch.Tensor) -> tuple[ScoreJob, int]:
+    @staticmethod
+    def _job(item, session: EngineSession, q: list[SparseDist], rows: torch.Tensor) -> tuple[ScoreJob, int]:
         """The scoring of one item, and its session's length after the Verify."""
-        session = self.engine.session(item.session_id)
         meta: SessionMeta = session.meta
         first_position = session.length - len(item.drafts)  # x_1's index in the context
         return ScoreJob(rows, list(item.drafts), q, meta.params, meta.seed, first_position), session.length

@@ -21,6 +21,14 @@ from tests.service_calls import DRAFT_MODEL, TARGET_MODEL, T, open_session, toke
 VOCAB = 1000
 
 
+def check_many(qs, drafted, vocab_size):
+    """One Verify item's q's through `q_wire.check_items`; its ValueError raised."""
+    (checked,) = q_wire.check_items([(qs, drafted)], vocab_size)
+    if isinstance(checked, ValueError):
+        raise checked
+    return checked
+
+
 def random_q(rng: random.Random, n: int) -> tuple[list[int], list[float]]:
     ids = rng.sample(range(VOCAB), n)
     weights = torch.tensor([rng.random() + 1e-3 for _ in range(n)], dtype=torch.float64)
@@ -68,7 +76,7 @@ def test_checked_together_as_each_alone():
             qs.append((ids, probs))
             wire.append(packed(ids, probs) if rng.random() < 0.7 else (ids, probs))
             drafted.append(x)
-        got = q_wire.check_many(wire, drafted, VOCAB)
+        got = check_many(wire, drafted, VOCAB)
         for dist, (ids, probs), x in zip(got, qs, drafted):
             want = validate_sparse(ids, probs, VOCAB, drafted_id=x)
             assert torch.equal(dist.token_ids, want.token_ids) and torch.equal(dist.probs, want.probs)
@@ -101,21 +109,21 @@ def test_a_bad_packed_q_is_refused_as_the_lists_are(case):
     lists = [(good_ids, good_probs), (ids, probs), (good_ids, good_probs)]
     drafted = [5, x, 5]
     with pytest.raises(ValueError) as from_lists:
-        q_wire.check_many(lists, drafted, VOCAB)
+        check_many(lists, drafted, VOCAB)
     with pytest.raises(ValueError) as from_packed:
-        q_wire.check_many(wire, drafted, VOCAB)
+        check_many(wire, drafted, VOCAB)
     assert str(from_packed.value) == str(from_lists.value)
     assert str(from_packed.value).startswith("draft_q[1]: ")
 
 
 def test_malformed_packed_fields_are_refused():
     with pytest.raises(ValueError, match=r"draft_q\[0\]: packed sparse distribution has 12 bytes"):
-        q_wire.check_many([b"\x01" * 12], [1], VOCAB)
+        check_many([b"\x01" * 12], [1], VOCAB)
     both = common_pb2.SparseDistribution(token_ids=[1], probs=[1.0], packed=packed([1], [1.0]))
     with pytest.raises(ValueError, match=r"draft_q\[0\]: .*both its lists and `packed`"):
-        q_wire.check_many([q_wire.received(both)], [1], VOCAB)
+        check_many([q_wire.received(both)], [1], VOCAB)
     with pytest.raises(ValueError, match=r"draft_q\[0\]: sparse distribution is empty"):
-        q_wire.check_many([q_wire.received(common_pb2.SparseDistribution())], [1], VOCAB)
+        check_many([q_wire.received(common_pb2.SparseDistribution())], [1], VOCAB)
 
 
 def test_a_bad_q_fails_its_item_alone_and_a_greedy_items_q_is_never_read():

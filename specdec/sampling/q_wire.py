@@ -109,15 +109,6 @@ def prob_of(msg, token_id: int) -> float:
     return sparse.prob_of(msg.token_ids, msg.probs, token_id)
 
 
-def check_many(qs: Sequence[Received], drafted: Sequence[int], vocab_size: int) -> list[SparseDist]:
-    """Each proposal of one Verify item as a SparseDist (`check_items`);
-    ValueError names the first bad one ("draft_q[i]: ...")."""
-    (checked,) = check_items([(qs, drafted)], vocab_size)
-    if isinstance(checked, ValueError):
-        raise checked
-    return checked
-
-
 def check_items(items: Sequence[tuple[Sequence[Received], Sequence[int]]],
                 vocab_size: int) -> list[list[SparseDist] | ValueError]:
     """For each Verify item, given as (its q's, its drafted tokens), its
