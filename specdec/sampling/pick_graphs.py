@@ -15,8 +15,12 @@ and two copies out, 5 launches. The graph runs the very kernels the eager
 operations launch, on the same inputs, so its picks are the same bits
 (tests/test_device_picks.py compares them on a GPU).
 
-A capture that fails (a kernel that cannot be captured in some torch
-version) is logged once and that shape stays eager. `SPECD_PICK_GRAPHS=off`
+The first step of a new shape pays for its capture: torch synchronizes the
+device and empties its allocators' caches before capturing, and the
+operations run twice beforehand on a side stream. Row counts 1-8 at one
+temperature are 8 captures over a service's life. A capture that fails (a
+kernel that cannot be captured in some torch version) is logged once and
+that shape stays eager. `SPECD_PICK_GRAPHS=off`
 turns the graphs off; they are only made where the engine replays its steps
 as CUDA graphs.
 """
