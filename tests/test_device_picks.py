@@ -284,14 +284,24 @@ def test_on_a_gpu_a_replayed_pick_graph_gives_the_eager_picks_bit_for_bit():
                 assert [(p.token_id, p.confidence) for p in a] == [(p.token_id, p.confidence) for p in b]
                 assert all(p.q is None if params is None else torch.equal(p.q.probs, r.q.probs) for p, r in zip(a, b))
     assert graphs.captures == 2 * 3 * 4 and graphs.replays == 2 * 3 * 4 * 3
+    # A step of several samplings: a replay for each group, on its rows gathered.
+    from specdec.sampling.draft_picks import pick_on_device
+
+    rows = [DraftRow(PARAMS[i % 4], seed=i, position=70 + i) for i in range(9)]
+    logits = (torch.randn(9, 151936, generator=g) * 4).to("cuda", torch.bfloat16)
+    eager = pick_on_device(logits, rows, 32).read()
+    replayed = pick_on_device(logits, rows, 32, graphs).read()
+    assert [(p.token_id, p.confidence) for p in replayed] == [(p.token_id, p.confidence) for p in eager]
+    assert all((p.q is None) == (r.q is None) and (p.q is None or torch.equal(p.q.probs, r.q.probs) and
+               torch.equal(p.q.token_ids, r.q.token_ids)) for p, r in zip(replayed, eager))
 
 
-def test_a_step_that_samples_alike_is_offered_to_the_pick_graphs_and_a_mixed_one_is_not():
-    """The wiring of pick_graphs.py, on the CPU: a step whose rows share one
-    sampling asks `graphs.run` with its rows' uniforms and uses what it
-    returns; None (no graph for that shape) runs the same operations
-    eagerly; a step of mixed samplings never asks. The picks are the same
-    every way."""
+def test_each_sampling_of_a_step_is_offered_to_the_pick_graphs_with_its_rows_uniforms():
+    """The wiring of pick_graphs.py, on the CPU: each group of a step's rows
+    that sample alike (the whole step, usually) asks `graphs.run` with its
+    rows' logits and uniforms and uses what it returns; None (no graph for
+    that shape) runs the same operations eagerly. The picks are the same
+    every way, for a step of one sampling and for one of three."""
     from specdec.sampling.draft_picks import one_group, pick_on_device
     from specdec.sampling.rng import Stream, uniform
 
@@ -300,7 +310,7 @@ def test_a_step_that_samples_alike_is_offered_to_the_pick_graphs_and_a_mixed_one
             self.replays, self.asked = replays, []
 
         def run(self, logits, params, max_q_tokens, us):
-            self.asked.append((params, us))
+            self.asked.append((logits.shape[0], params, us))
             if not self.replays:
                 return None
             return one_group(logits, params, max_q_tokens, None if us is None else torch.tensor(us, dtype=torch.float64))
@@ -309,17 +319,19 @@ def test_a_step_that_samples_alike_is_offered_to_the_pick_graphs_and_a_mixed_one
         return [(p.token_id, p.confidence, None if p.q is None else (p.q.token_ids.tolist(), p.q.probs.tolist()))
                 for p in picks.read()]
 
-    for params in (PARAMS[0], PARAMS[1], PARAMS[5]):
-        rows = [DraftRow(params, seed=s, position=40 + s) for s in range(4)]
-        logits = logits_rows(4, seed=31)
+    def asks(rows):
+        groups = {}
+        for r in rows:
+            groups.setdefault(None if r.params.greedy else r.params, []).append(r)
+        return [(len(members), params, None if params is None else
+                 [uniform(r.seed, r.position, Stream.DRAFT) for r in members]) for params, members in groups.items()]
+
+    steps = [[DraftRow(params, seed=s, position=40 + s) for s in range(4)] for params in (PARAMS[0], PARAMS[1], PARAMS[5])]
+    steps.append([DraftRow(PARAMS[i % 3], seed=i, position=9 + i) for i in range(7)])  # three samplings, interleaved
+    for n, rows in enumerate(steps):
+        logits = logits_rows(len(rows), seed=31 + n)
         expected = picked(pick_on_device(logits, rows, 16))
         for replays in (True, False):
             graphs = Graphs(replays)
-            assert picked(pick_on_device(logits, rows, 16, graphs)) == expected
-            us = None if params.greedy else [uniform(r.seed, r.position, Stream.DRAFT) for r in rows]
-            assert graphs.asked == [(None if params.greedy else params, us)]
-    mixed = [DraftRow(PARAMS[i % 3], seed=i, position=9) for i in range(5)]
-    graphs = Graphs(True)
-    assert picked(pick_on_device(logits_rows(5, seed=2), mixed, 16, graphs)) == picked(
-        pick_on_device(logits_rows(5, seed=2), mixed, 16))
-    assert graphs.asked == []
+            assert picked(pick_on_device(logits, rows, 16, graphs)) == expected, (n, replays)
+            assert graphs.asked == asks(rows)

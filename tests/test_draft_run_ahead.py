@@ -382,6 +382,8 @@ def test_on_a_gpu_picks_replayed_as_cuda_graphs_draft_what_eager_picks_draft(mon
         graphed = ModelDrafter(cuda_engine(dtype, graphs=True, arch="llama", seed=2))
         for ks in ((4,), (6, 4), (1, 3, 5, 2)):
             for run in (one_by_one, lambda d, s: chained(d, s)[0]):
-                # one stream a call: every step's rows share one sampling, so each step is a replay
-                assert rounds(graphed, ks, 0.0, run, together=False) == rounds(eager, ks, 0.0, run, together=False)
+                # one stream a call (each step one sampling, one replay), and the five
+                # streams together (four samplings a step, a replay for each)
+                for together in (False, True):
+                    assert rounds(graphed, ks, 0.0, run, together) == rounds(eager, ks, 0.0, run, together)
         assert graphed.pick_graphs.replays > 0 and graphed.pick_graphs.captures >= 4, dtype

@@ -133,7 +133,8 @@ def pick_on_device(logits: torch.Tensor, rows: Sequence[DraftRow], max_q_tokens:
     confidences as they come out, with no scatter into batch-wide tensors.
     Such a step is one CUDA graph replay where `graphs` (a `PickGraphs`,
     pick_graphs.py) holds or can capture one for its shape: the same
-    operations, so the same bits, for 5 launches instead of 40-60.
+    operations, so the same bits, for 5 launches instead of 40-60; a step
+    of several samplings replays one graph per group, on its rows gathered.
     """
     assert logits.dim() == 2 and logits.shape[0] == len(rows), (tuple(logits.shape), len(rows))
     batch = len(rows)
@@ -142,31 +143,36 @@ def pick_on_device(logits: torch.Tensor, rows: Sequence[DraftRow], max_q_tokens:
         groups.setdefault(None if r.params.greedy else r.params, []).append(i)
     if len(groups) == 1:  # one sampling for the whole step: its tensors are the step's
         (params, members), = groups.items()
-        us = None if params is None else [uniform(r.seed, r.position, Stream.DRAFT) for r in rows]
-        replayed = graphs.run(logits, params, max_q_tokens, us) if graphs is not None else None
-        tokens, packed, width = replayed or one_group(logits, params, max_q_tokens,
-                                                      None if us is None else to_device(us, logits.device,
-                                                                                         torch.float64))
+        tokens, packed, width = _group_picks(logits, params, max_q_tokens, rows, graphs)
         return DevicePicks(tokens, packed, batch, [] if params is None else [(members, width)])
     parts, sampled, packed = [], [], []
     for params, members in groups.items():
         index = _index(members, batch, logits.device)  # one copy of the group's rows to the device
-        if params is None:
-            parts.append((index, *_greedy(logits[index])))
-            continue
-        us = to_device([uniform(rows[i].seed, rows[i].position, Stream.DRAFT) for i in members], logits.device,
-                       torch.float64)  # without waiting for the work queued
-        tokens, confidence, ids, q, ok = _sampled(logits[index], params, max_q_tokens, us)
-        parts.append((index, tokens, confidence))
-        sampled.append((members, ids.shape[1]))
-        # float64 holds every token id (< 2**53) and every float32 exactly
-        packed += [ids.double().flatten(), q.flatten(), ok.double()]
+        g = len(members)
+        group_tokens, group_packed, width = _group_picks(logits[index], params, max_q_tokens,
+                                                         [rows[i] for i in members], graphs)
+        parts.append((index, group_tokens, group_packed[g: 2 * g]))
+        if params is not None:
+            sampled.append((members, width))
+            packed.append(group_packed[2 * g:])  # the group's q ids, q's and flags, as `read` takes them
     tokens = torch.empty(batch, dtype=torch.long, device=logits.device)
     confidence = torch.empty(batch, dtype=torch.float64, device=logits.device)
     for index, group_tokens, group_confidence in parts:  # the groups cover every row once
         tokens[index] = group_tokens
         confidence[index] = group_confidence
     return DevicePicks(tokens, torch.cat([tokens.double(), confidence, *packed]), batch, sampled)
+
+
+def _group_picks(logits: torch.Tensor, params: SamplingParams | None, max_q_tokens: int, rows: Sequence[DraftRow],
+                 graphs) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """`one_group` for rows sampling alike: a graph replay where `graphs` has
+    or can capture one for their shape, else the operations one by one."""
+    us = None if params is None else [uniform(r.seed, r.position, Stream.DRAFT) for r in rows]
+    replayed = graphs.run(logits, params, max_q_tokens, us) if graphs is not None else None
+    if replayed is not None:
+        return replayed
+    # the uniforms copied without waiting for the work queued
+    return one_group(logits, params, max_q_tokens, None if us is None else to_device(us, logits.device, torch.float64))
 
 
 def one_group(logits: torch.Tensor, params: SamplingParams | None, max_q_tokens: int,
