@@ -121,6 +121,11 @@ class PickGraphs:
                     picks()
             current.wait_stream(side)
             graph = torch.cuda.CUDAGraph()
+            # One memory pool for all the shapes: a later capture may reuse the
+            # blocks of an earlier one's temporaries, even for its outputs. That
+            # is safe because replays are queued on one stream one at a time and
+            # each replay's outputs are copied out (`run`) before the next replay
+            # is queued, so no replay overwrites outputs not yet copied.
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
             with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
