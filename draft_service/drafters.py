@@ -153,7 +153,7 @@ class ModelDrafter(EngineBackend):
     """Drafts with a causal LM; one forward pass per drafted token."""
 
     def __init__(self, engine: ModelEngine, max_draft_tokens: int = DEFAULT_MAX_DRAFT_TOKENS, max_q_tokens: int = 32,
-                 run_ahead: str = "auto"):
+                 run_ahead: str = "auto", pick_graphs: bool = True):
         super().__init__(engine)
         self.max_draft_tokens = max_draft_tokens
         self.max_q_tokens = max_q_tokens
@@ -166,13 +166,16 @@ class ModelDrafter(EngineBackend):
             raise ValueError(f"run_ahead must be auto, on or off, not {run_ahead!r}")
         self.run_ahead = run_ahead == "on" or (run_ahead == "auto" and engine.device.type == "cuda")
         self.steps_fed = 0  # steps run ahead: fed the step before's tokens on the device
-        self._pick_graphs: PickGraphs | None = None  # made once the engine's steps are captured
+        # The picks as CUDA graph replays: made once the engine's steps are
+        # captured, unless turned off here (or by SPECD_PICK_GRAPHS=off).
+        self._pick_graphs: PickGraphs | None = None
+        self._wants_pick_graphs = pick_graphs
 
     @property
     def pick_graphs(self) -> PickGraphs | None:
         """The step's picks as CUDA graph replays (specdec/sampling/pick_graphs.py),
         on a GPU whose engine replays its steps as graphs; None elsewhere."""
-        if self._pick_graphs is None and self.engine.device.type == "cuda":
+        if self._pick_graphs is None and self._wants_pick_graphs and self.engine.device.type == "cuda":
             self._pick_graphs = PickGraphs.for_engine(self.engine)
         return self._pick_graphs
 

@@ -27,7 +27,8 @@
 #           (issue 15's trimmed draft vocabulary; the lowest ids on random weights: costs only),
 #           and with each a Propose of 4 per drafted token, its steps one at a time vs run ahead
 #           (--propose: each step fed the step before's picks on the device, no sync between), and
-#           run ahead at T = 0.7 (what the sampled picks add to a step)
+#           run ahead at T = 0.7 (what the sampled picks add to a step): its picks replayed as CUDA
+#           graphs, launched one by one (eager picks), and with every other session greedy
 #   ahead   the bench's fixed k = 4 rows again with SPECD_RUN_AHEAD=off (the draft's steps one at
 #           a time, a host sync each), against the bench phase's, run ahead (the default on CUDA)
 #   overhead `specd overhead` (issue 15) on this host's CPUs: in-process, deployed, and in-process

@@ -8,15 +8,18 @@ the device and queued before the host reads them).
 Measured on the drafter itself, no service around it: B sessions of `context`
 tokens are cut back to their context and handed one token, as a round's
 Propose is, and drafted k greedy tokens each (min_confidence 0: all k); and
-run ahead once more with sessions sampling at T = 0.7, whose picks after
-each step (the q's truncation and draw, sampling/draft_picks.py) are what a
-sampled step adds. The ways alternate run by run on the same engine, so a
-busy machine's load falls on all alike; medians of `repeat` runs after one
-warm-up run each.
+run ahead again with sessions sampling at T = 0.7, whose picks after each
+step (the q's truncation and draw, sampling/draft_picks.py) are what a
+sampled step adds: with the picks replayed as CUDA graphs where the engine's
+steps are (sampling/pick_graphs.py), with them launched one operation at a
+time, and with every other session greedy (two groups of picks a step). The
+ways alternate run by run on the same engine, so a busy machine's load falls
+on all alike; medians of `repeat` runs after one warm-up run each.
 The two greedy ways make the same drafts (tests/test_draft_run_ahead.py); on a
 CPU each step runs as it is called, so they should cost the same there, and a
-GPU shows what the sync per step cost. The T = 0.7 row drafts other tokens, of
-course: what it adds to run ahead's row is the sampled picks' cost.
+GPU shows what the sync per step cost. The sampled rows draft other tokens, of
+course: what they add to run ahead's row is the sampled picks' cost (on a
+CPU there are no graphs, so the eager row is the graphs' row again).
 """
 from __future__ import annotations
 
@@ -25,9 +28,14 @@ import time
 
 from specdec.bench.step_costs import StepCost, sync, weight_bytes
 
-# (the drafter's run_ahead, the sessions' temperature, the row's label)
-MODES = (("off", 0.0, "propose, steps one at a time"), ("on", 0.0, "propose, run ahead"),
-         ("on", 0.7, "propose, run ahead, T = 0.7"))
+# The sessions' temperatures: all greedy, all T = 0.7, or every other one T = 0.7 (the first
+# included) and the rest greedy.
+GREEDY, SAMPLED, MIXED = "greedy", "T = 0.7", "mixed"
+# (the drafter's run_ahead, whether its picks replay as CUDA graphs, the sessions, the row's label)
+MODES = (("off", True, GREEDY, "propose, steps one at a time"), ("on", True, GREEDY, "propose, run ahead"),
+         ("on", True, SAMPLED, "propose, run ahead, T = 0.7"),
+         ("on", False, SAMPLED, "propose, run ahead, T = 0.7, eager picks"),
+         ("on", True, MIXED, "propose, run ahead, every other session T = 0.7"))
 
 
 def measure(engine, *, ks=(4,), batches=(1, 8), context: int = 200, repeat: int = 10,
@@ -35,21 +43,22 @@ def measure(engine, *, ks=(4,), batches=(1, 8), context: int = 200, repeat: int 
     """Per drafted token, each way, for each batch size and k (see module doc)."""
     from draft_service.drafters import ModelDrafter
 
-    drafters = {run_ahead: ModelDrafter(engine, max_draft_tokens=max(ks), run_ahead=run_ahead)
-                for run_ahead in ("off", "on")}
+    drafters = {(run_ahead, graphs): ModelDrafter(engine, max_draft_tokens=max(ks), run_ahead=run_ahead,
+                                                  pick_graphs=graphs)
+                for run_ahead, graphs, _, _ in MODES}
     floor_ms = weight_bytes(engine.model) / bandwidth * 1000
     dtype = str(engine.dtype).removeprefix("torch.")
     out = []
     for b in batches:
-        sessions = _Sessions(drafters["off"], b, context, max(ks) + 2)
+        sessions = _Sessions(drafters["off", True], b, context, max(ks) + 2)
         try:
             for k in ks:
-                times: dict[str, list[float]] = {label: [] for _, _, label in MODES}
+                times: dict[str, list[float]] = {label: [] for *_, label in MODES}
                 for _ in range(repeat + 1):
-                    for run_ahead, temperature, label in MODES:
-                        sids = sessions.at(temperature)
-                        times[label].append(_timed_propose(drafters[run_ahead], sids, context, k))
-                for _, _, label in MODES:
+                    for run_ahead, graphs, kind, label in MODES:
+                        sids = sessions.of(kind)
+                        times[label].append(_timed_propose(drafters[run_ahead, graphs], sids, context, k))
+                for *_, label in MODES:
                     per_token_ms = statistics.median(times[label][1:]) / k * 1000
                     out.append(StepCost(engine.name, str(engine.device), dtype, label, f"propose {b}x{k}", b, k,
                                         per_token_ms, floor_ms))
@@ -59,33 +68,35 @@ def measure(engine, *, ks=(4,), batches=(1, 8), context: int = 200, repeat: int 
 
 
 class _Sessions:
-    """The B sessions of one temperature, open one temperature at a time: an
-    engine sized for B sessions (`specd steps` sizes it for its largest batch;
-    a GPU's KV store has that many slots) has no room for both sets at once.
-    Switching closes one set and opens the other, outside the timed Proposes."""
+    """B sessions of one kind (GREEDY, SAMPLED, MIXED), one kind open at a
+    time: an engine sized for B sessions (`specd steps` sizes it for its
+    largest batch; a GPU's KV store has that many slots) has no room for two
+    sets at once. Switching closes one set and opens the other, outside the
+    timed Proposes."""
 
     def __init__(self, opener, batch: int, context: int, max_new_tokens: int):
         self.opener, self.batch, self.context, self.max_new_tokens = opener, batch, context, max_new_tokens
-        self.temperature: float | None = None
+        self.kind: str | None = None
         self.sids: list[str] = []
 
-    def at(self, temperature: float) -> list[str]:
+    def of(self, kind: str) -> list[str]:
         from specdec.rpc.model_service import SessionMeta
         from specdec.sampling.params import SamplingParams
 
-        if temperature != self.temperature:
+        if kind != self.kind:
             self.close()
             for i in range(self.batch):
-                meta = SessionMeta(params=SamplingParams(temperature, 0, 1.0), seed=1 + i)
+                sampled = kind == SAMPLED or (kind == MIXED and i % 2 == 0)
+                meta = SessionMeta(params=SamplingParams(0.7 if sampled else 0.0, 0, 1.0), seed=1 + i)
                 prompt = [3 + (i + j) % 100 for j in range(self.context)]
                 self.sids.append(self.opener.open(prompt, meta, self.max_new_tokens)[0])
-            self.temperature = temperature
+            self.kind = kind
         return self.sids
 
     def close(self) -> None:
         while self.sids:
             self.opener.close(self.sids.pop())
-        self.temperature = None
+        self.kind = None
 
 
 def _timed_propose(drafter, sids: list[str], context: int, k: int) -> float:
