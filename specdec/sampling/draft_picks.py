@@ -200,9 +200,10 @@ def _greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _sampled(logits: torch.Tensor, params: SamplingParams, max_q_tokens: int,
              u: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """A group's draws from its truncated q (`truncate_rows`): (tokens [g],
-    q(token) [g] float64, the q's ids [g, n], q [g, n] float64, ok [g] bool:
-    False for a row without finite mass).
+    """A group's draws from its truncated q (`truncate_rows`), with its rows'
+    uniforms u [g] float64 on the logits' device: (tokens [g], q(token) [g]
+    float64, the q's ids [g, n], q [g, n] float64, ok [g] bool: False for a
+    row without finite mass).
 
     The draw is `pick_rows`' inverse-CDF draw, for rows it knows more of: a
     truncated row's entries of mass > 0 come first, so the last of them is
