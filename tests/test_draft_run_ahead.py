@@ -369,16 +369,18 @@ def test_pipelined_drafting_with_the_steps_run_ahead_keeps_greedy_output_and_see
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_on_a_gpu_picks_replayed_as_cuda_graphs_draft_what_eager_picks_draft(monkeypatch):
-    """specdec/sampling/pick_graphs.py: a step whose rows sample alike picks
-    by a graph replay; the drafts, q's and confidences are those of the
-    eager picks, bit for bit (fp32 and bf16, run ahead and one at a time)."""
+    """specdec/sampling/pick_graphs.py: each group of a step's rows that
+    sample alike picks by a graph replay; the drafts, q's and confidences
+    are those of a drafter made with its picks eager, bit for bit (fp32 and
+    bf16, run ahead and one at a time, steps of one sampling and of several).
+    SPECD_PICK_GRAPHS=off turns the graphs off."""
     from tests.test_gpu_engine import cuda_engine
 
+    monkeypatch.setenv("SPECD_PICK_GRAPHS", "off")
+    assert ModelDrafter(cuda_engine("float32", graphs=True, arch="llama", seed=2)).pick_graphs is None
+    monkeypatch.setenv("SPECD_PICK_GRAPHS", "on")
     for dtype in ("float32", "bfloat16"):
-        monkeypatch.setenv("SPECD_PICK_GRAPHS", "off")
-        eager = ModelDrafter(cuda_engine(dtype, graphs=True, arch="llama", seed=2))
-        assert eager.pick_graphs is None
-        monkeypatch.setenv("SPECD_PICK_GRAPHS", "on")
+        eager = ModelDrafter(cuda_engine(dtype, graphs=True, arch="llama", seed=2), pick_graphs=False)
         graphed = ModelDrafter(cuda_engine(dtype, graphs=True, arch="llama", seed=2))
         for ks in ((4,), (6, 4), (1, 3, 5, 2)):
             for run in (one_by_one, lambda d, s: chained(d, s)[0]):
@@ -387,3 +389,4 @@ def test_on_a_gpu_picks_replayed_as_cuda_graphs_draft_what_eager_picks_draft(mon
                 for together in (False, True):
                     assert rounds(graphed, ks, 0.0, run, together) == rounds(eager, ks, 0.0, run, together)
         assert graphed.pick_graphs.replays > 0 and graphed.pick_graphs.captures >= 4, dtype
+        assert eager.pick_graphs is None  # every pick of the reference ran eagerly
