@@ -166,17 +166,22 @@ class ModelDrafter(EngineBackend):
             raise ValueError(f"run_ahead must be auto, on or off, not {run_ahead!r}")
         self.run_ahead = run_ahead == "on" or (run_ahead == "auto" and engine.device.type == "cuda")
         self.steps_fed = 0  # steps run ahead: fed the step before's tokens on the device
-        # The picks as CUDA graph replays: made once the engine's steps are
-        # captured, unless turned off here (or by SPECD_PICK_GRAPHS=off).
+        # The picks as CUDA graph replays, unless turned off here (or by
+        # SPECD_PICK_GRAPHS=off): decided once, when it can be (`pick_graphs`).
         self._pick_graphs: PickGraphs | None = None
-        self._wants_pick_graphs = pick_graphs
+        self._pick_graphs_decided = not (pick_graphs and engine.device.type == "cuda")
 
     @property
     def pick_graphs(self) -> PickGraphs | None:
         """The step's picks as CUDA graph replays (specdec/sampling/pick_graphs.py),
-        on a GPU whose engine replays its steps as graphs; None elsewhere."""
-        if self._pick_graphs is None and self._wants_pick_graphs and self.engine.device.type == "cuda":
-            self._pick_graphs = PickGraphs.for_engine(self.engine)
+        on a GPU whose engine replays its steps as graphs; None elsewhere. The
+        choice is made once the engine's steps are captured (its warmup), or
+        once it is known they never will be, and the switch read then."""
+        if not self._pick_graphs_decided:
+            steps = self.engine.steps
+            if steps is None or steps.captured:
+                self._pick_graphs = PickGraphs.for_engine(self.engine)
+                self._pick_graphs_decided = True
         return self._pick_graphs
 
     def propose(self, session_id, keep_length, append, k, min_confidence=0.0):
