@@ -141,6 +141,26 @@ def test_a_float32_engine_loaded_with_auto_keeps_f_linear(tmp_path):
         engine.pack_weights()
 
 
+def test_a_bf16_engine_on_a_cpu_without_onednn_bf16_is_refused_in_words(monkeypatch):
+    """Where oneDNN has no bf16 (an AVX2-only CPU) packing is refused with a
+    reason, not oneDNN's own error; auto then leaves the model unpacked."""
+    from specdec.engine import packed_linear, weight_forms
+
+    monkeypatch.setattr(weight_forms, "bf16_packing_runs", lambda: False)
+    monkeypatch.setattr(packed_linear, "bf16_packing_runs", lambda: False)
+    packed_linear.packing_is_exact.cache_clear()
+    try:
+        engine = tiny_engine(model=tiny_model(seed=0, init_range=0.3).to(torch.bfloat16), dtype="bfloat16")
+        with pytest.raises(ValueError, match="this CPU lacks"):
+            engine.pack_weights()
+        assert not is_packed(engine.model)
+        assert not wants_packing("auto", CPU, torch.bfloat16)
+        with pytest.raises(ValueError, match="differ from F.linear's on this machine .or cannot run."):
+            wants_packing("on", CPU, torch.bfloat16)
+    finally:
+        packed_linear.packing_is_exact.cache_clear()
+
+
 @needs_packing
 def test_trim_and_quantize_come_before_packing_and_int8_layers_stay_int8():
     engine = tiny_engine(model=tiny_model(seed=0, init_range=0.3).to(torch.bfloat16), dtype="bfloat16")

@@ -65,11 +65,17 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bf16 packed (oneDNN)"
 
 
+def bf16_packing_runs() -> bool:
+    """Whether oneDNN computes bf16 products on this CPU at all (it needs
+    AVX512 BW/VL/DQ or AVX-NE-CONVERT; an AVX2-only CPU has neither)."""
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
 @functools.lru_cache(maxsize=None)
 def packing_is_exact() -> bool:
     """Whether packed bf16 products equal F.linear's here, bit for bit, for a
     row alone and for rows in a batch (False where oneDNN cannot pack)."""
-    if not torch.backends.mkldnn.is_available():
+    if not bf16_packing_runs():
         return False
     gen = torch.Generator().manual_seed(0)
     try:

@@ -10,7 +10,7 @@ import logging
 import torch
 
 from specdec.engine.draft_vocab import restrict_head
-from specdec.engine.packed_linear import is_packed, pack_linears, packable
+from specdec.engine.packed_linear import bf16_packing_runs, is_packed, pack_linears, packable
 from specdec.engine.quantize import is_quantized, quantize_linears
 
 log = logging.getLogger(__name__)
@@ -52,6 +52,9 @@ class WeightForms:
         (packed_linear.py): the same products, bit for bit, read faster."""
         if not packable(self.device, self.dtype):
             raise ValueError("packed linears are for bf16 models on the CPU")
+        if not bf16_packing_runs():
+            raise ValueError("packed linears need oneDNN's bf16 products, which this CPU lacks "
+                             "(AVX512 BW/VL/DQ or AVX-NE-CONVERT)")
         with torch.inference_mode(False), torch.no_grad():
             replaced = pack_linears(self.model)
         log.info("%d bf16 linear layers packed for oneDNN", replaced)
