@@ -1,34 +1,20 @@
 """`specd serve draft`: the draft service process."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+from draft_service.config import DrafterConfig
 from draft_service.drafters import ModelDrafter
 from draft_service.ngram_drafter import NgramDrafter
 from draft_service.servicer import DraftServicer
-from specdec.config import opt
 from specdec.engine.config import EngineConfig
 from specdec.engine.engine import ModelEngine
 from specdec.rpc.model_server import ModelService, start_model_service
-from specdec.rpc.model_service import SessionLimits
+from specdec.rpc.session_limits import SessionLimits
 from specdec.rpc.serving import ServerConfig
 from specdec.security.tls import TlsConfig
 from specdec.telemetry import NOOP, Telemetry
 from specdec.v1 import draft_pb2_grpc
 
 SERVICE_NAME = "specdec.v1.DraftService"
-DEFAULT_PORT = 50052
-
-
-@dataclass
-class DrafterConfig:
-    drafter: str = opt("model", "model: a draft LM; ngram: prompt lookup, no model", choices=("model", "ngram"))
-    max_q_tokens: int = opt(32, "tokens kept in each sent proposal distribution q")
-    ngram_min: int = opt(1, "ngram drafter: shortest suffix to match")
-    ngram_max: int = opt(3, "ngram drafter: longest suffix to match")
-    run_ahead: str = opt("auto", "model drafter: run a Propose's steps ahead on the device, each fed the step "
-                         "before's tokens there and queued before the host reads them (auto: on a GPU)",
-                         choices=("auto", "on", "off"))
 
 
 def build_drafter(engine_cfg: EngineConfig, drafter_cfg: DrafterConfig, limits: SessionLimits,

@@ -5,7 +5,7 @@ from specdec.engine.config import EngineConfig
 from specdec.engine.engine import ModelEngine
 from specdec.engine.quantize import refuse_for_target
 from specdec.rpc.model_server import ModelService, start_model_service
-from specdec.rpc.model_service import SessionLimits
+from specdec.rpc.session_limits import SessionLimits
 from specdec.rpc.serving import ServerConfig
 from specdec.security.tls import TlsConfig
 from specdec.telemetry import NOOP, Telemetry
@@ -14,7 +14,6 @@ from target_service.servicer import TargetServicer
 from target_service.verifier import Verifier
 
 SERVICE_NAME = "specdec.v1.TargetService"
-DEFAULT_PORT = 50053
 
 
 def build_verifier(engine_cfg: EngineConfig, limits: SessionLimits, engine: ModelEngine | None = None) -> Verifier:

@@ -13,7 +13,7 @@ import grpc
 from draft_service.drafters import ModelDrafter
 from draft_service.ngram_drafter import NgramDrafter
 from draft_service.server import start_draft_service
-from specdec.rpc.model_service import SessionLimits
+from specdec.rpc.session_limits import SessionLimits
 from specdec.rpc.serving import ServerConfig
 from specdec.eventloop import BackgroundLoop as _BackgroundLoop
 from specdec.telemetry import NOOP

@@ -12,7 +12,7 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specdec.rpc.model_service import SessionLimits
+from specdec.rpc.session_limits import SessionLimits
 from specdec.v1 import common_pb2, draft_pb2, target_pb2
 from tests.conftest import TINY_VOCAB, tiny_engine, tiny_model
 from tests.harness import running_draft, running_target

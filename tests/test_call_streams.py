@@ -12,7 +12,7 @@ import pytest
 
 from orchestrator.downstream import DraftClient, TargetClient, channel_to, open_request
 from specdec.rpc.call_stream import CallStream, ServedStreams
-from specdec.rpc.model_service import SessionLimits
+from specdec.rpc.session_limits import SessionLimits
 from specdec.v1 import target_pb2, target_pb2_grpc
 from tests.conftest import tiny_engine
 from tests.harness import DEADLINE_S, BackgroundLoop, running_draft, running_target

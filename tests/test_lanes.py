@@ -460,7 +460,7 @@ def test_over_mutual_tls_the_orchestrators_dialing_reaches_a_services_lane(tmp_p
     Dialer, as build_backends uses it) opens the lane over TLS and Verify
     goes there."""
     from orchestrator.security import Dialer
-    from specdec.rpc.model_service import SessionLimits
+    from specdec.rpc.session_limits import SessionLimits
     from specdec.security.local_ca import LocalTls
     from specdec.security.tls import ClientTls, TlsConfig
     from specdec.v1 import target_pb2

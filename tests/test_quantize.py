@@ -17,7 +17,7 @@ from specdec.engine.config import EngineConfig
 from specdec.engine.draft_vocab import SubsetHead
 from specdec.engine.engine import ExtendItem
 from specdec.engine.quantize import Int8Linear, is_quantized, quantize_linears
-from specdec.rpc.model_service import SessionLimits
+from specdec.rpc.session_limits import SessionLimits
 from specdec.sampling.params import SamplingParams
 from specdec.sampling.sparse import truncate
 from specdec.sampling.transform import logits_to_probs

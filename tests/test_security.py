@@ -33,7 +33,7 @@ from orchestrator.security import Dialer, downstream_dialer
 from orchestrator.server import start_orchestrator
 from specdec.cli.main import build_parser
 from specdec.config import from_args
-from specdec.rpc.model_service import SessionLimits
+from specdec.rpc.session_limits import SessionLimits
 from specdec.rpc.serving import ServerConfig
 from specdec.security.api_keys import ApiKeyChecker, ApiKeyError, load_api_keys
 from specdec.security.local_ca import LocalCA, LocalTls

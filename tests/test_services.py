@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from draft_service.drafters import ModelDrafter
 from draft_service.server import SERVICE_NAME as DRAFT_SERVICE, start_draft_service
-from specdec.rpc.model_service import SessionLimits
+from specdec.rpc.session_limits import SessionLimits
 from specdec.sampling.params import SamplingParams
 from specdec.sampling.sparse import truncate
 from specdec.sampling.transform import logits_to_probs

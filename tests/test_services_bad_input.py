@@ -7,7 +7,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from specdec.rpc.model_service import SessionLimits
+from specdec.rpc.session_limits import SessionLimits
 from specdec.v1 import target_pb2
 from tests.conftest import tiny_engine
 from tests.harness import local_config, running_target, wait_until

@@ -10,7 +10,7 @@ import time
 import grpc
 import pytest
 
-from specdec.rpc.model_service import SessionLimits
+from specdec.rpc.session_limits import SessionLimits
 from specdec.v1 import common_pb2
 from tests.conftest import tiny_engine
 from tests.harness import running_draft, running_target

@@ -17,7 +17,7 @@ async def _serve(args: argparse.Namespace) -> None:
     from draft_service.drafters import ModelDrafter
     from draft_service.server import start_draft_service
     from specdec.bench.overhead_stack import tiny_engine
-    from specdec.rpc.model_service import SessionLimits
+    from specdec.rpc.session_limits import SessionLimits
     from specdec.rpc.serving import ServerConfig
     from specdec.security.tls import TlsConfig
     from specdec.telemetry import TelemetrySettings, setup_telemetry

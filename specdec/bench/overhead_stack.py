@@ -139,7 +139,7 @@ def start_stacks(bg: eventloop.BackgroundLoop, specs: list[StackSpec], trace_dir
     for), or with `in_process` on `bg`, in this process."""
     from draft_service.drafters import ModelDrafter
     from draft_service.server import start_draft_service
-    from specdec.rpc.model_service import SessionLimits
+    from specdec.rpc.session_limits import SessionLimits
     from specdec.rpc.serving import ServerConfig
     from target_service.server import start_target_service
     from target_service.verifier import Verifier

@@ -42,7 +42,7 @@ def running_system(target_engine, draft_engine, tokenizer, telemetry: dict):
     from orchestrator.config import OrchestratorConfig
     from orchestrator.server import start_orchestrator
     from specdec.eventloop import BackgroundLoop
-    from specdec.rpc.model_service import SessionLimits
+    from specdec.rpc.session_limits import SessionLimits
     from specdec.rpc.serving import ServerConfig
     from target_service.server import start_target_service
     from target_service.verifier import Verifier

@@ -39,7 +39,7 @@ class Services:
 
         from draft_service.drafters import ModelDrafter
         from draft_service.server import start_draft_service
-        from specdec.rpc.model_service import SessionLimits
+        from specdec.rpc.session_limits import SessionLimits
         from specdec.rpc.serving import ServerConfig
         from specdec.v1 import draft_pb2_grpc, target_pb2_grpc
         from target_service.server import start_target_service

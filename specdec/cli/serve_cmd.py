@@ -13,7 +13,7 @@ from specdec.engine.config import EngineConfig
 from specdec.errors import SpecdecError
 from specdec.metrics import prometheus_reader, start_metrics_server
 from specdec.models.catalog import DEFAULT_PAIR
-from specdec.rpc.model_service import SessionLimits
+from specdec.rpc.session_limits import SessionLimits
 from specdec.rpc.serving import ServerConfig, install_drain_on_signals
 from specdec.security.tls import TlsConfig
 from specdec.telemetry import SERVICE_DRAFT, SERVICE_ORCHESTRATOR, SERVICE_TARGET, setup_telemetry
@@ -22,12 +22,15 @@ log = logging.getLogger("specd")
 
 
 def register(sub) -> None:
-    from draft_service.server import DEFAULT_PORT as DRAFT_PORT
-    from draft_service.server import DrafterConfig
+    # The roles' settings only: a role's service (torch, transformers) is
+    # imported when that role runs, so `specd --help`, `specd generate` and
+    # the rest start in a fraction of a second.
+    from draft_service.config import DEFAULT_PORT as DRAFT_PORT
+    from draft_service.config import DrafterConfig
     from orchestrator.config import DEFAULT_PORT as ORCH_PORT
     from orchestrator.config import OrchestratorConfig
     from orchestrator.openai_api.config import HttpConfig
-    from target_service.server import DEFAULT_PORT as TARGET_PORT
+    from target_service.config import DEFAULT_PORT as TARGET_PORT
 
     serve = sub.add_parser("serve", help="run one role (draft, target or orchestrator)")
     roles = serve.add_subparsers(dest="role", required=True)
@@ -77,7 +80,8 @@ def _valid_engine(engine_cfg: EngineConfig, role: str, *checks) -> bool:
 
 
 def _serve_draft(args: argparse.Namespace) -> int:
-    from draft_service.server import DrafterConfig, build_drafter, start_draft_service
+    from draft_service.config import DrafterConfig
+    from draft_service.server import build_drafter, start_draft_service
 
     server_cfg, engine_cfg = from_args(ServerConfig, args), from_args(EngineConfig, args)
     limits, drafter_cfg = from_args(SessionLimits, args), from_args(DrafterConfig, args)

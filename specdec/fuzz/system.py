@@ -112,7 +112,7 @@ def start(roles: tuple[str, ...] = ("target", "draft", "orchestrator"), http: bo
     from draft_service.drafters import ModelDrafter
     from draft_service.ngram_drafter import NgramDrafter
     from draft_service.server import start_draft_service
-    from specdec.rpc.model_service import SessionLimits
+    from specdec.rpc.session_limits import SessionLimits
     from specdec.rpc.serving import ServerConfig
     from target_service.server import start_target_service
     from target_service.verifier import Verifier

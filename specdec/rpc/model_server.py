@@ -14,7 +14,8 @@ import grpc
 
 from specdec.rpc.auth import caller_guard
 from specdec.rpc.lane_server import LaneServer, LaneTls
-from specdec.rpc.model_service import SessionLimits, SessionServicer
+from specdec.rpc.model_service import SessionServicer
+from specdec.rpc.session_limits import SessionLimits
 from specdec.rpc.serving import EngineWorker, RunningServer, ServerConfig, install_drain_on_signals, start_server
 from specdec.security.tls import TlsConfig
 

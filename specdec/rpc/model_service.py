@@ -8,14 +8,13 @@ import logging
 from dataclasses import dataclass
 from typing import Callable
 
-from specdec.config import opt
 from specdec.engine.engine import EngineInfo
 from specdec.errors import InvalidArgument, Unavailable
-from specdec.limits import DEFAULT_MAX_DRAFT_TOKENS
 from specdec.rpc import grpc_errors
 from specdec.rpc.call_stream import ServedStreams
 from specdec.rpc.lane_methods import LaneMethod
 from specdec.rpc.serving import EngineWorker
+from specdec.rpc.session_limits import SessionLimits
 from specdec.rpc.session_quota import SessionQuota
 from specdec.sampling.params import SamplingParams
 from specdec.telemetry import (A_KV_BYTES, A_LENGTH, A_PROMPT_TOKENS, NOOP, SPAN_CLOSE, SPAN_PREFILL,
@@ -32,17 +31,6 @@ class LaneCall:
     method: LaneMethod
     handle: Callable  # (request, trace_context_items) -> response
     handler_name: str  # for the log of our bugs
-
-
-@dataclass
-class SessionLimits:
-    """Per-call limits of a model service."""
-
-    session_ttl_s: float = opt(300.0, "close sessions idle this long, seconds")
-    max_draft_tokens: int = opt(DEFAULT_MAX_DRAFT_TOKENS, "largest num_draft_tokens of one Propose call or Verify item")
-    max_verify_batch: int = opt(64, "target: sessions one Verify call may carry")
-    max_sessions_per_caller: int = opt(0, "sessions one caller (certificate name under mutual TLS, else host) "
-                                          "may hold open at once (0: no quota)")
 
 
 @dataclass(frozen=True)
