@@ -72,30 +72,34 @@ class SpanSink:
               start_time: int | None = None) -> trace.Span:
         """A started span, child of the span current in `parent` (default:
         the current context), or the root of a new trace."""
-        parent_context = trace.get_current_span(parent).get_span_context()
-        trace_id = parent_context.trace_id if parent_context.is_valid else self.ids.generate_trace_id()
-        links = [link for link in links if link.context.is_valid]  # as the SDK: an invalid one is dropped
+        parent_context = _parent_span_context(parent)
+        valid = parent_context.is_valid
+        trace_id = parent_context.trace_id if valid else self.ids.generate_trace_id()
+        if links:
+            links = [link for link in links if link.context.is_valid]  # as the SDK: an invalid one is dropped
+        else:
+            links = []
         if self.parent_based_always_on:  # records what it samples: a child as its parent, a root always
-            recording = is_sampled = parent_context.trace_flags.sampled if parent_context.is_valid else True
-            trace_state, extra = (parent_context.trace_state if parent_context.is_valid else None), None
+            parent_flags = parent_context.trace_flags
+            recording = is_sampled = parent_flags.sampled if valid else True
+            trace_state, extra = (parent_context.trace_state if valid else None), None
         else:
             sampled = self.sampler.should_sample(parent, trace_id, name, kind, attributes, links)
             recording, is_sampled = sampled.decision.is_recording(), sampled.decision.is_sampled()
             trace_state, extra = sampled.trace_state, sampled.attributes
-        flags = TraceFlags.SAMPLED if is_sampled else TraceFlags.DEFAULT
+            parent_flags = parent_context.trace_flags
         # W3C's random-trace-id flag, as the SDK sets it: a root's from the id
         # generator, a child's from its parent.
-        if (parent_context.trace_flags.random_trace_id if parent_context.is_valid
-                else self.ids.is_trace_id_random()):
-            flags |= TraceFlags.RANDOM_TRACE_ID
-        flags = TraceFlags(flags)
-        context = SpanContext(trace_id, self.ids.generate_span_id(), is_remote=False, trace_flags=flags,
-                              trace_state=trace_state)
+        random_id = parent_flags.random_trace_id if valid else self.ids.is_trace_id_random()
+        context = SpanContext(trace_id, self.ids.generate_span_id(), is_remote=False,
+                              trace_flags=_FLAGS[bool(is_sampled), bool(random_id)], trace_state=trace_state)
         if not recording:
             return NonRecordingSpan(context)  # its context still propagates, as the SDK's does
-        values = {k: _clean(v) for k, v in {**(attributes or {}), **(extra or {})}.items()
-                  if v is not None}
-        return _Span(self, name, context, parent_context if parent_context.is_valid else None, kind, values, links,
+        if extra:
+            attributes = {**(attributes or {}), **extra}
+        values = {k: v if type(v) in _PLAIN else _clean(v) for k, v in attributes.items() if v is not None} \
+            if attributes else {}
+        return _Span(self, name, context, parent_context if valid else None, kind, values, links,
                      start_time or time.time_ns())
 
     def finish(self, span: "_Span") -> None:
@@ -105,6 +109,27 @@ class SpanSink:
                                 instrumentation_scope=self.scope)
         for processor in self.processors:
             processor.on_end(readable)
+
+
+# A span's trace flags by (sampled, random trace id): made once, not per span.
+_FLAGS = {(sampled, random_id): TraceFlags((TraceFlags.SAMPLED if sampled else TraceFlags.DEFAULT)
+                                           | (TraceFlags.RANDOM_TRACE_ID if random_id else 0))
+          for sampled in (False, True) for random_id in (False, True)}
+# The key under which a Context holds its current span, read through the API
+# once (the API's own lookup also checks the value's type through its ABC on
+# every call: a third of a span's start).
+(_SPAN_KEY,) = trace.set_span_in_context(INVALID_SPAN, Context()).keys()
+
+
+def _parent_span_context(parent: Context | None) -> SpanContext:
+    """`trace.get_current_span(parent).get_span_context()`, with our own spans
+    and an empty context answered without the API's calls."""
+    span = (parent if parent is not None else context_api.get_current()).get(_SPAN_KEY)
+    if type(span) is _Span:
+        return span.context
+    if span is None:
+        return INVALID_SPAN.get_span_context()
+    return trace.get_current_span(parent).get_span_context()  # any other kind of span, as the API reads it
 
 
 class _Span(trace.Span):
@@ -135,11 +160,13 @@ class _Span(trace.Span):
 
     def set_attributes(self, attributes: Mapping) -> None:
         if self.end_time is None:
-            self.attributes.update((k, _clean(v)) for k, v in attributes.items() if v is not None)
+            for key, value in attributes.items():
+                if value is not None:
+                    self.attributes[key] = value if type(value) in _PLAIN else _clean(value)
 
     def set_attribute(self, key: str, value) -> None:
         if self.end_time is None and value is not None:
-            self.attributes[key] = _clean(value)
+            self.attributes[key] = value if type(value) in _PLAIN else _clean(value)
 
     def add_event(self, name: str, attributes: Mapping | None = None, timestamp: int | None = None) -> None:
         if self.end_time is None:

@@ -134,6 +134,9 @@ def test_flags_cleaned_attributes_and_invalid_links_are_the_sdks():
     mine = sink.start("s", None, SpanKind.INTERNAL, values, [invalid])
     theirs = tracer.start_span("s", attributes=values, links=[invalid])
     assert mine.get_span_context().trace_flags == theirs.get_span_context().trace_flags  # W3C's random-id bit too
+    for span in (mine, theirs):  # set later, one at a time and several at once: cleaned alike
+        span.set_attribute("later", numpy.float32(0.5))
+        span.set_attributes({"more": (numpy.int64(1), 2), "plain": 3})
     mine.end()
     theirs.end()
     (a,), (b,) = ours.get_finished_spans(), sdk.get_finished_spans()
