@@ -75,19 +75,16 @@ class SpanSink:
         parent_context = _parent_span_context(parent)
         valid = parent_context.is_valid
         trace_id = parent_context.trace_id if valid else self.ids.generate_trace_id()
-        if links:
-            links = [link for link in links if link.context.is_valid]  # as the SDK: an invalid one is dropped
-        else:
-            links = []
+        # as the SDK: an invalid link is dropped
+        links = [link for link in links if link.context.is_valid] if links else []
+        parent_flags = parent_context.trace_flags
         if self.parent_based_always_on:  # records what it samples: a child as its parent, a root always
-            parent_flags = parent_context.trace_flags
             recording = is_sampled = parent_flags.sampled if valid else True
             trace_state, extra = (parent_context.trace_state if valid else None), None
         else:
             sampled = self.sampler.should_sample(parent, trace_id, name, kind, attributes, links)
             recording, is_sampled = sampled.decision.is_recording(), sampled.decision.is_sampled()
             trace_state, extra = sampled.trace_state, sampled.attributes
-            parent_flags = parent_context.trace_flags
         # W3C's random-trace-id flag, as the SDK sets it: a root's from the id
         # generator, a child's from its parent.
         random_id = parent_flags.random_trace_id if valid else self.ids.is_trace_id_random()

@@ -6,6 +6,11 @@ import contextlib
 import logging
 import sys
 
+from draft_service.config import DEFAULT_PORT as DRAFT_PORT
+from draft_service.config import DrafterConfig
+from orchestrator.config import DEFAULT_PORT as ORCH_PORT
+from orchestrator.config import OrchestratorConfig
+from orchestrator.openai_api.config import HttpConfig
 from specdec import cpu_latency, eventloop
 from specdec.cli.exits import EXIT_USAGE
 from specdec.config import add_arguments, from_args
@@ -17,21 +22,16 @@ from specdec.rpc.session_limits import SessionLimits
 from specdec.rpc.serving import ServerConfig, install_drain_on_signals
 from specdec.security.tls import TlsConfig
 from specdec.telemetry import SERVICE_DRAFT, SERVICE_ORCHESTRATOR, SERVICE_TARGET, setup_telemetry
+from target_service.config import DEFAULT_PORT as TARGET_PORT
+
+# Only the roles' settings are imported here: a role's service (torch,
+# transformers) is imported when that role runs, so `specd --help`, `specd
+# generate` and the rest start in a fraction of a second.
 
 log = logging.getLogger("specd")
 
 
 def register(sub) -> None:
-    # The roles' settings only: a role's service (torch, transformers) is
-    # imported when that role runs, so `specd --help`, `specd generate` and
-    # the rest start in a fraction of a second.
-    from draft_service.config import DEFAULT_PORT as DRAFT_PORT
-    from draft_service.config import DrafterConfig
-    from orchestrator.config import DEFAULT_PORT as ORCH_PORT
-    from orchestrator.config import OrchestratorConfig
-    from orchestrator.openai_api.config import HttpConfig
-    from target_service.config import DEFAULT_PORT as TARGET_PORT
-
     serve = sub.add_parser("serve", help="run one role (draft, target or orchestrator)")
     roles = serve.add_subparsers(dest="role", required=True)
 
@@ -80,7 +80,6 @@ def _valid_engine(engine_cfg: EngineConfig, role: str, *checks) -> bool:
 
 
 def _serve_draft(args: argparse.Namespace) -> int:
-    from draft_service.config import DrafterConfig
     from draft_service.server import build_drafter, start_draft_service
 
     server_cfg, engine_cfg = from_args(ServerConfig, args), from_args(EngineConfig, args)
@@ -122,8 +121,6 @@ def _serve_target(args: argparse.Namespace) -> int:
 
 
 def _serve_orchestrator(args: argparse.Namespace) -> int:
-    from orchestrator.config import OrchestratorConfig
-    from orchestrator.openai_api.config import HttpConfig
     from orchestrator.server import start_orchestrator
 
     server_cfg, cfg = from_args(ServerConfig, args), from_args(OrchestratorConfig, args)
