@@ -18,6 +18,8 @@ Each check prints one line, and the script keeps going after a failure, so one c
      The reference is a check of its own so that its failure is not taken for the default
      engine's (benchmarks/gpu/switches.py turns off only what failed)
   4. the draft's steps run ahead (fed on the device) against stepping one at a time, fp32 and bf16
+  5. the draft's picks as CUDA graphs: what capturing a new shape costs, against a replay and the
+     eager picks (and a replay gives the eager picks' bits)
 """
 from __future__ import annotations
 
@@ -196,6 +198,44 @@ def _():
         assert same == total, f"{dtype}: {total - same} of {total} streams drafted differently"
         assert ahead.steps_fed > 0, f"{dtype}: no step ran ahead (the chain fell back to stepping one at a time)"
         out.append(f"{dtype}: {total}/{total} streams the same, {ahead.steps_fed} steps fed on the device")
+    return "; ".join(out)
+
+
+@check("pick graphs: capture cost of a new shape")
+def _():
+    """What the first step of a new shape pays (the draft's picks captured as a
+    CUDA graph, sampling/pick_graphs.py) against a replay and the eager picks,
+    on Qwen's vocabulary in bf16: ms, medians of 20 after the capture."""
+    if SMALL:
+        return "skipped on cpu"
+    from specdec.sampling.draft_picks import one_group
+    from specdec.sampling.params import SamplingParams
+    from specdec.sampling.pick_graphs import PickGraphs
+
+    def timed(fn):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t) * 1000
+
+    graphs = PickGraphs(torch.device("cuda"))
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    out = []
+    for params in (None, SamplingParams(0.7, 0, 1.0)):
+        for rows in (1, 8):
+            logits = torch.randn(rows, 151936, device="cuda", generator=gen).to(torch.bfloat16) * 4
+            us = None if params is None else [0.1 + 0.1 * i for i in range(rows)]
+            us_dev = None if us is None else torch.tensor(us, dtype=torch.float64, device="cuda")
+            first = timed(lambda: graphs.run(logits, params, 16, us))
+            replay = sorted(timed(lambda: graphs.run(logits, params, 16, us)) for _ in range(20))[10]
+            eager = sorted(timed(lambda: one_group(logits, params, 16, us_dev)) for _ in range(20))[10]
+            got = graphs.run(logits, params, 16, us)
+            want = one_group(logits, params, 16, us_dev)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), f"{rows} rows {params}: replay != eager"
+            out.append(f"{'greedy' if params is None else 'T=0.7'} {rows} rows: capture {first:.1f} ms, "
+                       f"replay {replay:.3f}, eager {eager:.3f}")
+    assert graphs.captures == 4, f"{graphs.captures} captures for 4 shapes"
     return "; ".join(out)
 
 
