@@ -247,3 +247,32 @@ def test_each_rep_takes_the_calls_in_a_new_order_and_no_call_twice_in_a_row():
     assert firsts == set(names)  # no call is always first, or always last
     assert orders(names, 50) == orders(names, 50)
     assert orders(["alone"], 3) == [["alone"]] * 3
+
+
+def test_specd_overhead_reports_event_engine_references_it_could_not_measure(capsys, monkeypatch):
+    """The EventEngine references come from a child process; one that dies
+    (it did, of SIGSEGV, on a GPU host) leaves their rows out and says why
+    under the table, instead of losing the whole run. A process that already
+    runs EventEngine starts no such child: its own references are those."""
+    from specdec.bench import overhead
+    from specdec.cli.main import main
+
+    async def dies(reps, gaps):
+        raise RuntimeError("their child process exited with -11 (nothing on stderr)")
+
+    monkeypatch.setattr(overhead, "_event_engine_references", dies)
+    assert main(["--log-level", "WARNING", "overhead", "--reps", "2", "--in-process"]) == 0
+    out = capsys.readouterr().out
+    assert "The EventEngine references were not measured: their child process exited with -11" in out
+    assert "EventEngine; a child process" not in out
+    assert "| round overhead, greedy, k=4, lanes, tracing off |" in out
+
+    async def must_not_run(reps, gaps):
+        raise AssertionError("a child was started for references this process measures itself")
+
+    monkeypatch.setattr(overhead, "_event_engine_references", must_not_run)
+    monkeypatch.setattr(overhead, "runs_event_engine", lambda: True)
+    assert main(["--log-level", "WARNING", "overhead", "--reps", "2", "--in-process"]) == 0
+    out = capsys.readouterr().out
+    assert "not measured" not in out and "EventEngine; a child process" not in out
+    assert "| round overhead, T=0.7, k=4, lanes, tracing off |" in out
