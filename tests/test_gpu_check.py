@@ -82,6 +82,9 @@ def test_what_the_pre_flight_failed_stays_off_and_a_failed_reference_switches_no
     assert [a for a, _ in switches(engine + ahead)] == ["SPECD_FUSED_LAYERS=off", "SPECD_RUN_AHEAD=off"]
     broken = "FAIL draft: run ahead vs steps one at a time: ImportError: cannot import name 'x'\n"
     assert switches(broken) == []  # the check broke: run ahead stays as it is
+    graphs = "FAIL pick graphs: capture cost of a new shape: AssertionError: 8 rows None: replay != eager\n"
+    assert switches(graphs) == [("SPECD_PICK_GRAPHS=off", "the draft's pick graphs failed the pre-flight")]
+    assert switches(graphs.replace("AssertionError: 8 rows None: replay != eager", "ImportError: x")) == []
     log = tmp_path / "smoke.log"
     log.write_text(kernel + ahead.replace("drafted differently", "no step ran ahead"))
     printed = subprocess.run(["python3", str(GPU / "switches.py"), str(log)], capture_output=True, text=True,

@@ -15,10 +15,11 @@
 #           machine (GPU, driver, torch, transformers, triton)
 #   smoke   benchmarks/gpu/smoke.py: the toolchain Triton needs, the attention kernel against a
 #           float64 reference (bf16 and fp32), the default CUDA engine against the reference engine,
-#           host syncs per captured step, the draft's steps run ahead; one line each. If the attention
-#           kernel, the default engine or run ahead fails here, the later phases run with the failing
-#           part off (SPECD_ATTENTION=sdpa, SPECD_FUSED_LAYERS=off, SPECD_RUN_AHEAD=off: which, by
-#           benchmarks/gpu/switches.py) so their figures still come back, and phases.txt says so
+#           host syncs per captured step, the draft's steps run ahead, the draft's picks as CUDA
+#           graphs (their capture cost); one line each. If the attention kernel, the default engine,
+#           run ahead or the pick graphs fail here, the later phases run with the failing part off
+#           (SPECD_ATTENTION=sdpa, SPECD_FUSED_LAYERS=off, SPECD_RUN_AHEAD=off, SPECD_PICK_GRAPHS=off:
+#           which, by benchmarks/gpu/switches.py) so their figures still come back, and phases.txt says so
 #   steps   `specd steps` on random-weight Qwen2.5-0.5B and 7B: decode and verify steps, graphs
 #           and eager, fused layers on and off, as multiples of the bandwidth floor
 #   bench   `specd bench --pair synth-0.5b-7b`: target-only through the service, HF eager

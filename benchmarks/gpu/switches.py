@@ -10,7 +10,9 @@ later phases still measure the rest. check.sh reads one line per switch:
   engine itself is a check of its own and switches nothing off: no later
   phase runs it;
 - the draft's steps run ahead drafted differently from stepping one at a
-  time, or never ran ahead: run ahead off (not when the check itself broke).
+  time, or never ran ahead: run ahead off (not when the check itself broke);
+- the draft's picks replayed as CUDA graphs gave other bits than the eager
+  picks, or were not captured: pick graphs off (likewise).
 """
 from __future__ import annotations
 
@@ -19,7 +21,8 @@ import sys
 
 CHECKS = ("toolchain", "triton kernel vs float64 reference", "engine: reference (transformers+sdpa eager)",
           "engine: graphs+fused vs transformers+sdpa eager", "engine: host syncs per captured step",
-          "draft: run ahead vs steps one at a time")  # smoke.py's checks, in its order
+          "draft: run ahead vs steps one at a time",
+          "pick graphs: capture cost of a new shape")  # smoke.py's checks, in its order
 
 
 def failed(log: str) -> dict[str, str]:
@@ -46,6 +49,9 @@ def switches(log: str) -> list[tuple[str, str]]:
     said = fails.get("draft: run ahead vs steps one at a time", "")
     if "drafted differently" in said or "no step ran ahead" in said:
         out.append(("SPECD_RUN_AHEAD=off", "the draft's steps run ahead failed the pre-flight"))
+    said = fails.get("pick graphs: capture cost of a new shape", "")
+    if "replay != eager" in said or "captures for 4 shapes" in said:
+        out.append(("SPECD_PICK_GRAPHS=off", "the draft's pick graphs failed the pre-flight"))
     return out
 
 
