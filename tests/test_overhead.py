@@ -8,7 +8,8 @@ import pytest
 
 from orchestrator.downstream import open_request
 from specdec import eventloop
-from specdec.bench.overhead import interleave, measure, report
+from specdec.bench.overhead import interleave, measure
+from specdec.bench.overhead_report import report
 from specdec.bench.overhead_stack import BackgroundLoop, start_stack
 from specdec.v1 import draft_pb2
 
@@ -58,6 +59,11 @@ def test_specd_overhead_prints_our_figures_against_bare_grpc(capsys):
     out = capsys.readouterr().out
     assert "both services in the measuring process;" in out and "grpc iomgr" in out
     assert "| the same bare unary call under grpcio's default I/O (EventEngine" in out
+    assert "| bare frame each way on an open lane connection (the lanes' TCP between two event loops, none of our " \
+           "code; to this process) |" in out
+    floor = next(line for line in out.splitlines() if line.startswith("| the lanes' floor as a round meets it"))
+    assert float(floor.split(" | ")[1]) > 0
+    assert "ms over the lanes' floor)" in out
     for figure in ("bare grpc.aio unary call", "no-op unary (target Rollback), tracing off",
                    "round overhead, greedy, k=4, lanes, tracing on", "round overhead, T=0.7, k=4, gRPC call streams, "
                    "tracing off", "tracing cost per round, T=0.7"):
@@ -103,8 +109,11 @@ def test_specd_overhead_measures_every_figure_it_prints():
     text = report(figures, reps=2)
     assert "CPU time per round outside the models, by process" in text
     assert m["bare cold round floor outside compute"] > 0 and m["cold floor draft gap"] > 0
-    for row in ("two unary calls", "the unary calls)", "gRPC call streams", "the call streams)", "lanes, mutual TLS", "TLS cost per round", "bare message each way",
-                "as a round meets it", "both services in the measuring process;"):
+    assert m["bare lane frame"] > 0 and m["bare lane cold round floor outside compute"] > 0
+    for row in ("two unary calls", "the unary calls)", "gRPC call streams", "the call streams;",
+                "ms over the lanes' floor)", "lanes, mutual TLS", "TLS cost per round", "bare message each way",
+                "bare frame each way on an open lane connection", "as a round meets it",
+                "both services in the measuring process;"):
         assert row in text, row
 
 
@@ -164,6 +173,7 @@ def test_services_in_processes_of_their_own_serve_traced_rounds_and_stop(tmp_pat
 def test_the_bare_server_in_a_process_of_its_own_answers_and_stops():
     """The deployed layout's reference for the no-op: a bare call that, like
     the no-op, crosses into another process (bare_grpc.ChildServer)."""
+    from specdec.bench import bare_lane
     from specdec.bench.bare_grpc import ChildServer, calls
 
     child = ChildServer()
@@ -175,14 +185,22 @@ def test_the_bare_server_in_a_process_of_its_own_answers_and_stops():
             finally:
                 await close()
 
+        async def one_frame():  # the lanes' floor: the child's frame echo beside its grpc echo
+            references, close = await bare_lane.calls(child.lane_port)
+            try:
+                await references["bare lane frame"]()
+            finally:
+                await close()
+
         assert eventloop.run(one_call()) == b"0123456789abcdef"
+        eventloop.run(one_frame())
     finally:
         child.stop()
     assert child.process.returncode == 0
 
 
 def test_the_deployed_report_puts_the_no_op_against_the_bare_call_to_a_child_server():
-    from specdec.bench.overhead import Figures
+    from specdec.bench.overhead_report import Figures
 
     figures = eventloop.run(measure(reps=2, k=2, in_process=True))
     m = dict(figures.medians)
@@ -276,3 +294,24 @@ def test_specd_overhead_reports_event_engine_references_it_could_not_measure(cap
     out = capsys.readouterr().out
     assert "not measured" not in out and "EventEngine; a child process" not in out
     assert "| round overhead, T=0.7, k=4, lanes, tracing off |" in out
+
+
+def test_the_bare_lane_echo_answers_each_frame_with_itself():
+    """The lanes' floor: one frame each way through `FrameConnection` to an
+    echo, back to back and from several callers at once, in order."""
+    from specdec.bench import bare_lane
+
+    async def run():
+        server, port = await bare_lane.start_echo()
+        try:
+            calls, close = await bare_lane.calls(port)
+            one = calls["bare lane frame"]
+            for _ in range(20):
+                await one()
+            await asyncio.wait_for(asyncio.gather(*(one() for _ in range(8))), 10)
+            await close()
+        finally:
+            server.close()
+            await server.wait_closed()
+
+    asyncio.run(run())

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from specdec import eventloop
-from specdec.bench.overhead import cpu_table
+from specdec.bench.overhead_report import cpu_table
 from specdec.bench.round_cpu import RoundCpu, process_cpu_ns, round_cpu
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the kernel's schedstat is Linux's")

@@ -9,10 +9,11 @@ and prints them as JSON: `specd overhead` uses that to show, in one run,
 the references under grpcio's default EventEngine beside those of the
 process it measures in. With `--serve` it only serves the echo server, in a
 process of its own as the deployed services are (`ChildServer`), until its
-stdin closes: the bare call a deployed service's no-op compares with.
+stdin closes: the bare call a deployed service's no-op compares with; the
+bare lane echo (bare_lane.py) beside it, the floor of a round's transport.
 
     python -m specdec.bench.bare_grpc --reps 200 --gaps 0.0057 0.0022
-    python -m specdec.bench.bare_grpc --serve      # prints {"port": N}
+    python -m specdec.bench.bare_grpc --serve      # prints {"port": N, "lane_port": M}
 """
 from __future__ import annotations
 
@@ -107,7 +108,8 @@ class ChildServer:
             if not line:
                 raise RuntimeError(f"the bare echo server's process gave no port within {start_s:.0f} s "
                                    f"(exit code {self.process.poll()}): {self._stderr_tail()}")
-            self.port = int(json.loads(line)["port"])
+            ports = json.loads(line)
+            self.port, self.lane_port = int(ports["port"]), int(ports["lane_port"])
         except BaseException:
             self.stop()
             raise
@@ -125,9 +127,13 @@ class ChildServer:
 
 
 async def _serve() -> None:
+    from specdec.bench import bare_lane
+
     server, port = await start_server()
-    print(json.dumps({"port": port}), flush=True)
+    lane_server, lane_port = await bare_lane.start_echo()
+    print(json.dumps({"port": port, "lane_port": lane_port}), flush=True)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until the parent closes it
+    lane_server.close()
     await server.stop(0)
 
 

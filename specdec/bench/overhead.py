@@ -20,6 +20,12 @@ machine that slows down during the run moves all of them alike:
   (specdec/bench/bare_grpc.py). Where this process runs EventEngine itself
   (SPECD_GRPC_IO=event-engine) its own references are those, and no child
   is started; a child that fails is reported under the table, not fatal.
+- bare lane frame: one frame each way on an open lane connection, the
+  transport the round's two calls take (bare_lane.py: TCP between two
+  event loops, none of our code), to an echo in a process of its own as
+  the services are (or in this process, `in_process`); and the lanes'
+  floor as a round meets it, two such frames each after the wait of one
+  service's compute: what the round would cost if our code cost nothing.
 - no-op unary: our target service's Rollback to the length the session
   already has (answered on the event loop when the engine is idle), on
   services that serve nothing else, as the bare echo server does.
@@ -61,16 +67,16 @@ import random
 import statistics
 import sys
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
-from specdec import eventloop
 from specdec.rpc import grpc_io
+from specdec.bench import bare_lane
 from specdec.bench.bare_grpc import calls as bare_calls
 from specdec.bench.bare_grpc import ChildServer, cold_floor
 from specdec.bench.bare_grpc import start_server as start_bare_server
-from specdec.bench.interleave import OUTSIDE, Call, ReportedCompute, interleave
+from specdec.bench.interleave import Call, ReportedCompute, interleave
 from specdec.bench.overhead_stack import DEADLINE_S, BackgroundLoop, Stack, StackSpec, start_stacks
+from specdec.bench.overhead_report import MODELS_HERE_BARE, Figures
 from specdec.bench.round_cpu import RoundCpu, round_cpu, stack_processes
 
 
@@ -177,9 +183,6 @@ async def round_calls(stack: Stack, sampling: str, k: int, prefix: str,
     return rounds
 
 
-MODELS_HERE_BARE = "bare unary, the phase of the models run here"
-
-
 def runs_models_here(name: str, in_process: bool) -> bool:
     """Whether a call of `round_calls` runs the models in this process:
     the compute in-process, and the round of a stack whose services run
@@ -223,24 +226,9 @@ async def _event_engine_references(reps: int, gaps: tuple[float, float]) -> dict
     return json.loads(out)["medians"]
 
 
-@dataclass
-class Figures:
-    medians: dict[str, float]
-    k: int
-    in_process: bool = False  # every stack's services ran in the measuring process
-    cpu: dict[str, RoundCpu] | None = None  # by sampling (and tracing): the lanes' rounds, back to back
-    note: str = ""  # what the report must say was not measured, and why
-
-    def round_overhead(self, prefix: str, sampling: str) -> float:
-        """Median over rounds of (round wall time − the compute the services
-        reported for it): the overhead of the issue's definition."""
-        return self.medians[f"{prefix} {sampling} round{OUTSIDE}"]
-
-    def round_minus_local_compute(self, prefix: str, sampling: str) -> float:
-        """Median round wall time − median of the same compute in-process:
-        also counts what the services' compute loses to running in a
-        server (thread contention, caches)."""
-        return self.medians[f"{prefix} {sampling} round"] - self.medians[f"{prefix} {sampling} compute"]
+async def _close_server(server: asyncio.AbstractServer) -> None:
+    server.close()
+    await server.wait_closed()
 
 
 async def measure(reps: int, k: int, tls: bool = False, in_process: bool = False, threads: int = 1) -> Figures:
@@ -251,7 +239,7 @@ async def measure(reps: int, k: int, tls: bool = False, in_process: bool = False
     bg = BackgroundLoop()
     stacks: list[Stack] = []
     cpu: dict[str, RoundCpu | None] = {}
-    bare_server = child = None
+    bare_server = child = lane_server = None
     ee_note = ""
     # A traced service may still flush spans into it as it stops: they are throwaway.
     with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as trace_dir:
@@ -261,6 +249,11 @@ async def measure(reps: int, k: int, tls: bool = False, in_process: bool = False
             # The deployed layout's no-op crosses into another process: so does this bare call.
             child = None if in_process else ChildServer()
             child_bare, close_child = (await bare_calls(child.port)) if child else ({}, None)
+            # The lanes' own floor, to an echo where the services are: a process of its own, or this one.
+            if child is None:
+                lane_server, lane_port = bg.run(bare_lane.start_echo())
+            lane, close_lane = await bare_lane.calls(child.lane_port if child else lane_port)
+            bare |= lane
             calls: dict[str, Call] = {}
             noops: dict[str, Call] = {}
             greedy_compute: list[tuple[float, float]] = []
@@ -302,6 +295,7 @@ async def measure(reps: int, k: int, tls: bool = False, in_process: bool = False
             gaps = (statistics.median(d for d, _ in greedy_compute), statistics.median(t for _, t in greedy_compute))
             medians["cold floor draft gap"], medians["cold floor target gap"] = gaps
             bare["bare cold round floor"] = cold_floor(bare["bare stream message"], gaps)
+            bare["bare lane cold round floor"] = cold_floor(bare["bare lane frame"], gaps)
             # Under EventEngine already (SPECD_GRPC_IO=event-engine), this process's own
             # references are those; a child forked from it then is not needed (on the H200
             # host one such child died of SIGSEGV before it ran, 2026-11-27).
@@ -326,6 +320,7 @@ async def measure(reps: int, k: int, tls: bool = False, in_process: bool = False
             for label, (one_round, computed, stack) in cpu_rounds.items():
                 cpu[label] = await round_cpu(one_round, computed, *stack_processes(stack), rounds=2 * reps)
             await close_bare()
+            await close_lane()
             if close_child:
                 await close_child()
             for stack in stacks:
@@ -339,117 +334,8 @@ async def measure(reps: int, k: int, tls: bool = False, in_process: bool = False
                     bg.run(stack.draft.stop(0))
                 if bare_server is not None:
                     bg.run(bare_server.stop(0))
+                if lane_server is not None:
+                    bg.run(_close_server(lane_server))
             finally:
                 bg.stop()
     return Figures(medians, k, in_process, None if None in cpu.values() else cpu, ee_note)
-
-
-def report(fig: Figures, reps: int) -> str:
-    m = fig.medians
-    unary, message = m["bare unary"], m["bare stream message"]
-    cold = m[f"bare cold round floor{OUTSIDE}"]
-
-    def ms(seconds: float) -> str:
-        return f"{seconds * 1e3:.3f}"
-
-    calls_unary = m["bare unary (calls)"]  # the no-ops' phase: bare calls interleaved with the no-ops alone
-    ee = lambda name: m[f"{name} (event engine)"]  # noqa: E731
-    rows = [
-        ("bare grpc.aio unary call", unary, "1.00x", ""),
-        ("bare message each way on an open stream", message, f"{message / unary:.2f}x", ""),
-        ("a round's floor on call streams: two bare messages each way", 2 * message,
-         f"{2 * message / unary:.2f}x", ""),
-        (f"the same floor as a round meets it: each message after waiting as long as one service's compute "
-         f"(greedy: {m['cold floor draft gap'] * 1e3:.1f} and {m['cold floor target gap'] * 1e3:.1f} ms)", cold,
-         f"{cold / unary:.2f}x", ""),
-    ]
-    if "bare unary (event engine)" in m:
-        rows += [
-            ("the same bare unary call under grpcio's default I/O (EventEngine; a child process, just before)",
-             ee("bare unary"), f"{ee('bare unary') / unary:.2f}x", ""),
-            ("... a bare message each way, EventEngine", ee("bare stream message"),
-             f"{ee('bare stream message') / unary:.2f}x", ""),
-            ("... the floor as a round meets it, EventEngine", ee(f"bare cold round floor{OUTSIDE}"),
-             f"{ee(f'bare cold round floor{OUTSIDE}') / unary:.2f}x", ""),
-        ]
-    rows += [
-        ("bare grpc.aio unary call, the no-ops' phase", calls_unary, "1.00x", ""),
-        ("no-op unary (target Rollback), tracing off", m["plain noop (calls)"],
-         f"{m['plain noop (calls)'] / calls_unary:.2f}x", "<= 1.3x"),
-        ("no-op unary (target Rollback), tracing on", m["traced noop (calls)"],
-         f"{m['traced noop (calls)'] / calls_unary:.2f}x", ""),
-    ]
-    child = m.get("bare unary, child server (calls)")
-    if child:  # the deployed layout: the goal's comparison is with a bare server in a process of its own
-        rows[-2] = (*rows[-2][:3], "")
-        rows += [("bare grpc.aio unary call to a server in a process of its own (as each service is)", child,
-                  f"{child / calls_unary:.2f}x", ""),
-                 ("no-op unary (target Rollback), tracing off, ÷ that call", m["plain noop (calls)"],
-                  f"{m['plain noop (calls)'] / child:.2f}x", "<= 1.3x")]
-    for sampling in ("greedy", "T=0.7"):
-        plain = fig.round_overhead("plain", sampling)
-        traced = fig.round_overhead("traced", sampling)
-        as_unary = fig.round_overhead("unary", sampling)
-        streamed = fig.round_overhead("stream", sampling)
-        rows.append((f"round overhead, {sampling}, k={fig.k}, two unary calls, tracing off", as_unary,
-                     f"{as_unary / unary:.2f}x", ""))
-        rows.append((f"round overhead, {sampling}, k={fig.k}, gRPC call streams, tracing off", streamed,
-                     f"{streamed / unary:.2f}x ({streamed / as_unary:.2f}x the unary calls)", ""))
-        rows.append((f"round overhead, {sampling}, k={fig.k}, lanes, tracing off", plain,
-                     f"{plain / unary:.2f}x ({plain / streamed:.2f}x the call streams)", "<= 1.0 ms"))
-        rows.append((f"round overhead, {sampling}, k={fig.k}, lanes, tracing on", traced, f"{traced / unary:.2f}x",
-                     "<= 1.0 ms"))
-        rows.append((f"tracing cost per round, {sampling}", traced - plain, f"{(traced - plain) / unary:.2f}x", ""))
-        if f"services {sampling} round{OUTSIDE}" in m:
-            services = fig.round_overhead("services", sampling) - plain
-            rows.append(("... of which the services' spans (the same round, the client neither spanning nor "
-                         "carrying a trace context)", services, f"{services / unary:.2f}x", ""))
-        if f"inproc {sampling} round{OUTSIDE}" in m:
-            shared = fig.round_overhead("inproc", sampling)
-            own_phase = m.get(MODELS_HERE_BARE, unary)  # the bare call of the round's own phase
-            rows.append((f"round overhead, {sampling}, k={fig.k}, lanes, tracing off, both services in the measuring "
-                         "process (one GIL with the client)", shared, f"{shared / own_phase:.2f}x", ""))
-        if f"tls {sampling} round{OUTSIDE}" in m:
-            secured = fig.round_overhead("tls", sampling)
-            rows.append((f"round overhead, {sampling}, k={fig.k}, lanes, mutual TLS, tracing off", secured,
-                         f"{secured / unary:.2f}x", ""))
-            rows.append((f"TLS cost per round, {sampling}", secured - plain, f"{(secured - plain) / unary:.2f}x", ""))
-    layout = ("both services in the measuring process" if fig.in_process
-              else "each service in a process of its own, as deployed")
-    lines = [f"Loopback, plaintext, tiny models, {layout}; {eventloop.loop_name()} event loops, "
-             f"{grpc_io.describe()}; median of {reps}, calls interleaved.", "",
-             "| figure | ms | / bare unary | goal |", "|---|---|---|---|"]
-    lines += [f"| {name} | {ms(value)} | {ratio} | {goal} |" for name, value, ratio, goal in rows]
-    if fig.note:
-        lines += ["", fig.note]
-    lines += ["", "Round overhead = round wall time − the compute the services reported for that round (their "
-              "engine jobs, timed where they ran), median over rounds. Beside it, the round's median wall time, "
-              "the same drafter and verifier calls run in-process, and the difference (ms):", "",
-              "| sampling | tracing | round through the services | round overhead | compute in-process "
-              "| round − in-process compute |", "|---|---|---|---|---|---|"]
-    for sampling in ("greedy", "T=0.7"):
-        for prefix in ("plain", "traced"):
-            lines.append(f"| {sampling} | {'on' if prefix == 'traced' else 'off'} | "
-                         f"{ms(m[f'{prefix} {sampling} round'])} | {ms(fig.round_overhead(prefix, sampling))} | "
-                         f"{ms(m[f'{prefix} {sampling} compute'])} | "
-                         f"{ms(fig.round_minus_local_compute(prefix, sampling))} |")
-    if fig.cpu:
-        lines += ["", *cpu_table(fig.cpu)]
-    return "\n".join(lines)
-
-
-def cpu_table(cpu: dict[str, RoundCpu]) -> list[str]:
-    """The CPU a round costs each process outside the models (round_cpu.py), µs."""
-    some = next(iter(cpu.values()))
-    names = list(some.outside)
-    lines = [f"CPU time per round outside the models, by process (µs; lanes, {some.rounds} rounds back to back; "
-             "each process's CPU, all threads, less the compute its services reported). A round's overhead is a "
-             "chain, so their sum is close to it, without the machine's wake-ups; tracing's rows include its "
-             "exporter's thread:", "",
-             "| round | " + " | ".join(names) + (" | sum" if len(names) > 1 else "") + " | the services' compute |",
-             "|---|" + "---|" * (len(names) + (2 if len(names) > 1 else 1))]
-    for label, figures in cpu.items():
-        cells = [f"{figures.outside[n]:.0f}" for n in names] + ([f"{figures.total_outside:.0f}"] if len(names) > 1 else [])
-        lines.append(f"| {label} | " + " | ".join(cells) + f" | draft {figures.compute['draft']:.0f}, "
-                     f"target {figures.compute['target']:.0f} |")
-    return lines

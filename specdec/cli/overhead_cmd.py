@@ -64,7 +64,8 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from specdec import cpu_latency, eventloop
-    from specdec.bench.overhead import measure, report
+    from specdec.bench.overhead import measure
+    from specdec.bench.overhead_report import report
 
     if args.end_to_end:
         return _end_to_end(args)
