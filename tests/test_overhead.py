@@ -110,6 +110,8 @@ def test_specd_overhead_measures_every_figure_it_prints():
     assert "CPU time per round outside the models, by process" in text
     assert m["bare cold round floor outside compute"] > 0 and m["cold floor draft gap"] > 0
     assert m["bare lane frame"] > 0 and m["bare lane cold round floor outside compute"] > 0
+    assert m["bare lane frame, client CPU"] >= 0 and m["bare lane frame, client CPU after the draft's compute"] >= 0
+    assert "A message's own price, before any code of ours: one bare frame each way" in text
     for row in ("two unary calls", "the unary calls)", "gRPC call streams", "the call streams;",
                 "ms over the lanes' floor)", "lanes, mutual TLS", "TLS cost per round", "bare message each way",
                 "bare frame each way on an open lane connection", "as a round meets it",

@@ -76,7 +76,7 @@ from specdec.bench.bare_grpc import ChildServer, cold_floor
 from specdec.bench.bare_grpc import start_server as start_bare_server
 from specdec.bench.interleave import Call, ReportedCompute, interleave
 from specdec.bench.overhead_stack import DEADLINE_S, BackgroundLoop, Stack, StackSpec, start_stacks
-from specdec.bench.overhead_report import MODELS_HERE_BARE, Figures
+from specdec.bench.overhead_report import LANE_CPU, LANE_CPU_COLD, MODELS_HERE_BARE, Figures
 from specdec.bench.round_cpu import RoundCpu, round_cpu, stack_processes
 
 
@@ -319,6 +319,12 @@ async def measure(reps: int, k: int, tls: bool = False, in_process: bool = False
             medians |= await interleave(in_client | {MODELS_HERE_BARE: bare["bare unary"]}, reps)
             for label, (one_round, computed, stack) in cpu_rounds.items():
                 cpu[label] = await round_cpu(one_round, computed, *stack_processes(stack), rounds=2 * reps)
+            # What a message costs this process by itself, before any code of ours: back to
+            # back, and after the idle a round's first message follows (the draft's compute).
+            for name, idle in ((LANE_CPU, 0.0), (LANE_CPU_COLD, gaps[0])):
+                spent = await bare_lane.cpu_per_frame(bare["bare lane frame"], idle, reps)
+                if spent is not None:
+                    medians[name] = spent
             await close_bare()
             await close_lane()
             if close_child:

@@ -13,6 +13,9 @@ from specdec.rpc import grpc_io
 
 # The bare unary call of the phase whose calls run the models in the measuring process.
 MODELS_HERE_BARE = "bare unary, the phase of the models run here"
+# The measuring thread's CPU for one bare lane frame each way, back to back and after a round's idle.
+LANE_CPU = "bare lane frame, client CPU"
+LANE_CPU_COLD = "bare lane frame, client CPU after the draft's compute"
 
 
 @dataclass
@@ -137,6 +140,12 @@ def report(fig: Figures, reps: int) -> str:
                          f"{ms(fig.round_minus_local_compute(prefix, sampling))} |")
     if fig.cpu:
         lines += ["", *cpu_table(fig.cpu)]
+    if LANE_CPU in m and LANE_CPU_COLD in m:
+        lines += ["", f"A message's own price, before any code of ours: one bare frame each way on a lane connection "
+                      f"costs the measuring thread {m[LANE_CPU] * 1e6:.0f} µs of CPU back to back and "
+                      f"{m[LANE_CPU_COLD] * 1e6:.0f} µs after waiting as long as the draft's compute "
+                      f"({m['cold floor draft gap'] * 1e3:.1f} ms; medians of {reps}). A round's process handles two "
+                      "such messages."]
     return "\n".join(lines)
 
 
