@@ -22,12 +22,12 @@ import statistics
 from typing import Awaitable, Callable
 
 from specdec.bench.interleave import Call
+from specdec.rpc.lane import FrameConnection
 
 try:
     import resource
 except ImportError:  # not a Unix: no per-thread CPU figure
     resource = None
-from specdec.rpc.lane import FrameConnection
 
 LIMIT = 1 << 20  # bytes a frame may have (the references send 16)
 PAYLOAD = b"0123456789abcdef"
