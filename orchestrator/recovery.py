@@ -12,6 +12,9 @@ and its batcher's request count) and moves that hold when it re-opens the
 session elsewhere. `SpeculativeRequest` calls `reopen` when a target call
 fails with UNAVAILABLE; the servicer calls `release` when the request ends.
 
+A replica that fails is marked down in its pool (replicas.py), so new
+requests go elsewhere until it answers again.
+
 Limitations: the round in flight when the target failed is run again, so its
 draft is asked twice (the drafts are the same: they are keyed by seed and
 position too); a replica that keeps failing is retried until the window
@@ -71,6 +74,7 @@ class TargetLease:
         request's deadline or the recovery window ends; then Unavailable."""
         failed = self.replica
         log.info("target %s failed (%s); re-opening the session on a live replica", failed.address, cause)
+        self.pool.mark_down(failed, str(cause))
         give_up = time.monotonic() + self.settings.window_s
         if deadline is not None:
             give_up = min(give_up, deadline)
@@ -87,7 +91,10 @@ class TargetLease:
                                                                  timeout=min(left, self.settings.rpc_timeout_s))
                 except grpc.aio.AioRpcError as exc:
                     last_error = f"{replica.address}: {exc.code().name}: {exc.details()}"
+                    if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                        self.pool.mark_down(replica, last_error)
                     continue
+                self.pool.mark_up(replica)
                 self._move_to(replica)
                 await self._release_failed(failed)
                 await self._reread_info(replica, give_up)
@@ -137,14 +144,20 @@ class TargetLease:
 
 
 async def any_target_serving(pool: ReplicaPool, timeout_s: float) -> bool:
-    """Whether some live target replica answers its health check with SERVING."""
+    """Whether some live target replica answers its health check with
+    SERVING; each replica is marked up or down by its answer."""
     async def serving(replica: Replica) -> bool:
         try:
             reply = await health_pb2_grpc.HealthStub(replica.client.channel).Check(
                 health_pb2.HealthCheckRequest(), timeout=timeout_s)
-        except grpc.aio.AioRpcError:
+        except grpc.aio.AioRpcError as exc:
+            pool.mark_down(replica, f"health check: {exc.code().name}")
             return False
-        return reply.status == health_pb2.HealthCheckResponse.SERVING
+        if reply.status != health_pb2.HealthCheckResponse.SERVING:
+            pool.mark_down(replica, f"health check: {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}")
+            return False
+        pool.mark_up(replica)
+        return True
 
     replicas = [r for r in pool.replicas.values() if not r.retired]
     return any(await asyncio.gather(*(serving(r) for r in replicas)))

@@ -8,6 +8,16 @@ Kubernetes headless Service resolves to every ready pod), keeps one channel
 the replica with the fewest active requests. The name is re-resolved every
 `refresh_s` seconds; a replica that disappears is dropped from selection and
 its channel closed once its last request ends.
+
+A replica that is still listed but not answering (a process that died while
+its name still resolves, or an address of a comma-separated `--target`) is
+marked down: by a failed call (`mark_down`, from the target's recovery) or
+a failed health check (the orchestrator's health loop checks every target
+replica each second). New requests go to the replicas that are up; one that
+is down gets none until it answers again (`mark_up`) or its down window
+ends (1 s, doubled for each failure in a row, at most 30 s), when it gets
+one more try. Where every replica is down, they are all tried, least
+loaded first, as before.
 """
 from __future__ import annotations
 
@@ -29,6 +39,11 @@ class Replica:
     batcher: object | None = None  # the target's VerifyBatcher
     active: int = 0
     retired: bool = False
+    down_until: float = 0.0  # monotonic time before which new requests avoid it (`ReplicaPool.mark_down`)
+    failures: int = 0  # failed calls or health checks in a row
+
+    def is_down(self, now: float) -> bool:
+        return now < self.down_until
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -74,6 +89,10 @@ def resolve(address: str) -> list[str]:
     return sorted(found) or [address]
 
 
+DOWN_INITIAL_S = 1.0  # a replica's first down window; doubled per failure in a row
+DOWN_MAX_S = 30.0
+
+
 class ReplicaPool:
     def __init__(self, address: str, make_replica: Callable[[str], Awaitable[Replica]],
                  close_replica: Callable[[Replica], Awaitable[None]], refresh_s: float = 10.0):
@@ -107,13 +126,33 @@ class ReplicaPool:
         return next(iter(self.replicas.values()))
 
     def acquire(self) -> Replica:
-        """The least-loaded live replica, pinned until `release`."""
-        if time.monotonic() - self._resolved_at > self.refresh_s and self._refreshing is None:
+        """The least-loaded live replica that is not down (any live one if
+        all are), pinned until `release`."""
+        now = time.monotonic()
+        if now - self._resolved_at > self.refresh_s and self._refreshing is None:
             self._refreshing = asyncio.ensure_future(self._background_refresh())
         live = [r for r in self.replicas.values() if not r.retired] or list(self.replicas.values())
-        replica = min(live, key=lambda r: r.active)
+        up = [r for r in live if not r.is_down(now)]
+        replica = min(up or live, key=lambda r: r.active)
         replica.active += 1
         return replica
+
+    def mark_down(self, replica: Replica, why: str) -> None:
+        """`replica` failed a call or a health check: new requests avoid it
+        for a window that doubles with each failure in a row."""
+        replica.failures += 1
+        window = min(DOWN_INITIAL_S * 2 ** (replica.failures - 1), DOWN_MAX_S)
+        replica.down_until = time.monotonic() + window
+        if replica.failures == 1:
+            log.warning("%s: replica %s is down (%s); new requests go to the others", self.address,
+                        replica.address, why)
+
+    def mark_up(self, replica: Replica) -> None:
+        """`replica` answered: it takes new requests again."""
+        if replica.failures:
+            log.info("%s: replica %s is back", self.address, replica.address)
+        replica.failures = 0
+        replica.down_until = 0.0
 
     async def release(self, replica: Replica) -> None:
         replica.active -= 1

@@ -70,3 +70,99 @@ def test_requests_spread_over_replicas_and_stay_pinned(monkeypatch):
                 loop.run(orch.stop(0))
             finally:
                 loop.close()
+
+
+def test_a_replica_marked_down_gets_no_new_request_until_it_answers_or_its_window_ends(monkeypatch):
+    """`ReplicaPool`: new requests avoid a replica that failed (least loaded
+    among the rest), every replica is tried when all are down, a failure in
+    a row doubles its window up to 30 s, and an answer clears it."""
+    import asyncio
+    import time
+
+    from orchestrator import replicas as R
+
+    async def run():
+        pool = R.ReplicaPool("target:1", make_replica=None, close_replica=None, refresh_s=3600)
+        pool._resolved_at = time.monotonic()
+        a, b = R.Replica("10.0.0.1:1", client=None), R.Replica("10.0.0.2:1", client=None)
+        pool.replicas = {a.address: a, b.address: b}
+        a.active = 5  # the busier one: without a mark, b would be chosen
+        pool.mark_down(b, "UNAVAILABLE")
+        picked = [pool.acquire() for _ in range(3)]
+        assert picked == [a, a, a]
+        pool.mark_down(a, "UNAVAILABLE")  # all down: the least loaded of all, as before
+        assert pool.acquire() is b
+        now = time.monotonic()
+        for expected in (2.0, 4.0, 8.0, 16.0, 30.0, 30.0):
+            pool.mark_down(b, "UNAVAILABLE")
+            assert abs(b.down_until - now - expected) < 0.5, (expected, b.down_until - now)
+        pool.mark_up(b)
+        assert not b.is_down(time.monotonic()) and b.failures == 0
+        pool.mark_up(a)
+        assert pool.acquire() is b  # the less loaded again, once both are up
+        # A window that ended gives the replica another try.
+        pool.mark_down(a, "UNAVAILABLE")
+        a.active = 0
+        monkeypatch.setattr(R.time, "monotonic", lambda: now + 3600)
+        assert pool.acquire() is a
+
+    asyncio.run(run())
+
+
+def test_a_dead_target_replica_still_listed_gets_no_new_requests(monkeypatch):
+    """Two target replicas behind one name; one stops while its name still
+    resolves. The orchestrator's health loop marks it down, and the requests
+    after that all go to the live one: none is first pinned to the dead one
+    (before, each new request's first OpenSession failed there and moved)."""
+    import time
+
+    engine_a, engine_b = tiny_engine(seed=0), tiny_engine(seed=0)
+    with running_target(engine_a) as (svc_a, _, _):
+        port = svc_a.port
+        cfg = local_config()
+        cfg.host, cfg.port = "127.0.0.2", port
+        with running_target(engine_b, server_cfg=cfg) as (svc_b, _, loop_b):
+            real = socket.getaddrinfo
+
+            def fake(host, *args, **kwargs):
+                if host == "target.specdec.svc":
+                    return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (ip, port)) for ip in ("127.0.0.1", "127.0.0.2")]
+                return real(host, *args, **kwargs)
+
+            monkeypatch.setattr(socket, "getaddrinfo", fake)
+            from orchestrator.client import Client
+            from orchestrator.config import OrchestratorConfig
+            from orchestrator.replicas import ReplicaPool
+            from orchestrator.server import start_orchestrator
+            from specdec.security.tls import TlsConfig
+            from tests.harness import BackgroundLoop
+
+            loop = BackgroundLoop()
+            try:
+                orch = loop.run(start_orchestrator(local_config(), OrchestratorConfig(
+                    target=f"target.specdec.svc:{port}", draft="", connect_timeout_s=10, health_interval_s=0.1),
+                    tls=TlsConfig(insecure=True)))
+                pool = orch.backends.targets
+                dead = pool.replicas[f"127.0.0.2:{port}"]
+                loop_b.run(svc_b.stop(0))  # the process is gone; its name still resolves
+                time.sleep(2.0)  # twenty health checks
+                live = pool.replicas[f"127.0.0.1:{port}"]
+                live.active += 3  # the busier one: by load alone, every new request would go to the dead one
+                chosen = []
+                acquire = ReplicaPool.acquire
+
+                def recording(self):
+                    replica = acquire(self)
+                    chosen.append(replica.address)
+                    return replica
+
+                monkeypatch.setattr(ReplicaPool, "acquire", recording)
+                with Client(f"127.0.0.1:{orch.port}", timeout_s=60) as client:
+                    for i in range(4):
+                        assert client.complete([3 + i, 4, 5], max_tokens=8, temperature=0).token_ids
+                live.active -= 3
+                assert chosen == [f"127.0.0.1:{port}"] * 4, chosen
+                assert dead.is_down(time.monotonic()) and dead.failures >= 2
+                loop.run(orch.stop(0))
+            finally:
+                loop.close()
