@@ -10,7 +10,7 @@ from typing import Callable
 
 import grpc
 
-from specdec.errors import Unavailable
+from specdec.errors import DeadlineExceeded, Unavailable
 from specdec.rpc.call_stream import CallStream
 from specdec.rpc import lane_methods
 from specdec.rpc.lane_client import LaneClient
@@ -188,3 +188,28 @@ def _channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
 
 def unavailable(service: str, exc: grpc.aio.AioRpcError) -> Unavailable:
     return Unavailable(f"the {service} service failed: {exc.code().name}: {exc.details()}")
+
+
+async def open_to_its_end(client, request, rpc_timeout_s: float, wait_s: float,
+                          on_orphan: Callable[[object, str], None]) -> tuple[str, "CallCost"]:
+    """`client.open(request)`, whose session is never lost: the call runs
+    under `rpc_timeout_s` and to its end, while the caller waits for it at
+    most `wait_s` (then DeadlineExceeded) or until it is cancelled. A call
+    bound by the request's own deadline could end DEADLINE_EXCEEDED while
+    the service, which answered in time, kept the session; and a cancel
+    landing as the reply arrives would drop its id. A session opened for a
+    caller already gone goes to `on_orphan(client, session_id)` (to close)."""
+    opening = asyncio.ensure_future(client.open(request, rpc_timeout_s))
+
+    def orphan(done: asyncio.Future) -> None:
+        if not done.cancelled() and done.exception() is None:
+            on_orphan(client, done.result()[0])
+
+    try:
+        return await asyncio.wait_for(asyncio.shield(opening), wait_s)
+    except asyncio.TimeoutError:
+        opening.add_done_callback(orphan)
+        raise DeadlineExceeded(f"the request's deadline passed while opening the {client.name} session") from None
+    except asyncio.CancelledError:
+        opening.add_done_callback(orphan)
+        raise

@@ -33,9 +33,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from orchestrator.downstream import CallCost
 from orchestrator.replicas import Replica, ReplicaPool
-from specdec.errors import Unavailable
+from specdec.errors import DeadlineExceeded, Unavailable
 
 log = logging.getLogger(__name__)
+
+# (client, OpenSessionRequest, seconds the caller waits) -> (session id, its cost)
+Opener = Callable[[object, object, float], Awaitable[tuple[str, CallCost]]]
 
 
 @dataclass(frozen=True)
@@ -43,7 +46,6 @@ class RecoverySettings:
     window_s: float = 30.0  # how long a request without a (shorter) deadline looks for a replica
     retry_initial_s: float = 0.1  # wait between passes over the replicas, doubled up to retry_max_s
     retry_max_s: float = 1.0
-    rpc_timeout_s: float = 60.0  # the prefill call's own deadline
 
 
 class TargetLease:
@@ -67,11 +69,16 @@ class TargetLease:
         self.replica.batcher.request_finished()
         await self.pool.release(self.replica)
 
-    async def reopen(self, open_request, deadline: float | None, cause: Exception) -> tuple[str, CallCost]:
+    async def reopen(self, open_request, deadline: float | None, cause: Exception,
+                     open_on: Opener) -> tuple[str, CallCost]:
         """Open a session prefilled with `open_request` (the full history) on
         the first replica that answers: the others first, the failed one last.
         Passes over the replicas (re-resolving the name each time) until the
-        request's deadline or the recovery window ends; then Unavailable."""
+        request's deadline (then DeadlineExceeded) or the recovery window
+        ends (then Unavailable). Each open goes through `open_on(client,
+        request, wait_s)`, the request's own (`RequestSessions._open_on`): it
+        runs to its end, and a session it opens after the request gave up
+        waiting is closed rather than left to expire."""
         failed = self.replica
         log.info("target %s failed (%s); re-opening the session on a live replica", failed.address, cause)
         self.pool.mark_down(failed, str(cause))
@@ -85,10 +92,13 @@ class TargetLease:
                 left = give_up - time.monotonic()
                 if left <= 0:
                     break
-                start = time.perf_counter()
                 try:
-                    reply = await replica.client.stub.OpenSession(open_request,
-                                                                 timeout=min(left, self.settings.rpc_timeout_s))
+                    session_id, cost = await open_on(replica.client, open_request, left)
+                except DeadlineExceeded:
+                    if deadline is not None and time.monotonic() >= deadline:
+                        raise
+                    last_error = f"{replica.address}: still prefilling when the recovery window ended"
+                    break
                 except grpc.aio.AioRpcError as exc:
                     last_error = f"{replica.address}: {exc.code().name}: {exc.details()}"
                     if exc.code() == grpc.StatusCode.UNAVAILABLE:
@@ -100,8 +110,7 @@ class TargetLease:
                 await self._reread_info(replica, give_up)
                 log.info("target session re-opened on %s (%d tokens prefilled)", replica.address,
                          len(open_request.prompt_token_ids))
-                return reply.session_id, CallCost(time.perf_counter() - start,
-                                                  open_request.ByteSize() + reply.ByteSize())
+                return session_id, cost
             left = give_up - time.monotonic()
             if left <= 0:
                 raise Unavailable(f"the target service failed and no replica could re-open the session "

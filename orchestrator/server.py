@@ -217,7 +217,7 @@ async def build_backends(cfg: OrchestratorConfig, tokenizer=None, telemetry: Tel
                             max_draft_tokens=max_draft_tokens)
     return Backends(targets=targets, drafts=drafts, tokenizer=tokenizer, settings=settings,
                     eos_ids=frozenset(eos), vocab_size=usable_size_of(target_info),
-                    recovery=RecoverySettings(window_s=cfg.target_recovery_s, rpc_timeout_s=cfg.rpc_timeout_s))
+                    recovery=RecoverySettings(window_s=cfg.target_recovery_s))
 
 
 async def start_orchestrator(server_cfg: ServerConfig, cfg: OrchestratorConfig, tokenizer=None,

@@ -31,7 +31,7 @@ import grpc
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from orchestrator.batcher import VerifyBatcher
-from orchestrator.downstream import CallCost, DraftClient, TargetClient, open_request
+from orchestrator.downstream import CallCost, DraftClient, TargetClient, open_request, open_to_its_end
 from orchestrator.request_stats import RequestSpec, RequestStats
 from specdec.errors import DeadlineExceeded, Unavailable
 from specdec.rpc.grpc_errors import from_rpc_error
@@ -142,27 +142,10 @@ class RequestSessions:
                 self.stats.prefill_time_s += time.perf_counter() - start
 
     async def _open_on(self, client, request, timeout: float) -> tuple[str, CallCost]:
-        """client.open, whose session is never lost: the call itself runs
-        under rpc_timeout_s and to its end, while the request waits for it at
-        most `timeout` (DeadlineExceeded) or until it is cancelled. A call
-        bound by the request's own deadline could end DEADLINE_EXCEEDED here
-        while the service, which answered in time, kept the session; and a
-        cancel landing as the reply arrives would drop its id. A session
-        opened for a request already gone is closed."""
-        opening = asyncio.ensure_future(client.open(request, self.rpc_timeout_s))
-
-        def close_orphan(done: asyncio.Future) -> None:
-            if not done.cancelled() and done.exception() is None:
-                self.close_later(client, done.result()[0])
-
-        try:
-            return await asyncio.wait_for(asyncio.shield(opening), timeout)
-        except asyncio.TimeoutError:
-            opening.add_done_callback(close_orphan)
-            raise DeadlineExceeded(f"the request's deadline passed while opening the {client.name} session") from None
-        except asyncio.CancelledError:
-            opening.add_done_callback(close_orphan)
-            raise
+        """client.open, whose session is never lost (`open_to_its_end`): the
+        request waits for it at most `timeout`; a session opened for a
+        request already gone is closed."""
+        return await open_to_its_end(client, request, self.rpc_timeout_s, timeout, self.close_later)
 
     # ------------------------------------------------------------ failures
 
@@ -177,7 +160,7 @@ class RequestSessions:
             self.target_id = None
             start = time.perf_counter()
             try:
-                session, cost = await self.lease.reopen(self._open_request(), self.spec.deadline, cause)
+                session, cost = await self.lease.reopen(self._open_request(), self.spec.deadline, cause, self._open_on)
             finally:
                 self.stats.prefill_time_s += time.perf_counter() - start
             span.set_attribute(A_RECOVERED_ON, self.lease.replica.address)

@@ -166,3 +166,104 @@ def test_a_dead_target_replica_still_listed_gets_no_new_requests(monkeypatch):
                 loop.run(orch.stop(0))
             finally:
                 loop.close()
+
+
+class _SlowTarget:
+    """A target client whose OpenSession takes `prefill_s`, or fails
+    UNAVAILABLE (`dead`); it records the sessions it opened and closed."""
+
+    name = "target"
+
+    def __init__(self, prefill_s: float = 0.0, dead: bool = False):
+        self.prefill_s, self.dead = prefill_s, dead
+        self.opened: list[str] = []
+        self.closed: list[str] = []
+
+    async def open(self, request, timeout):
+        import asyncio
+
+        import grpc
+
+        from orchestrator.downstream import CallCost
+
+        if self.dead:
+            raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, None, None, "connection refused")
+        await asyncio.sleep(self.prefill_s)
+        self.opened.append(f"s{len(self.opened)}")
+        return self.opened[-1], CallCost(self.prefill_s, 10)
+
+    async def fetch_info(self, timeout):
+        return None
+
+
+def _lease(*clients):
+    import time
+
+    from orchestrator.recovery import RecoverySettings, TargetLease
+    from orchestrator.replicas import Replica, ReplicaPool
+
+    class Batcher:
+        def request_started(self):
+            pass
+
+        def request_finished(self):
+            pass
+
+    pool = ReplicaPool("target:1", make_replica=None, close_replica=None, refresh_s=3600)
+    pool._resolved_at = time.monotonic()
+    pool.replicas = {f"10.0.0.{i}:1": Replica(f"10.0.0.{i}:1", client=c, batcher=Batcher())
+                     for i, c in enumerate(clients)}
+    return pool, TargetLease(pool, RecoverySettings(window_s=5.0, retry_initial_s=0.01, retry_max_s=0.01))
+
+
+def test_a_session_reopened_after_the_request_gave_up_is_closed_not_left_to_expire():
+    """Recovery's re-open runs to its end under the calls' own timeout while
+    the request waits at most until its deadline (`open_to_its_end`, as
+    every first open does): a prefill that finishes after the deadline has
+    its session closed at once, instead of held until the 300 s idle expiry
+    (docs/reliability.md, leak 3: before, the re-open was bound by the
+    request's deadline, and a reply in flight at that moment was lost)."""
+    import asyncio
+    import time
+
+    from orchestrator.downstream import open_to_its_end
+    from specdec.errors import DeadlineExceeded
+
+    async def run():
+        failed, slow = _SlowTarget(dead=True), _SlowTarget(prefill_s=0.3)
+        pool, lease = _lease(failed, slow)
+        closed = []
+
+        def open_on(client, request, wait_s):
+            return open_to_its_end(client, request, 60.0, wait_s, lambda c, sid: closed.append((c, sid)))
+
+        deadline = time.monotonic() + 0.1
+        with pytest.raises(DeadlineExceeded):
+            await lease.reopen(open_request([3, 4, 5]), deadline, RuntimeError("UNAVAILABLE"), open_on)
+        assert slow.opened == [] and closed == []  # still prefilling when the request gave up
+        await asyncio.sleep(0.5)
+        assert slow.opened == ["s0"] and closed == [(slow, "s0")]
+        assert pool.replicas["10.0.0.0:1"].is_down(time.monotonic())  # the failed one, marked
+
+        # Without a deadline, a re-open that outlasts the recovery window is Unavailable, and closed too.
+        pool, lease = _lease(_SlowTarget(dead=True), _SlowTarget(prefill_s=0.3))
+        lease.settings = type(lease.settings)(window_s=0.1, retry_initial_s=0.01, retry_max_s=0.01)
+        closed.clear()
+        from specdec.errors import Unavailable
+        with pytest.raises(Unavailable, match="still prefilling when the recovery window ended"):
+            await lease.reopen(open_request([3, 4, 5]), None, RuntimeError("UNAVAILABLE"), open_on)
+        await asyncio.sleep(0.5)
+        assert [sid for _, sid in closed] == ["s0"]
+
+        # A re-open in time moves the lease to the replica that answered.
+        fast = _SlowTarget()
+        pool, lease = _lease(_SlowTarget(dead=True), fast)
+        session, _ = await lease.reopen(open_request([3, 4, 5]), time.monotonic() + 5, RuntimeError("x"), open_on)
+        assert session == "s0" and lease.client is fast
+
+    def open_request(tokens):
+        from specdec.v1 import common_pb2
+
+        return common_pb2.OpenSessionRequest(prompt_token_ids=tokens)
+
+    asyncio.run(run())
