@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import socket
 import threading
 import time
 from contextlib import contextmanager
@@ -57,6 +58,41 @@ def running_target(engine, limits: SessionLimits | None = None, server_cfg: Serv
         channel.close()
         loop.run(service.stop(0))
         loop.close()
+
+
+REPLICAS_NAME = "target.specdec.svc"
+
+
+@contextmanager
+def target_replicas_behind_one_name(monkeypatch, engine_a, engine_b):
+    """Two target services on one port at 127.0.0.1 and 127.0.0.2, and the
+    name REPLICAS_NAME resolving to both, like pods behind a Kubernetes
+    headless Service; yields (port, (service_a, loop_a), (service_b, loop_b))."""
+    with running_target(engine_a) as (svc_a, _, loop_a):
+        port = svc_a.port
+        cfg = local_config()
+        cfg.host, cfg.port = "127.0.0.2", port
+        with running_target(engine_b, server_cfg=cfg) as (svc_b, _, loop_b):
+            real = socket.getaddrinfo
+
+            def fake(host, *args, **kwargs):
+                if host == REPLICAS_NAME:
+                    return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (ip, port)) for ip in ("127.0.0.1", "127.0.0.2")]
+                return real(host, *args, **kwargs)
+
+            monkeypatch.setattr(socket, "getaddrinfo", fake)
+            yield port, (svc_a, loop_a), (svc_b, loop_b)
+
+
+def start_orchestrator_on_replicas(loop, port: int, **cfg):
+    """An orchestrator on `loop` whose target is REPLICAS_NAME:`port`, no
+    draft; a cluster name, so plaintext must be asked for (docs/security.md)."""
+    from orchestrator.config import OrchestratorConfig
+    from orchestrator.server import start_orchestrator
+    from specdec.security.tls import TlsConfig
+
+    return loop.run(start_orchestrator(local_config(), OrchestratorConfig(
+        target=f"{REPLICAS_NAME}:{port}", draft="", connect_timeout_s=10, **cfg), tls=TlsConfig(insecure=True)))
 
 
 @contextmanager

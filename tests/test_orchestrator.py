@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import copy
-import socket
 import time
 
 import grpc
@@ -16,14 +15,12 @@ from scipy.stats import chisquare
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from orchestrator.client import Client, build_request
-from orchestrator.config import OrchestratorConfig
-from orchestrator.server import start_orchestrator
 from specdec.sampling.params import SamplingParams
 from specdec.sampling.transform import logits_to_probs
-from specdec.security.tls import TlsConfig
 from specdec.v1 import orchestrator_pb2 as pb
 from tests.conftest import tiny_engine, tiny_model
-from tests.harness import BackgroundLoop, complete_seeds, local_config, running_draft, running_system, running_target
+from tests.harness import (BackgroundLoop, complete_seeds, running_draft, running_system, running_target,
+                           start_orchestrator_on_replicas, target_replicas_behind_one_name)
 
 GREEDY_PROMPTS = [[3 + (7 * i + j * j) % 120 for j in range(2 + i % 9)] for i in range(24)]
 
@@ -264,11 +261,9 @@ def test_draft_stopped_mid_stream_falls_back_exactly_and_recovers():
         assert again.stats.proposed_tokens > 0, "speculation did not resume"
 
 
-def generate_stopping_the_draft(s, prompt, n):
-    """Greedy k=2 generation of n tokens; the draft service stops after the
-    second chunk. Returns (tokens, final stats)."""
-    stream = s.client.stub.Generate(build_request(prompt, max_tokens=n, temperature=0, num_draft_tokens=2),
-                                    timeout=60)
+def read_stopping(stream, stop) -> tuple[list[int], object]:
+    """Read a Generate stream, calling `stop()` after its second chunk:
+    (the tokens, the final stats)."""
     tokens, stats = [], None
     for i, reply in enumerate(stream):
         if reply.HasField("stats"):
@@ -276,8 +271,16 @@ def generate_stopping_the_draft(s, prompt, n):
             break
         tokens.extend(reply.chunk.token_ids)
         if i == 1:
-            s.draft_loop.run(s.draft.stop(0))
+            stop()
     return tokens, stats
+
+
+def generate_stopping_the_draft(s, prompt, n):
+    """Greedy k=2 generation of n tokens; the draft service stops after the
+    second chunk. Returns (tokens, final stats)."""
+    stream = s.client.stub.Generate(build_request(prompt, max_tokens=n, temperature=0, num_draft_tokens=2),
+                                    timeout=60)
+    return read_stopping(stream, lambda: s.draft_loop.run(s.draft.stop(0)))
 
 
 def assert_cancel_and_deadline_free_the_sessions(s, target_engine, draft_engine, chunks_first=1):
@@ -394,43 +397,24 @@ def test_a_failed_target_replica_is_replaced_by_a_live_one(monkeypatch):
     target = without_eos(tiny_model(seed=0, init_range=0.3))
     ref = greedy_reference(target, GREEDY_PROMPTS[3], 30)
     engine_a, engine_b = tiny_engine(model=target), tiny_engine(model=target)
-    with running_target(engine_a) as (svc_a, _, loop_a):
-        port = svc_a.port
-        cfg = local_config()
-        cfg.host, cfg.port = "127.0.0.2", port
-        with running_target(engine_b, server_cfg=cfg) as (svc_b, _, loop_b):
-            real = socket.getaddrinfo
-
-            def fake(host, *args, **kwargs):
-                if host == "target.specdec.svc":
-                    return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (ip, port)) for ip in ("127.0.0.1", "127.0.0.2")]
-                return real(host, *args, **kwargs)
-
-            monkeypatch.setattr(socket, "getaddrinfo", fake)
-            loop = BackgroundLoop()
+    with target_replicas_behind_one_name(monkeypatch, engine_a, engine_b) as (port, (svc_a, loop_a), (svc_b, loop_b)):
+        loop = BackgroundLoop()
+        try:
+            orch = start_orchestrator_on_replicas(loop, port)
             try:
-                # A cluster name, so plaintext must be asked for (docs/security.md).
-                orch = loop.run(start_orchestrator(local_config(), OrchestratorConfig(
-                    target=f"target.specdec.svc:{port}", draft="", connect_timeout_s=10),
-                    tls=TlsConfig(insecure=True)))
-                try:
-                    with Client(f"127.0.0.1:{orch.port}", timeout_s=60) as client:
-                        stream = client.stub.Generate(build_request(GREEDY_PROMPTS[3], max_tokens=30, temperature=0),
-                                                      timeout=60)
-                        tokens, stats = [], None
-                        for i, reply in enumerate(stream):
-                            if reply.HasField("stats"):
-                                stats = reply.stats
-                                break
-                            tokens.extend(reply.chunk.token_ids)
-                            if i == 1:
-                                victim = (svc_a, loop_a) if engine_a.num_sessions else (svc_b, loop_b)
-                                victim[1].run(victim[0].stop(0))
-                    assert tokens == ref and stats.target_recoveries == 1
-                finally:
-                    loop.run(orch.stop(0))
+                def stop_the_requests_replica():
+                    service, its_loop = (svc_a, loop_a) if engine_a.num_sessions else (svc_b, loop_b)
+                    its_loop.run(service.stop(0))
+
+                with Client(f"127.0.0.1:{orch.port}", timeout_s=60) as client:
+                    stream = client.stub.Generate(build_request(GREEDY_PROMPTS[3], max_tokens=30, temperature=0),
+                                                  timeout=60)
+                    tokens, stats = read_stopping(stream, stop_the_requests_replica)
+                assert tokens == ref and stats.target_recoveries == 1
             finally:
-                loop.close()
+                loop.run(orch.stop(0))
+        finally:
+            loop.close()
 
 
 def test_requests_in_flight_are_exported_as_a_gauge():

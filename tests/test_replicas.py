@@ -3,13 +3,13 @@ service name resolves to (a Kubernetes headless Service)."""
 from __future__ import annotations
 
 import concurrent.futures
-import socket
 
 import pytest
 
+from orchestrator.client import Client
 from orchestrator.replicas import resolve, split_address
 from tests.conftest import tiny_engine
-from tests.harness import local_config, running_target
+from tests.harness import BackgroundLoop, start_orchestrator_on_replicas, target_replicas_behind_one_name
 
 
 def test_resolve_literals_and_names():
@@ -28,48 +28,27 @@ def test_requests_spread_over_replicas_and_stay_pinned(monkeypatch):
     # Two target replicas on the same port at two loopback addresses, behind
     # one name, like pods behind a headless Service.
     engine_a, engine_b = tiny_engine(seed=0), tiny_engine(seed=0)
-    with running_target(engine_a) as (svc_a, _, _):
-        port = svc_a.port
-        cfg = local_config()
-        cfg.host, cfg.port = "127.0.0.2", port
-        with running_target(engine_b, server_cfg=cfg):
-            real = socket.getaddrinfo
+    with target_replicas_behind_one_name(monkeypatch, engine_a, engine_b) as (port, _, _):
+        loop = BackgroundLoop()
+        try:
+            orch = start_orchestrator_on_replicas(loop, port)
+            assert len(orch.backends.targets.replicas) == 2
+            seen = {"a": 0, "b": 0}
 
-            def fake(host, *args, **kwargs):
-                if host == "target.specdec.svc":
-                    return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (ip, port)) for ip in ("127.0.0.1", "127.0.0.2")]
-                return real(host, *args, **kwargs)
+            def run(i):
+                with Client(f"127.0.0.1:{orch.port}", timeout_s=60) as client:
+                    stream = client.generate([3 + i, 4, 5], max_tokens=200, temperature=0)
+                    next(stream)
+                    seen["a"] = max(seen["a"], engine_a.num_sessions)
+                    seen["b"] = max(seen["b"], engine_b.num_sessions)
+                    return list(stream)
 
-            monkeypatch.setattr(socket, "getaddrinfo", fake)
-            from tests.harness import BackgroundLoop
-            from orchestrator.client import Client
-            from orchestrator.config import OrchestratorConfig
-            from orchestrator.server import start_orchestrator
-            from specdec.security.tls import TlsConfig
-
-            loop = BackgroundLoop()
-            try:
-                # A cluster name, so plaintext must be asked for (docs/security.md).
-                orch = loop.run(start_orchestrator(local_config(), OrchestratorConfig(
-                    target=f"target.specdec.svc:{port}", draft="", connect_timeout_s=10),
-                    tls=TlsConfig(insecure=True)))
-                assert len(orch.backends.targets.replicas) == 2
-                seen = {"a": 0, "b": 0}
-
-                def run(i):
-                    with Client(f"127.0.0.1:{orch.port}", timeout_s=60) as client:
-                        stream = client.generate([3 + i, 4, 5], max_tokens=200, temperature=0)
-                        next(stream)
-                        seen["a"] = max(seen["a"], engine_a.num_sessions)
-                        seen["b"] = max(seen["b"], engine_b.num_sessions)
-                        return list(stream)
-
-                with concurrent.futures.ThreadPoolExecutor(4) as pool:
-                    list(pool.map(run, range(4)))
-                assert seen["a"] >= 1 and seen["b"] >= 1, seen
-                loop.run(orch.stop(0))
-            finally:
-                loop.close()
+            with concurrent.futures.ThreadPoolExecutor(4) as pool:
+                list(pool.map(run, range(4)))
+            assert seen["a"] >= 1 and seen["b"] >= 1, seen
+            loop.run(orch.stop(0))
+        finally:
+            loop.close()
 
 
 def test_a_replica_marked_down_gets_no_new_request_until_it_answers_or_its_window_ends(monkeypatch):
@@ -116,56 +95,37 @@ def test_a_dead_target_replica_still_listed_gets_no_new_requests(monkeypatch):
     (before, each new request's first OpenSession failed there and moved)."""
     import time
 
+    from orchestrator.replicas import ReplicaPool
+
     engine_a, engine_b = tiny_engine(seed=0), tiny_engine(seed=0)
-    with running_target(engine_a) as (svc_a, _, _):
-        port = svc_a.port
-        cfg = local_config()
-        cfg.host, cfg.port = "127.0.0.2", port
-        with running_target(engine_b, server_cfg=cfg) as (svc_b, _, loop_b):
-            real = socket.getaddrinfo
+    with target_replicas_behind_one_name(monkeypatch, engine_a, engine_b) as (port, _, (svc_b, loop_b)):
+        loop = BackgroundLoop()
+        try:
+            orch = start_orchestrator_on_replicas(loop, port, health_interval_s=0.1)
+            pool = orch.backends.targets
+            dead = pool.replicas[f"127.0.0.2:{port}"]
+            loop_b.run(svc_b.stop(0))  # the process is gone; its name still resolves
+            time.sleep(2.0)  # twenty health checks
+            live = pool.replicas[f"127.0.0.1:{port}"]
+            live.active += 3  # the busier one: by load alone, every new request would go to the dead one
+            chosen = []
+            acquire = ReplicaPool.acquire
 
-            def fake(host, *args, **kwargs):
-                if host == "target.specdec.svc":
-                    return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (ip, port)) for ip in ("127.0.0.1", "127.0.0.2")]
-                return real(host, *args, **kwargs)
+            def recording(self):
+                replica = acquire(self)
+                chosen.append(replica.address)
+                return replica
 
-            monkeypatch.setattr(socket, "getaddrinfo", fake)
-            from orchestrator.client import Client
-            from orchestrator.config import OrchestratorConfig
-            from orchestrator.replicas import ReplicaPool
-            from orchestrator.server import start_orchestrator
-            from specdec.security.tls import TlsConfig
-            from tests.harness import BackgroundLoop
-
-            loop = BackgroundLoop()
-            try:
-                orch = loop.run(start_orchestrator(local_config(), OrchestratorConfig(
-                    target=f"target.specdec.svc:{port}", draft="", connect_timeout_s=10, health_interval_s=0.1),
-                    tls=TlsConfig(insecure=True)))
-                pool = orch.backends.targets
-                dead = pool.replicas[f"127.0.0.2:{port}"]
-                loop_b.run(svc_b.stop(0))  # the process is gone; its name still resolves
-                time.sleep(2.0)  # twenty health checks
-                live = pool.replicas[f"127.0.0.1:{port}"]
-                live.active += 3  # the busier one: by load alone, every new request would go to the dead one
-                chosen = []
-                acquire = ReplicaPool.acquire
-
-                def recording(self):
-                    replica = acquire(self)
-                    chosen.append(replica.address)
-                    return replica
-
-                monkeypatch.setattr(ReplicaPool, "acquire", recording)
-                with Client(f"127.0.0.1:{orch.port}", timeout_s=60) as client:
-                    for i in range(4):
-                        assert client.complete([3 + i, 4, 5], max_tokens=8, temperature=0).token_ids
-                live.active -= 3
-                assert chosen == [f"127.0.0.1:{port}"] * 4, chosen
-                assert dead.is_down(time.monotonic()) and dead.failures >= 2
-                loop.run(orch.stop(0))
-            finally:
-                loop.close()
+            monkeypatch.setattr(ReplicaPool, "acquire", recording)
+            with Client(f"127.0.0.1:{orch.port}", timeout_s=60) as client:
+                for i in range(4):
+                    assert client.complete([3 + i, 4, 5], max_tokens=8, temperature=0).token_ids
+            live.active -= 3
+            assert chosen == [f"127.0.0.1:{port}"] * 4, chosen
+            assert dead.is_down(time.monotonic()) and dead.failures >= 2
+            loop.run(orch.stop(0))
+        finally:
+            loop.close()
 
 
 class _SlowTarget:
