@@ -291,7 +291,7 @@ def test_specd_overhead_reports_event_engine_references_it_could_not_measure(cap
         raise AssertionError("a child was started for references this process measures itself")
 
     monkeypatch.setattr(overhead, "_event_engine_references", must_not_run)
-    monkeypatch.setattr(overhead, "runs_event_engine", lambda: True)
+    monkeypatch.setattr(overhead.grpc_io, "runs_event_engine", lambda env=None: True)
     assert main(["--log-level", "WARNING", "overhead", "--reps", "2", "--in-process"]) == 0
     out = capsys.readouterr().out
     assert "not measured" not in out and "EventEngine; a child process" not in out

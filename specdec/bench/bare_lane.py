@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import socket
 import statistics
 from typing import Awaitable, Callable
 
@@ -39,7 +38,6 @@ class _Echo(FrameConnection):
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
-        _no_delay(transport)
         self.start_frames(self.write)
 
 
@@ -54,7 +52,6 @@ async def calls(port: int, host: str = "127.0.0.1") -> tuple[dict[str, Call], Ca
     at `port`, opened now, and its closer."""
     loop = asyncio.get_running_loop()
     _, connection = await loop.create_connection(lambda: FrameConnection(LIMIT), host, port)
-    _no_delay(connection.transport)
     waiting: collections.deque[asyncio.Future] = collections.deque()
     # Each frame resolves its caller's future from data_received, as a lane client's reply does.
     connection.start_frames(lambda payload: waiting.popleft().set_result(payload))
@@ -71,14 +68,6 @@ async def calls(port: int, host: str = "127.0.0.1") -> tuple[dict[str, Call], Ca
         await connection.ended
 
     return {"bare lane frame": one_frame}, close
-
-
-def _no_delay(transport: asyncio.BaseTransport) -> None:
-    """TCP_NODELAY, as asyncio and uvloop set for TCP already; said here so
-    that the reference never waits on Nagle whatever the loop."""
-    sock = transport.get_extra_info("socket")
-    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
 def thread_cpu() -> float | None:

@@ -205,11 +205,6 @@ async def noop_call(stack: Stack, prefix: str) -> dict[str, Call]:
     return {f"{prefix} noop": noop}
 
 
-def runs_event_engine() -> bool:
-    """Whether this process's grpc runs its default EventEngine (SPECD_GRPC_IO=event-engine)."""
-    return grpc_io.describe().startswith("grpc EventEngine")
-
-
 async def _event_engine_references(reps: int, gaps: tuple[float, float]) -> dict[str, float]:
     """The bare references under grpcio's default I/O engine (EventEngine),
     measured in a child process just before the rounds: this process runs the
@@ -253,7 +248,6 @@ async def measure(reps: int, k: int, tls: bool = False, in_process: bool = False
             if child is None:
                 lane_server, lane_port = bg.run(bare_lane.start_echo())
             lane, close_lane = await bare_lane.calls(child.lane_port if child else lane_port)
-            bare |= lane
             calls: dict[str, Call] = {}
             noops: dict[str, Call] = {}
             greedy_compute: list[tuple[float, float]] = []
@@ -295,11 +289,13 @@ async def measure(reps: int, k: int, tls: bool = False, in_process: bool = False
             gaps = (statistics.median(d for d, _ in greedy_compute), statistics.median(t for _, t in greedy_compute))
             medians["cold floor draft gap"], medians["cold floor target gap"] = gaps
             bare["bare cold round floor"] = cold_floor(bare["bare stream message"], gaps)
+            # The lanes' references join the rounds' phase only: the no-ops' phase compares gRPC calls.
+            bare |= lane
             bare["bare lane cold round floor"] = cold_floor(bare["bare lane frame"], gaps)
             # Under EventEngine already (SPECD_GRPC_IO=event-engine), this process's own
             # references are those; a child forked from it then is not needed (on the H200
             # host one such child died of SIGSEGV before it ran, 2026-11-27).
-            if not runs_event_engine():
+            if not grpc_io.runs_event_engine():
                 try:
                     ee = await _event_engine_references(reps, gaps)
                 except (RuntimeError, asyncio.TimeoutError) as exc:

@@ -61,12 +61,18 @@ def choose(env=None) -> str:
     return engine
 
 
+def runs_event_engine(env=None) -> bool:
+    """Whether this process's grpc runs its default EventEngine (no
+    GRPC_EXPERIMENTS set: SPECD_GRPC_IO=event-engine)."""
+    return (os.environ if env is None else env).get("GRPC_EXPERIMENTS") is None
+
+
 def describe(env=None) -> str:
     """The engine this process's grpc runs, for reports."""
     env = os.environ if env is None else env
-    experiments = env.get("GRPC_EXPERIMENTS")
-    if experiments is None:
+    if runs_event_engine(env):
         return "grpc EventEngine (grpcio's default)"
+    experiments = env["GRPC_EXPERIMENTS"]
     off = {name.strip().lstrip("-") for name in experiments.split(",") if name.strip().startswith("-")}
     if off >= set(EVENT_ENGINE_EXPERIMENTS):
         return "grpc iomgr (EventEngine experiments off)"
