@@ -10,6 +10,7 @@ from orchestrator.detokenizer import IncrementalDetokenizer
 from orchestrator.gamma_policy import make_policy
 from orchestrator.recovery import RecoverySettings, TargetLease
 from orchestrator.replicas import ReplicaPool
+from orchestrator.reply_relay import written_behind
 from orchestrator.request_stats import RequestSpec
 from orchestrator.speculation import LoopSettings, SpeculativeRequest
 from orchestrator.stop import StopMatcher, validate_stops
@@ -50,9 +51,11 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
     @grpc_errors.stream
     async def Generate(self, request, context):
         # The root of the request's trace (or a child of the client's span,
-        # when the call carries one).
+        # when the call carries one). The loop runs ahead of the stream's
+        # writes (orchestrator/reply_relay.py): a round does not wait for the
+        # last round's chunk to be written.
         with self.telemetry.server_span(SPAN_GENERATE, context.invocation_metadata()) as span:
-            async for reply in self.generate(request, span, context.time_remaining()):
+            async for reply in written_behind(self.generate(request, span, context.time_remaining())):
                 yield reply
 
     async def generate(self, request: pb.GenerateRequest, span, time_remaining: float | None):

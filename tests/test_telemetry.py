@@ -61,14 +61,18 @@ def traced():
         t.shutdown()
 
 
-def wait_for_spans(exporter, name: str, count: int, timeout_s: float = 10.0) -> list:
+def wait_for_spans(exporter, name: str, count: int, timeout_s: float = 10.0, generates: int = 0) -> list:
     """The finished spans, once `count` spans called `name` are among them
     (session closes run in the background after the stream ends; wait for
-    the client's session.close, which ends after the service's close)."""
+    the client's session.close, which ends after the service's close), and
+    `generates` generate spans (a Generate call's span ends once its last
+    reply is written, which may be after the loop has closed its sessions:
+    orchestrator/reply_relay.py)."""
     deadline = time.monotonic() + timeout_s
     while True:
         spans = list(exporter.get_finished_spans())
-        if sum(s.name == name for s in spans) >= count or time.monotonic() > deadline:
+        if (sum(s.name == name for s in spans) >= count and sum(s.name == T.SPAN_GENERATE for s in spans) >= generates
+                or time.monotonic() > deadline):
             return spans
         time.sleep(0.02)
 
@@ -97,7 +101,7 @@ def test_one_generate_is_one_connected_trace_across_the_three_services(traced):
     prompt = GREEDY_PROMPTS[3]
     result = traced.client.complete(prompt, max_tokens=16, temperature=0, num_draft_tokens=3, seed=7)
     st = result.stats
-    spans = wait_for_spans(traced.exporter, T.SPAN_SESSION_CLOSE, 2)
+    spans = wait_for_spans(traced.exporter, T.SPAN_SESSION_CLOSE, 2, generates=1)
 
     assert len({s.context.trace_id for s in spans}) == 1, "every span belongs to the request's trace"
     assert {service_of(s) for s in spans} == set(ROLES.values())
@@ -161,7 +165,7 @@ def test_a_batched_verify_joins_one_trace_and_links_the_others(traced):
 
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         results = list(pool.map(run, range(4)))
-    spans = wait_for_spans(traced.exporter, T.SPAN_SESSION_CLOSE, 8)
+    spans = wait_for_spans(traced.exporter, T.SPAN_SESSION_CLOSE, 8, generates=4)
     assert len({s.context.trace_id for s in spans}) == 4, "one trace per request"
     by_id = {s.context.span_id: s for s in spans}
     batches = [s for s in spans if s.name == T.SPAN_VERIFY_BATCH]
@@ -206,7 +210,7 @@ def test_a_callers_trace_context_is_continued(traced):
     replies = list(traced.client.stub.Generate(build_request(GREEDY_PROMPTS[0], max_tokens=4, temperature=0),
                                                timeout=60, metadata=metadata))
     assert replies[-1].HasField("stats")
-    spans = wait_for_spans(traced.exporter, T.SPAN_SESSION_CLOSE, 2)
+    spans = wait_for_spans(traced.exporter, T.SPAN_SESSION_CLOSE, 2, generates=1)
     assert {f"{s.context.trace_id:032x}" for s in spans} == {trace_id}
     generate = next(s for s in spans if s.name == T.SPAN_GENERATE)
     assert generate.parent.span_id == 0x00F067AA0BA902B7 and generate.parent.is_remote

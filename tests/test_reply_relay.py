@@ -1,0 +1,131 @@
+"""orchestrator/reply_relay.py: a Generate call's replies made ahead of their writes."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from orchestrator.reply_relay import merged, written_behind
+from specdec.errors import DeadlineExceeded
+from specdec.v1 import orchestrator_pb2 as pb
+
+
+def chunk(text: str, *ids: int) -> pb.GenerateResponse:
+    return pb.GenerateResponse(chunk=pb.TextChunk(text=text, token_ids=list(ids)))
+
+
+def stats(tokens: int) -> pb.GenerateResponse:
+    return pb.GenerateResponse(stats=pb.GenerateStats(completion_tokens=tokens))
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 10))
+
+
+def test_merged_joins_runs_of_chunks_and_keeps_the_rest_in_place():
+    out = merged([chunk("a", 1), chunk("b", 2, 3), stats(3), chunk("c", 4)])
+    assert [r.WhichOneof("event") for r in out] == ["chunk", "stats", "chunk"]
+    assert (out[0].chunk.text, list(out[0].chunk.token_ids)) == ("ab", [1, 2, 3])
+    assert out[1].stats.completion_tokens == 3
+    assert (out[2].chunk.text, list(out[2].chunk.token_ids)) == ("c", [4])
+
+
+def test_the_source_runs_on_while_a_write_is_under_way():
+    """The loop's next rounds do not wait for the caller's (slow) writes:
+    they are made meanwhile, and reach the caller merged, in order."""
+    made: list[float] = []
+
+    async def source():
+        for i in range(5):
+            made.append(asyncio.get_running_loop().time())
+            yield chunk(str(i), i)
+            await asyncio.sleep(0)  # a round's awaits
+        yield stats(5)
+
+    async def main():
+        got = []
+        async for reply in written_behind(source()):
+            got.append(reply)
+            if len(got) == 1:
+                await asyncio.sleep(0.05)  # the first write is slow
+        return got
+
+    got = run(main())
+    assert len(made) == 5
+    assert made[-1] - made[0] < 0.04, "the source waited for the write"
+    texts = "".join(r.chunk.text for r in got if r.HasField("chunk"))
+    ids = [t for r in got if r.HasField("chunk") for t in r.chunk.token_ids]
+    assert (texts, ids) == ("01234", [0, 1, 2, 3, 4])
+    assert len(got) == 3  # "0", then "1234" gathered during the slow write, then the statistics
+    assert got[-1].HasField("stats")
+
+
+def test_an_error_comes_after_every_reply_made_before_it():
+    async def source():
+        yield chunk("a", 1)
+        yield chunk("b", 2)
+        raise DeadlineExceeded("the deadline passed")
+
+    async def main():
+        got = []
+        with pytest.raises(DeadlineExceeded, match="deadline passed"):
+            async for reply in written_behind(source()):
+                got.append(reply)
+                await asyncio.sleep(0.01)
+        return got
+
+    got = run(main())
+    assert "".join(r.chunk.text for r in got) == "ab"
+
+
+def test_an_error_before_any_reply_is_raised():
+    async def source():
+        raise ValueError("bad request")
+        yield  # pragma: no cover - makes this an async generator
+
+    async def main():
+        async for _ in written_behind(source()):
+            pass
+
+    with pytest.raises(ValueError, match="bad request"):
+        run(main())
+
+
+@pytest.mark.parametrize("how", ["close", "cancel"])
+def test_a_caller_that_stops_ends_the_source_and_its_cleanup_has_run(how):
+    """A closed relay, or a cancelled task reading it (a cancelled call: the
+    relay itself stays suspended), cancels the source: its finally (the
+    loop's: closing the request's sessions) runs, and it makes nothing more."""
+    cleaned, made = [], []
+
+    async def source():
+        try:
+            for i in range(1000):
+                made.append(i)
+                yield chunk(str(i), i)
+                await asyncio.sleep(0.001)
+        finally:
+            cleaned.append(True)
+
+    async def main():
+        relay = written_behind(source())
+        if how == "close":
+            await relay.__anext__()
+            await relay.aclose()
+        else:
+            async def consume():
+                async for _ in relay:
+                    await asyncio.sleep(0.001)
+
+            task = asyncio.ensure_future(consume())
+            await asyncio.sleep(0.02)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await asyncio.sleep(0)  # the source's cancellation is delivered
+        assert cleaned == [True]
+        n = len(made)
+        await asyncio.sleep(0.02)
+        assert len(made) == n
+
+    run(main())
