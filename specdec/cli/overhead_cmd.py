@@ -1,12 +1,14 @@
 """`specd overhead`: what a speculative round spends outside the models,
-against bare grpcio calls measured in the same run (specdec/bench/overhead.py);
+against bare grpcio calls measured in the same run (specdec/bench/overhead.py),
+and, deployed, the orchestrator's own round as a client's Generate meets it
+(specdec/bench/orchestrator_round.py);
 with --wire, the bytes of a round, the Verify throughput through the
 server, and what a sampled round's q's cost each role in either encoding
 instead (specdec/bench/wire.py, specdec/bench/q_costs.py); with --end-to-end, tokens/s through
 two whole systems with tracing on and off, and spans per generated token
 (specdec/bench/tracing_cost.py).
 
-    specd overhead --reps 200 --num-draft-tokens 4 [--tls]
+    specd overhead --reps 200 --num-draft-tokens 4 [--tls] [--orchestrator-requests 20]
     specd overhead --wire [--target qwen2.5-coder-1.5b-instruct]
     specd overhead --end-to-end [--requests 30 --tokens 64] [--random-pair]
     specd overhead --end-to-end --draft qwen2.5-coder-0.5b-instruct --target qwen2.5-coder-1.5b-instruct \
@@ -35,6 +37,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cpu-wake-latency-us", type=int, default=-1, metavar="US",
                    help="hold the machine's CPU wake-up latency at US microseconds while measuring (0: idle CPUs "
                    "poll; specdec/cpu_latency.py, needs write access to /dev/cpu_dma_latency); default: leave it")
+    p.add_argument("--orchestrator-requests", type=int, default=None, metavar="N",
+                   help="Generate requests of each kind for the orchestrator's own round (deployed layout only; "
+                   "default: --reps / 10, at least 2)")
     add_threads(p, default=None, default_text="1; with --wire 2, as the real target's forward passes use; with "
                 "--end-to-end torch's default")
     wire = p.add_argument_group("--wire: bytes per round and Verify throughput")
@@ -64,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from specdec import cpu_latency, eventloop
+    from specdec.bench import orchestrator_round
     from specdec.bench.overhead import measure
     from specdec.bench.overhead_report import report
 
@@ -79,6 +85,9 @@ def run(args: argparse.Namespace) -> int:
 
         print("\n" + q_costs.report(q_costs.measure(args.num_draft_tokens, reps=args.reps * 5), args.num_draft_tokens))
         return 0
+    if args.orchestrator_requests is not None and args.orchestrator_requests < 1:
+        print("specd: error: --orchestrator-requests must be at least 1", file=sys.stderr)
+        return 1
     torch.set_num_threads(args.threads or 1)
     held = cpu_latency.hold(args.cpu_wake_latency_us)
     if args.cpu_wake_latency_us >= 0 and not held:
@@ -88,10 +97,25 @@ def run(args: argparse.Namespace) -> int:
     figures = eventloop.run(measure(args.reps, args.num_draft_tokens, tls=args.tls, in_process=args.in_process,
                                     threads=args.threads or 1))
     print(report(figures, args.reps))
+    if not args.in_process:  # the orchestrator's own round: deployed, as clients call it
+        print("\n" + "\n".join(orchestrator_round.report_lines(_orchestrator_rounds(args))))
     if held:
         print(f"\nThe CPU wake-up latency was held at <= {args.cpu_wake_latency_us} us ({cpu_latency.DEVICE}) "
               "throughout, for every process of the run.")
     return 0
+
+
+def _orchestrator_rounds(args: argparse.Namespace) -> list:
+    import tempfile
+    from pathlib import Path
+
+    from specdec import eventloop
+    from specdec.bench import orchestrator_round
+
+    requests = args.orchestrator_requests if args.orchestrator_requests is not None else max(2, args.reps // 10)
+    with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as log_dir:
+        return eventloop.run(orchestrator_round.measure(requests, args.num_draft_tokens, args.threads or 1,
+                                                        Path(log_dir)))
 
 
 def _end_to_end(args: argparse.Namespace) -> int:

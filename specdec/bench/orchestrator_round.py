@@ -1,0 +1,181 @@
+"""The orchestrator's own round, as a client's request meets it (`specd overhead`, deployed).
+
+`specd overhead`'s round (overhead.py) is the orchestrator's two calls of a
+round through its own clients, and its accept test, made as the loop makes
+them: the transport and the services, not the loop. A round of the
+orchestrator itself also runs the loop around those calls (the verify
+batcher, the policy, the statistics, the spans) and hands its tokens to the
+client's Generate stream. On the tiny pair that loop doubled the round's
+overhead (3.8 ms a greedy round against 2.2 on this VM, 2026-11-27), so this
+measures it too, as clients call it:
+
+- an orchestrator in a process of its own (`specd serve orchestrator`, as
+  deployed) on a stack's two services (`overhead_stack.ChildService`), tracing
+  off; with `tracing`, a second one on traced services, tracing as `specd up`
+  does (into a JSON-lines file);
+- Generate requests of token ids (64 random ids, 256 new tokens, fixed k,
+  no stop on the draft's confidence, the speculation gate and pipelining off:
+  every round drafts k), greedy and T = 0.7, the kinds interleaved; the
+  draft is the target's copy (the same seed), so every draft is accepted
+  and each round emits k + 1 tokens, as a round of a well-matched pair does;
+- per request, from its GenerateStats: its time outside the models, the
+  session opens and the services' reported compute, divided by its rounds
+  (the request's setup, amortized over its ~50 rounds, is in it too);
+- per round, the orchestrator process's CPU (all its threads) over the
+  requests of a kind.
+
+The figure reported is the median over requests.
+"""
+from __future__ import annotations
+
+import asyncio
+import random
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+from specdec.bench.overhead_stack import DEADLINE_S, START_S, ChildService
+from specdec.bench.round_cpu import process_cpu_ns
+from specdec.processes import read_port, role_env, spawn_role, stop_processes
+
+PROMPT_TOKENS = 64
+NEW_TOKENS = 256
+SAMPLINGS = {"greedy": 0.0, "T=0.7": 0.7}
+
+
+@dataclass(frozen=True)
+class OrchestratorRound:
+    sampling: str  # "greedy" or "T=0.7"
+    tracing: bool
+    requests: int
+    overhead_s: float  # median over requests of the request's time outside the models, per round
+    tokens_per_round: float
+    cpu_s: float | None  # the orchestrator process's CPU a round (None where the kernel does not say)
+
+
+@dataclass
+class _Kind:
+    sampling: str
+    tracing: bool
+    orchestrator: object  # processes.Service
+    per_round: list[float]
+    rounds: int = 0
+    tokens: int = 0
+    cpu_ns: int | None = 0
+
+
+async def measure(requests: int, k: int, threads: int, log_dir: Path, tracing: bool = True,
+                  new_tokens: int = NEW_TOKENS) -> list[OrchestratorRound]:
+    """`requests` Generate requests of each kind (greedy and T = 0.7, tracing
+    off and, with `tracing`, on), interleaved, through orchestrators in
+    processes of their own; see the module docstring."""
+    services: list[ChildService] = []
+    orchestrators = []
+    kinds: list[_Kind] = []
+    try:
+        for traced in (False, True) if tracing else (False,):
+            trace_file = str(log_dir / "orchestrator-round-spans.jsonl") if traced else ""
+            target = ChildService("target", 0, threads, log_dir, trace_file)
+            draft = ChildService("draft", 0, threads, log_dir, trace_file)  # the target's copy: every draft accepted
+            services += [target, draft]
+            env = role_env(extra={"SPECD_TRACING": "on" if traced else "off", "SPECD_TRACE_FILE": trace_file})
+            orchestrator = spawn_role(
+                "orchestrator", ["--draft", f"127.0.0.1:{draft.port}", "--target", f"127.0.0.1:{target.port}",
+                                 "--tokenizer", "", "--policy", "fixed", "--num-draft-tokens", str(k),
+                                 "--draft-min-confidence", "0", "--no-speculation-gate", "--no-pipeline"],
+                log_dir, env, name=f"orchestrator-{'traced' if traced else 'plain'}")
+            orchestrators.append(orchestrator)
+            kinds += [_Kind(sampling, traced, orchestrator, []) for sampling in SAMPLINGS]
+        for orchestrator in orchestrators:
+            orchestrator.port = await asyncio.to_thread(read_port, orchestrator, START_S)
+        await _run(kinds, requests, new_tokens)
+    finally:
+        stop_processes([o.proc for o in orchestrators], grace_s=10.0)
+        for service in services:
+            await service.stop()
+    return [OrchestratorRound(kind.sampling, kind.tracing, len(kind.per_round), statistics.median(kind.per_round),
+                              kind.tokens / max(1, kind.rounds),
+                              kind.cpu_ns / 1e9 / kind.rounds if kind.cpu_ns is not None and kind.rounds else None)
+            for kind in kinds]
+
+
+async def _run(kinds: list[_Kind], requests: int, new_tokens: int) -> None:
+    import grpc
+
+    from orchestrator.client import build_request
+    from specdec.v1 import orchestrator_pb2_grpc
+
+    channels = {id(kind.orchestrator): grpc.aio.insecure_channel(f"127.0.0.1:{kind.orchestrator.port}")
+                for kind in kinds}
+    try:
+        stubs = {key: orchestrator_pb2_grpc.OrchestratorServiceStub(channel) for key, channel in channels.items()}
+        for stub in stubs.values():
+            await _when_ready(stub, build_request([5] * 8, max_tokens=8, temperature=0.0, seed=0))
+        rng = random.Random(0)
+        order = list(kinds)
+        for rep in range(requests + 1):  # the first rep warms each kind up, uncounted
+            rng.shuffle(order)
+            for kind in order:
+                prompt = [rng.randrange(3, 128) for _ in range(PROMPT_TOKENS)]
+                request = build_request(prompt, max_tokens=new_tokens, temperature=SAMPLINGS[kind.sampling],
+                                        seed=rep + 1)
+                pid = kind.orchestrator.pid
+                before = process_cpu_ns(pid)
+                stats = await _generate(stubs[id(kind.orchestrator)], request)
+                after = process_cpu_ns(pid)
+                if rep == 0:
+                    continue
+                outside = (stats.duration_s - stats.prefill_time_s - stats.draft_compute_time_s
+                           - stats.target_compute_time_s)
+                kind.per_round.append(outside / stats.rounds)
+                kind.rounds += stats.rounds
+                kind.tokens += stats.completion_tokens
+                kind.cpu_ns = None if None in (before, after, kind.cpu_ns) else kind.cpu_ns + after - before
+    finally:
+        for channel in channels.values():
+            await channel.close()
+
+
+async def _when_ready(stub, request) -> None:
+    """Wait until the orchestrator serves (it answers UNAVAILABLE while it
+    connects to its services), by sending `request` until it succeeds."""
+    import grpc
+
+    deadline = asyncio.get_running_loop().time() + START_S
+    while True:
+        try:
+            await _generate(stub, request, wait_for_ready=True)
+            return
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.UNAVAILABLE or asyncio.get_running_loop().time() > deadline:
+                raise
+            await asyncio.sleep(0.2)
+
+
+async def _generate(stub, request, wait_for_ready: bool = False):
+    """One Generate to its end; its statistics."""
+    stats = None
+    async for reply in stub.Generate(request, timeout=DEADLINE_S, wait_for_ready=wait_for_ready):
+        if reply.HasField("stats"):
+            stats = reply.stats
+    if stats is None:
+        raise RuntimeError("a Generate ended without its statistics")
+    return stats
+
+
+def report_lines(rounds: list[OrchestratorRound]) -> list[str]:
+    """The table `specd overhead` prints under its own."""
+    if not rounds:
+        return []
+    lines = ["The orchestrator's own round, as a client's request meets it (an orchestrator in a process of its "
+             "own on the two services, Generate of 64 token ids, 256 new tokens, fixed k, every round drafting "
+             f"k, the draft the target's copy): per request, its time outside the models and the session opens, over its rounds; median of "
+             f"{rounds[0].requests} requests of each kind, interleaved (ms; the orchestrator process's CPU a "
+             "round, µs):", "",
+             "| round | tracing | overhead a round (ms) | goal | tokens a round | the orchestrator's CPU a round (µs) |",
+             "|---|---|---|---|---|---|"]
+    for r in rounds:
+        cpu = f"{r.cpu_s * 1e6:.0f}" if r.cpu_s is not None else "-"
+        lines.append(f"| {r.sampling} | {'on' if r.tracing else 'off'} | {r.overhead_s * 1e3:.3f} | "
+                     f"<= 1.0 ms | {r.tokens_per_round:.2f} | {cpu} |")
+    return lines
