@@ -32,8 +32,9 @@
 #           graphs, launched one by one (eager picks), and with every other session greedy
 #   ahead   the bench's fixed k = 4 rows again with SPECD_RUN_AHEAD=off (the draft's steps one at
 #           a time, a host sync each), against the bench phase's, run ahead (the default on CUDA)
-#   overhead `specd overhead` (issue 15) on this host's CPUs: in-process, deployed, and in-process
-#           with idle CPUs kept polling (--cpu-wake-latency-us 0: how much is wake-ups)
+#   overhead `specd overhead` (issue 15) on this host's CPUs: in-process, deployed (with the
+#           orchestrator's own round through Generate), and in-process with idle CPUs kept polling
+#           (--cpu-wake-latency-us 0: how much is wake-ups)
 #           (deployed: that layout alone, for GPU_CHECK_PHASES)
 #   tests   the gpu-marked tests: CUDA-graph steps == eager (fp32), batched == alone, the bf16
 #           identity rate, exactness with the orchestrator on the GPU, one host sync per step
@@ -193,9 +194,9 @@ for name in "${phases[@]}"; do
     overhead)
       # Third: in-process with idle CPUs polling (root there), to tell wake-ups from our code.
       sp=$(printf '%q ' "${specd[@]}")
-      phase overhead 200 bash -c "$sp overhead --reps 150 --in-process; $sp overhead --reps 150; $sp overhead --reps 150 --in-process --cpu-wake-latency-us 0" ;;
+      phase overhead 230 bash -c "$sp overhead --reps 150 --in-process; $sp overhead --reps 150 --orchestrator-requests 8; $sp overhead --reps 150 --in-process --cpu-wake-latency-us 0" ;;
     deployed)  # the overhead's deployed layout alone (each service a process)
-      phase deployed 180 "${specd[@]}" overhead --reps 150 ;;
+      phase deployed 210 "${specd[@]}" overhead --reps 150 --orchestrator-requests 8 ;;
     tests)
       phase tests 90 "$python" -m pytest -q -rs -p no:cacheprovider -o timeout=60 -m gpu \
         tests/test_gpu_engine.py tests/test_device_picks.py tests/test_draft_run_ahead.py ;;
