@@ -34,9 +34,13 @@ request's sessions) to have run.
 from __future__ import annotations
 
 import asyncio
+import logging
+import sys
 from typing import AsyncIterator
 
 from specdec.v1 import orchestrator_pb2 as pb
+
+log = logging.getLogger(__name__)
 
 
 async def written_behind(replies: AsyncIterator[pb.GenerateResponse]) -> AsyncIterator[pb.GenerateResponse]:
@@ -79,7 +83,12 @@ async def written_behind(replies: AsyncIterator[pb.GenerateResponse]) -> AsyncIt
             reader.remove_done_callback(reader_ended)
         if not producer.done():
             producer.cancel()
-        await asyncio.gather(producer, return_exceptions=True)
+        [ended] = await asyncio.gather(producer, return_exceptions=True)
+        # An error the source raised while it was being stopped (its cleanup
+        # failed) reaches no caller: the call has ended. Say so in the log.
+        if (isinstance(ended, Exception) and ended is not sys.exc_info()[1]
+                and not isinstance(ended, asyncio.CancelledError)):
+            log.error("a Generate call ended; its request's cleanup then failed", exc_info=ended)
 
 
 def merged(replies: list[pb.GenerateResponse]) -> list[pb.GenerateResponse]:

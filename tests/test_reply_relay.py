@@ -129,3 +129,36 @@ def test_a_caller_that_stops_ends_the_source_and_its_cleanup_has_run(how):
         assert len(made) == n
 
     run(main())
+
+
+def test_a_cleanup_that_fails_after_the_caller_stopped_is_logged(caplog):
+    """The call has ended, so no status carries it: the log does."""
+    async def source():
+        try:
+            yield chunk("a", 1)
+            await asyncio.sleep(10)
+        finally:
+            raise RuntimeError("closing the sessions failed")
+
+    async def main():
+        relay = written_behind(source())
+        await relay.__anext__()
+        await relay.aclose()
+
+    run(main())
+    assert any("cleanup then failed" in r.message and r.exc_info and "closing the sessions" in str(r.exc_info[1])
+               for r in caplog.records)
+
+
+def test_the_sources_own_error_is_raised_not_logged(caplog):
+    async def source():
+        yield chunk("a", 1)
+        raise DeadlineExceeded("the deadline passed")
+
+    async def main():
+        async for _ in written_behind(source()):
+            pass
+
+    with pytest.raises(DeadlineExceeded):
+        run(main())
+    assert not [r for r in caplog.records if "cleanup" in r.message]

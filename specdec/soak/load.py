@@ -4,7 +4,7 @@ Each stream sends one request after another until the run's end, then lets
 its last one finish (the drain). A request's shape is drawn from a
 `StreamMix` by a generator seeded with (run seed, stream), so a run is
 reproducible: greedy or sampled-and-seeded, short or long, and a fraction of
-them cancelled by the client after a few chunks or sent with a deadline
+them cancelled by the client after a few tokens or sent with a deadline
 short enough to expire. Those two are the *planned* failures (CANCELLED,
 DEADLINE_EXCEEDED); any other status is an unplanned error.
 """
@@ -34,7 +34,7 @@ class RequestPlan:
     max_tokens: int
     temperature: float  # 0: greedy
     seed: int | None  # sampled requests are seeded
-    cancel_after: int | None  # the client cancels after this many chunks
+    cancel_after: int | None  # the client cancels once it has this many tokens
     deadline_s: float | None  # a short deadline; None: the mix's request_timeout_s
 
     @property
@@ -59,7 +59,7 @@ class StreamMix:
     short_tokens: tuple[int, int] = (8, 32)
     long_tokens: tuple[int, int] = (96, 192)
     cancel_fraction: float = 0.1
-    cancel_after_chunks: tuple[int, int] = (1, 4)
+    cancel_after_tokens: tuple[int, int] = (1, 4)
     deadline_fraction: float = 0.1
     deadline_s: tuple[float, float] = (0.05, 0.4)
     request_timeout_s: float = 120.0  # the deadline of every other request
@@ -69,7 +69,7 @@ class StreamMix:
         sampled = rng.random() < self.sampled_fraction
         lengths = self.long_tokens if rng.random() < self.long_fraction else self.short_tokens
         action = rng.random()
-        cancel = rng.randint(*self.cancel_after_chunks) if action < self.cancel_fraction else None
+        cancel = rng.randint(*self.cancel_after_tokens) if action < self.cancel_fraction else None
         deadline = (rng.uniform(*self.deadline_s)
                     if self.cancel_fraction <= action < self.cancel_fraction + self.deadline_fraction else None)
         return RequestPlan(stream=stream, index=index, prompt=prompt, max_tokens=rng.randint(*lengths),
@@ -102,7 +102,7 @@ async def one_request(stub, plan: RequestPlan, mix: StreamMix, t0: float) -> Out
     start = time.monotonic()
     out = Outcome(plan, OK, start - t0, 0.0, None)
     call = stub.Generate(plan.request(mix.top_p), timeout=plan.deadline_s or mix.request_timeout_s)
-    stats, chunks = None, 0
+    stats = None
     try:
         async for reply in call:
             if reply.HasField("stats"):
@@ -111,8 +111,8 @@ async def one_request(stub, plan: RequestPlan, mix: StreamMix, t0: float) -> Out
             if out.first_token_s is None:
                 out.first_token_s = time.monotonic() - start
             out.tokens.extend(reply.chunk.token_ids)
-            chunks += 1
-            if plan.cancel_after is not None and chunks >= plan.cancel_after:
+            # (tokens, not chunks: a chunk carries every round that gathered while the last was written)
+            if plan.cancel_after is not None and len(out.tokens) >= plan.cancel_after:
                 call.cancel()
                 out.status = "CANCELLED"
                 break
