@@ -65,7 +65,7 @@ class _Kind:
     sampling: str
     tracing: bool
     orchestrator: object  # processes.Service
-    per_round: list[float]
+    per_round: list[float] = field(default_factory=list)
     seen: list[float] = field(default_factory=list)
     rounds: int = 0
     tokens: int = 0
@@ -77,7 +77,7 @@ async def measure(requests: int, k: int, threads: int, log_dir: Path, tracing: b
     """`requests` Generate requests of each kind (greedy and T = 0.7, tracing
     off and, with `tracing`, on), interleaved, through orchestrators in
     processes of their own; see the module docstring."""
-    stacks = []  # (traced, target, draft), every service started before any is waited for
+    stacks = []  # (traced, its trace file, target, draft), every service started before any is waited for
     services: list[ChildService] = []
     orchestrators = []
     kinds: list[_Kind] = []
@@ -87,18 +87,17 @@ async def measure(requests: int, k: int, threads: int, log_dir: Path, tracing: b
             target = ChildService("target", 0, threads, log_dir, trace_file)
             draft = ChildService("draft", 0, threads, log_dir, trace_file)  # the target's copy
             services += [target, draft]
-            stacks.append((traced, target, draft))
-        for traced, target, draft in stacks:
+            stacks.append((traced, trace_file, target, draft))
+        for traced, trace_file, target, draft in stacks:
             ports = await asyncio.to_thread(lambda: (target.port, draft.port))
-            env = role_env(extra={"SPECD_TRACING": "on" if traced else "off",
-                                  "SPECD_TRACE_FILE": str(log_dir / "orchestrator-round-spans.jsonl") if traced else ""})
+            env = role_env(extra={"SPECD_TRACING": "on" if traced else "off", "SPECD_TRACE_FILE": trace_file})
             orchestrator = spawn_role(
                 "orchestrator", ["--target", f"127.0.0.1:{ports[0]}", "--draft", f"127.0.0.1:{ports[1]}",
                                  "--policy", "fixed", "--num-draft-tokens", str(k), "--draft-min-confidence", "0",
                                  "--no-speculation-gate", "--no-pipeline"],
                 log_dir, env, name=f"orchestrator-{'traced' if traced else 'plain'}")
             orchestrators.append(orchestrator)
-            kinds += [_Kind(sampling, traced, orchestrator, []) for sampling in SAMPLINGS]
+            kinds += [_Kind(sampling, traced, orchestrator) for sampling in SAMPLINGS]
         for orchestrator in orchestrators:
             await asyncio.to_thread(_serving, orchestrator, [o.proc for o in orchestrators]
                                     + [s.process for s in services])
@@ -131,10 +130,11 @@ async def _run(kinds: list[_Kind], requests: int, new_tokens: int) -> None:
     from orchestrator.client import build_request
     from specdec.v1 import orchestrator_pb2_grpc
 
-    channels = {id(kind.orchestrator): grpc.aio.insecure_channel(f"127.0.0.1:{kind.orchestrator.port}")
+    # One channel per orchestrator (greedy and T = 0.7 share one), keyed by its port.
+    channels = {kind.orchestrator.port: grpc.aio.insecure_channel(f"127.0.0.1:{kind.orchestrator.port}")
                 for kind in kinds}
     try:
-        stubs = {key: orchestrator_pb2_grpc.OrchestratorServiceStub(channel) for key, channel in channels.items()}
+        stubs = {port: orchestrator_pb2_grpc.OrchestratorServiceStub(channel) for port, channel in channels.items()}
         rng = random.Random(0)
         order = list(kinds)
         for rep in range(requests + 1):  # the first rep warms each kind up, uncounted
@@ -145,7 +145,7 @@ async def _run(kinds: list[_Kind], requests: int, new_tokens: int) -> None:
                                         seed=rep + 1)
                 pid = kind.orchestrator.pid
                 before, start = process_cpu_ns(pid), time.perf_counter()
-                stats = await _generate(stubs[id(kind.orchestrator)], request)
+                stats = await _generate(stubs[kind.orchestrator.port], request)
                 seen, after = time.perf_counter() - start, process_cpu_ns(pid)
                 if rep == 0:
                     continue
