@@ -24,6 +24,11 @@ class DraftServicer(SessionServicer, draft_pb2_grpc.DraftServiceServicer):
             self._steps = DraftStepBatcher(self.worker, self.backend)
         return self._steps
 
+    def sessions_closed(self, session_ids) -> None:
+        super().sessions_closed(session_ids)
+        if self._steps is not None:
+            self._steps.forget(session_ids)
+
     @grpc_errors.stream
     async def Propose(self, request, context):
         with self._span(request, context.invocation_metadata()) as span:

@@ -101,6 +101,15 @@ class DraftStepBatcher:
                 del self._recent[sid]
         return len(self._recent) == 1
 
+    def forget(self, session_ids) -> None:
+        """`session_ids` were closed: they draft beside no one any more. A
+        request that follows another's on its own is alone from its first
+        round, not ALONE_S after the other's last one (on the tiny pair,
+        the whole of a 256-token request would otherwise have taken the
+        shared passes' two thread hand-offs a round)."""
+        for session_id in session_ids:
+            self._recent.pop(session_id, None)
+
     async def start_and_collect(self, start, session_id: str = "") -> list[tuple[DraftToken, float]]:
         """`collect(start())`, where `start` makes the DraftStream on the
         engine thread. With no other stream active, the start and the steps

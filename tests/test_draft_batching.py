@@ -123,6 +123,42 @@ def test_a_session_drafting_alone_is_told_so_until_another_session_drafts(monkey
     assert batcher.note_caller("b")  # a has been quiet long enough
 
 
+def test_a_closed_session_drafts_beside_no_one(monkeypatch):
+    """A request that follows another's on its own is alone from its first
+    Propose once the other's session is closed, not ALONE_S later."""
+    import draft_service.step_batcher as sb
+
+    now = [100.0]
+    monkeypatch.setattr(sb.time, "monotonic", lambda: now[0])
+    batcher = sb.DraftStepBatcher(worker=None, drafter=None)
+    assert batcher.note_caller("a")
+    now[0] += 0.1
+    assert not batcher.note_caller("b"), "a drafted a tenth of a second ago"
+    batcher.forget(["a", "never-seen"])
+    assert batcher.note_caller("b"), "a is closed: b drafts alone"
+
+
+def test_a_session_closed_or_expired_on_the_service_no_longer_counts_as_drafting(peaked_engine):
+    """CloseSession (and idle expiry, through the same hook) tells the step
+    batcher: the next session's Propose is alone, so its short steps may run
+    on the event loop instead of the shared passes' engine-thread job."""
+    from tests.service_calls import close
+
+    with running_draft(peaked_engine) as (service, stub, loop):
+        first = open_session(stub, PROMPTS[0], temperature=0).session_id
+        propose(stub, first, 3)
+        second = open_session(stub, PROMPTS[1], temperature=0).session_id
+        close(stub, first)
+        steps = service.servicer.steps
+        assert loop.run(_alone(steps, second)), "the closed session still counted as drafting beside it"
+        service.servicer.sessions_closed([second])  # what the reaper calls for expired sessions
+        assert loop.run(_alone(steps, "third"))
+
+
+async def _alone(steps, session_id: str) -> bool:
+    return steps.note_caller(session_id)
+
+
 class _CountingDrafter:
     """Makes token 7 for every live stream, noting the thread of each step,
     the streams it took, and how often the event loop ran other work."""

@@ -142,7 +142,7 @@ class SessionServicer:
         while True:
             await asyncio.sleep(period)
             expired = await self.worker.run(self.backend.expire_idle, self.limits.session_ttl_s)
-            self.quota.closed(expired)
+            self.sessions_closed(expired)
             if expired:
                 self.expired_sessions += len(expired)
                 log.info("expired %d idle sessions", len(expired))
@@ -181,6 +181,10 @@ class SessionServicer:
             span.set_attribute(A_KV_BYTES, kv_bytes)
         return common_pb2.OpenSessionResponse(session_id=session_id, length=length, kv_bytes=kv_bytes)
 
+    def sessions_closed(self, session_ids) -> None:
+        """`session_ids` were closed (by their caller, or expired): forget what was kept of them."""
+        self.quota.closed(session_ids)
+
     def _close_orphan(self, opening: asyncio.Future) -> None:
         if opening.cancelled() or opening.exception() is not None:
             return
@@ -202,5 +206,5 @@ class SessionServicer:
             # from the queue, the session would be held until it expires.
             closed = await asyncio.shield(asyncio.ensure_future(
                 self.worker.run_quick(self.backend.close, request.session_id)))
-        self.quota.closed((request.session_id,))
+        self.sessions_closed((request.session_id,))
         return common_pb2.CloseSessionResponse(closed=closed)
