@@ -58,7 +58,7 @@ from orchestrator.gamma_policy import GammaPolicy, RoundObservation, acceptance_
 from orchestrator.pipelining import AheadDecision, Pipeline, draft_ahead_length
 from orchestrator.request_stats import RequestSpec, RequestStats
 from orchestrator.sessions import RequestSessions, failed
-from specdec.errors import DeadlineExceeded, NotFound, Unavailable
+from specdec.errors import NotFound, Unavailable
 from specdec.limits import DEFAULT_MAX_DRAFT_TOKENS
 from specdec.sampling.rejection import RoundResult, VerifyOutcome, accept_greedy, accept_sampled
 from specdec.sampling import q_wire
@@ -291,9 +291,7 @@ class SpeculativeRequest:
         with self.telemetry.span(SPAN_TARGET_VERIFY, {A_K: len(drafts)}) as span:
             timeout = self.sessions.timeout()  # first: a passed deadline must not leave the verify coroutine unawaited
             try:
-                reply = await asyncio.wait_for(self.sessions.batcher.verify(item), timeout)
-            except asyncio.TimeoutError:
-                raise DeadlineExceeded("the request's deadline passed while verifying") from None
+                reply = await self.sessions.batcher.verify(item, timeout)  # DeadlineExceeded past it
             except NotFound as exc:  # the target restarted and forgot the session
                 raise Unavailable(f"the target lost the session: {exc}") from None
             span.set_attributes({A_BATCH_ITEMS: reply.items, A_BATCH_SESSIONS: reply.batch_size})

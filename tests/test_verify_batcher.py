@@ -94,3 +94,31 @@ def test_a_failed_batch_frees_its_slot():
     failed, reply = run(main())
     assert "target" in str(failed)
     assert reply.result.argmax_token_ids[0] == 2
+
+
+def test_a_caller_past_its_deadline_gets_deadline_exceeded_and_the_batch_goes_on():
+    """`verify(item, timeout)`: past the timeout the caller's wait ends with
+    DeadlineExceeded (a timer on its future, no task of its own); the other
+    items of the same batch get their results, and the batcher serves the
+    next round."""
+    import pytest
+
+    from specdec.errors import DeadlineExceeded
+
+    async def main():
+        target = FakeTarget(0.2)
+        batcher = VerifyBatcher(target, max_batch=4, window_s=0.001)
+        batcher.request_started()
+        batcher.request_started()
+        hasty = asyncio.ensure_future(batcher.verify(item(1), timeout=0.02))
+        patient = asyncio.ensure_future(batcher.verify(item(2), timeout=5.0))
+        with pytest.raises(DeadlineExceeded, match="deadline passed while verifying"):
+            await hasty
+        assert not patient.done(), "the other item waits for the batch, not the deadline"
+        second = await patient
+        third = await batcher.verify(item(3), timeout=5.0)
+        return second, third, target.calls
+
+    second, third, calls = run(main())
+    assert calls[0] == ["s1", "s2"], "both items went in one batch"
+    assert second.result.argmax_token_ids[0] == 2 and third.result.argmax_token_ids[0] == 3
