@@ -58,6 +58,7 @@ from orchestrator.gamma_policy import GammaPolicy, RoundObservation, acceptance_
 from orchestrator.pipelining import AheadDecision, Pipeline, draft_ahead_length
 from orchestrator.request_stats import RequestSpec, RequestStats
 from orchestrator.sessions import RequestSessions, failed
+from specdec import hops
 from specdec.errors import NotFound, Unavailable
 from specdec.limits import DEFAULT_MAX_DRAFT_TOKENS
 from specdec.sampling.rejection import RoundResult, VerifyOutcome, accept_greedy, accept_sampled
@@ -104,6 +105,7 @@ class SpeculativeRequest:
         # positions are drafted changes them; under goodput k already follows
         # timings, and greedy tokens do not depend on k.
         self._gated = spec.speculate and (spec.greedy or policy.name == "goodput")
+        self._hop_kind = ("greedy" if spec.greedy else "sampled") + ("+traced" if telemetry.tracing else "")
 
     @property
     def target(self) -> TargetClient:
@@ -175,7 +177,9 @@ class SpeculativeRequest:
         return max(0, min(self.policy.next_k(), remaining - 1, room, self.settings.max_draft_tokens))
 
     async def _round(self) -> list[int]:
-        with self.telemetry.span(SPAN_ROUND, {A_ROUND: self.stats.rounds}) as span:
+        number = self.stats.rounds
+        hops.record("round.start", self._hop_kind, number)
+        with self.telemetry.span(SPAN_ROUND, {A_ROUND: number}) as span:
             batcher = self.sessions.batcher
             # Whether this round drafts at all is the replica's choice (orchestrator/speculation_gate.py).
             speculating = self.spec.speculate and (not self._gated or batcher.gate.speculate(batcher.active))
@@ -213,6 +217,7 @@ class SpeculativeRequest:
             span.set_attributes({A_K: k, A_RETURNED: len(drafts), A_ACCEPTED: result.num_accepted,
                                  A_EMITTED: len(result.emitted_ids),
                                  A_FALLBACK: self.stats.fallback_rounds > fallbacks, A_PLAIN: plain})
+        hops.record("round.end", self._hop_kind, number)
         return result.emitted_ids
 
     async def _propose(self, k: int) -> tuple[list, float, float]:

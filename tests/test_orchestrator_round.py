@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from specdec import eventloop
-from specdec.bench import orchestrator_round
+from specdec.bench import hops_report, orchestrator_round
 from specdec.bench.orchestrator_round import OrchestratorRound
 
 
@@ -29,8 +29,10 @@ def test_the_orchestrators_round_is_measured_through_generate_and_its_processes_
     monkeypatch.setattr(orchestrator_round, "ChildService", ChildService)
     monkeypatch.setattr(orchestrator_round, "spawn_role", spawn_role)
     k = 2
+    hops_dir = tmp_path / "hops"  # every process records its hops (`specd overhead --hops`)
+    hops_dir.mkdir()
     rounds = eventloop.run(orchestrator_round.measure(1, k, threads=1, log_dir=tmp_path, tracing=False,
-                                                      new_tokens=24))
+                                                      new_tokens=24, hops_dir=hops_dir))
     assert [(r.sampling, r.tracing, r.requests) for r in rounds] == [("greedy", False, 1), ("T=0.7", False, 1)]
     for r in rounds:
         assert 0 < r.overhead_s <= r.seen_s < 1.0  # the client's time holds the orchestrator's
@@ -40,6 +42,10 @@ def test_the_orchestrators_round_is_measured_through_generate_and_its_processes_
     assert "| greedy | off |" in text and "| T=0.7 | off |" in text
     assert len(started) == 3  # a target, a draft, an orchestrator
     assert all(process.poll() is not None for process in started), "a process was left running"
+    assert len(list(hops_dir.glob("*.hops"))) == 3, "each process records its own hops"
+    kinds = hops_report.rounds(hops_report.read_events(hops_dir))
+    assert set(kinds) == {"greedy", "sampled"}
+    assert all(len(kind.overhead_us) >= 3 for kind in kinds.values()), "rounds were cut into their hops"
 
 
 def test_the_report_reads_each_kind():

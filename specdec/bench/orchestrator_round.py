@@ -39,6 +39,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from specdec import hops
 from specdec.bench.overhead_stack import DEADLINE_S, START_S, ChildService
 from specdec.bench.round_cpu import process_cpu_ns
 from specdec.processes import log_tail, read_port, role_env, spawn_role, stop_processes, wait_serving
@@ -73,10 +74,12 @@ class _Kind:
 
 
 async def measure(requests: int, k: int, threads: int, log_dir: Path, tracing: bool = True,
-                  new_tokens: int = NEW_TOKENS) -> list[OrchestratorRound]:
+                  new_tokens: int = NEW_TOKENS, hops_dir: Path | None = None) -> list[OrchestratorRound]:
     """`requests` Generate requests of each kind (greedy and T = 0.7, tracing
     off and, with `tracing`, on), interleaved, through orchestrators in
-    processes of their own; see the module docstring."""
+    processes of their own; see the module docstring. With `hops_dir`, every
+    process of the stack records its hops there (specdec/hops.py)."""
+    hops_env = {hops.ENV: str(hops_dir)} if hops_dir is not None else {}
     stacks = []  # (traced, its trace file, target, draft), every service started before any is waited for
     services: list[ChildService] = []
     orchestrators = []
@@ -84,13 +87,15 @@ async def measure(requests: int, k: int, threads: int, log_dir: Path, tracing: b
     try:
         for traced in (False, True) if tracing else (False,):
             trace_file = str(log_dir / "orchestrator-round-spans.jsonl") if traced else ""
-            target = ChildService("target", 0, threads, log_dir, trace_file)
-            draft = ChildService("draft", 0, threads, log_dir, trace_file)  # the target's copy
+            service_env = role_env(extra=hops_env) if hops_env else None
+            target = ChildService("target", 0, threads, log_dir, trace_file, env=service_env)
+            draft = ChildService("draft", 0, threads, log_dir, trace_file, env=service_env)  # the target's copy
             services += [target, draft]
             stacks.append((traced, trace_file, target, draft))
         for traced, trace_file, target, draft in stacks:
             ports = await asyncio.to_thread(lambda: (target.port, draft.port))
-            env = role_env(extra={"SPECD_TRACING": "on" if traced else "off", "SPECD_TRACE_FILE": trace_file})
+            env = role_env(extra={"SPECD_TRACING": "on" if traced else "off", "SPECD_TRACE_FILE": trace_file,
+                                  **hops_env})
             orchestrator = spawn_role(
                 "orchestrator", ["--target", f"127.0.0.1:{ports[0]}", "--draft", f"127.0.0.1:{ports[1]}",
                                  "--policy", "fixed", "--num-draft-tokens", str(k), "--draft-min-confidence", "0",

@@ -56,7 +56,8 @@ class ChildService:
 
     _numbers = itertools.count()
 
-    def __init__(self, role: str, seed: int, threads: int, log_dir: Path, trace_file: str = "", tls_files=None):
+    def __init__(self, role: str, seed: int, threads: int, log_dir: Path, trace_file: str = "", tls_files=None,
+                 env: dict | None = None):
         command = [sys.executable, "-m", "specdec.bench.overhead_service", "--role", role, "--seed", str(seed),
                    "--threads", str(threads)]
         if trace_file:
@@ -66,7 +67,7 @@ class ChildService:
                         "--tls-ca", str(tls_files.ca)]
         log_path = log_dir / f"{role}-{next(self._numbers)}.log"
         with open(log_path, "w") as log:  # the child holds its own descriptor
-            process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT)
+            process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, env=env)
         self.service = Service(role, process, log_path, command)
         self.process = process
 

@@ -1,14 +1,16 @@
 """`specd overhead`: what a speculative round spends outside the models,
 against bare grpcio calls measured in the same run (specdec/bench/overhead.py),
 and, deployed, the orchestrator's own round as a client's Generate meets it
-(specdec/bench/orchestrator_round.py);
-with --wire, the bytes of a round, the Verify throughput through the
+(specdec/bench/orchestrator_round.py); with --hops, only that round, cut
+into what each process and each crossing between them took
+(specdec/hops.py, specdec/bench/hops_report.py); with --wire, the bytes of a round, the Verify throughput through the
 server, and what a sampled round's q's cost each role in either encoding
 instead (specdec/bench/wire.py, specdec/bench/q_costs.py); with --end-to-end, tokens/s through
 two whole systems with tracing on and off, and spans per generated token
 (specdec/bench/tracing_cost.py).
 
     specd overhead --reps 200 --num-draft-tokens 4 [--tls] [--orchestrator-requests 20]
+    specd overhead --hops [--orchestrator-requests 6]
     specd overhead --wire [--target qwen2.5-coder-1.5b-instruct]
     specd overhead --end-to-end [--requests 30 --tokens 64] [--random-pair]
     specd overhead --end-to-end --draft qwen2.5-coder-0.5b-instruct --target qwen2.5-coder-1.5b-instruct \
@@ -42,6 +44,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "default: --reps / 10, at least 2)")
     add_threads(p, default=None, default_text="1; with --wire 2, as the real target's forward passes use; with "
                 "--end-to-end torch's default")
+    p.add_argument("--hops", action="store_true",
+                   help="only the orchestrator's own round, cut into its hops: each process of the stack records "
+                        "its events of a round (specdec/hops.py), and the table says what each process and each "
+                        "crossing between them took (--orchestrator-requests requests of each kind, default 6)")
     wire = p.add_argument_group("--wire: bytes per round and Verify throughput")
     wire.add_argument("--wire", action="store_true",
                       help="print the bytes of one round (vocab 151936, greedy and T=0.7) per emitted token, and "
@@ -89,6 +95,8 @@ def run(args: argparse.Namespace) -> int:
         print("specd: error: --orchestrator-requests must be at least 1", file=sys.stderr)
         return 1
     torch.set_num_threads(args.threads or 1)
+    if args.hops:
+        return _hops(args)
     held = cpu_latency.hold(args.cpu_wake_latency_us)
     if args.cpu_wake_latency_us >= 0 and not held:
         print(f"specd overhead: cannot hold the CPU wake-up latency at {args.cpu_wake_latency_us} us "
@@ -116,6 +124,25 @@ def _orchestrator_rounds(args: argparse.Namespace) -> list:
     with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as log_dir:
         return eventloop.run(orchestrator_round.measure(requests, args.num_draft_tokens, args.threads or 1,
                                                         Path(log_dir)))
+
+
+def _hops(args: argparse.Namespace) -> int:
+    import tempfile
+    from pathlib import Path
+
+    from specdec import eventloop
+    from specdec.bench import hops_report, orchestrator_round
+
+    requests = args.orchestrator_requests if args.orchestrator_requests is not None else 6
+    with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as log_dir:
+        hops_dir = Path(log_dir) / "hops"
+        hops_dir.mkdir()
+        rounds = eventloop.run(orchestrator_round.measure(requests, args.num_draft_tokens, args.threads or 1,
+                                                          Path(log_dir), hops_dir=hops_dir))
+        kinds = hops_report.rounds(hops_report.read_events(hops_dir))
+    print("\n".join(orchestrator_round.report_lines(rounds)))
+    print("\n" + "\n".join(hops_report.report_lines(kinds)))
+    return 0
 
 
 def _end_to_end(args: argparse.Namespace) -> int:

@@ -45,6 +45,8 @@ import collections
 import socket
 from typing import Callable
 
+from specdec import hops
+
 HEADER = 4  # bytes of a frame's length
 KEEPALIVE = (30, 10, 3)  # TCP keepalive: idle s, interval s, probes (a peer gone without a word is found in ~60 s)
 
@@ -110,11 +112,13 @@ class FrameConnection(asyncio.Protocol):
         self._drain_waiters: collections.deque[asyncio.Future] = collections.deque()
         self._held = False  # no frames delivered meanwhile (`hold`)
         self._error: BaseException | None = None
+        self.hop_where = ""  # what `specdec.hops` calls this end of the connection
 
     def connection_made(self, transport) -> None:
         self.transport = transport
 
     def data_received(self, data: bytes) -> None:
+        hops.record("frame.in", self.hop_where)
         if self._error is not None:
             return
         if (not self._buffer and self.on_frame is not None and not self._held and len(data) >= HEADER

@@ -10,6 +10,7 @@ from typing import Awaitable, Callable
 
 import grpc
 
+from specdec import hops
 from specdec.rpc import grpc_errors
 from specdec.rpc.grpc_tracing import carry_trace_context
 from specdec.rpc.lane import FrameConnection, LaneDown, PendingReplies, keepalive
@@ -78,10 +79,12 @@ class LaneClient:
         deadline = asyncio.get_running_loop().call_later(timeout, _expire, reply_future)
         try:
             try:
+                hops.record("call.sent", self.service)
                 connection.protocol.write(payload)
             except (RuntimeError, OSError):  # the transport closed under us: its end fails the rest
                 raise _broken(self) from None
             reply = await reply_future
+            hops.record("call.back", self.service)
         finally:
             deadline.cancel()
             connection.waiting.forget(call_id)
@@ -116,6 +119,7 @@ class LaneClient:
         self._stale = False
         keepalive(protocol.transport)
         protocol.limit = self.max_message_bytes
+        protocol.hop_where = f"from-{self.service}"
         connection = _Connection(protocol)
         # Each reply is handed to its caller as it arrives, from the connection's data_received.
         protocol.start_frames(lambda payload: connection.waiting.resolve(self.reply_type.FromString(payload)))

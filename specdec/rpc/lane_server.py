@@ -8,6 +8,7 @@ import ssl
 
 import grpc
 
+from specdec import hops
 from specdec.rpc import grpc_errors
 from specdec.rpc.auth import caller_refusal
 from specdec.rpc.lane import FrameConnection, keepalive
@@ -89,6 +90,8 @@ class LaneServer:
         self._connections: set[asyncio.Task] = set()
         self.closed = False
         self.answered = 0  # calls answered, since start
+        # What `specdec.hops` calls this service: "draft" for /specdec.v1.DraftService/ProposeAll.
+        self.role = method.rsplit("/", 2)[-2].rsplit(".", 1)[-1].removesuffix("Service").lower()
 
     async def start(self, host: str, port: int) -> int:
         # Under TLS the handshake completes before a connection is made (and
@@ -180,6 +183,7 @@ class LaneServer:
 
     async def _answer(self, connection: "_Accepted", call) -> None:
         # Replies are written whole, one frame each, as their calls finish.
+        hops.record("call.start", self.role)
         reply = await grpc_errors.answer_call(call, self.handle, self.reply_type, self.handler_name)
         payload = reply.SerializeToString()
         if len(payload) > self.max_message_bytes:  # refuse this call, not the connection
@@ -189,6 +193,8 @@ class LaneServer:
                                   f"--max-message-bytes ({self.max_message_bytes})")
             payload = over.SerializeToString()
         self.answered += 1  # before the reply leaves: whoever reads the reply sees it counted
+        if hops.ON:
+            hops.record("call.answered", self.role, hops.compute_micros(reply.response))
         if not connection.is_closing():
             connection.write(payload)
             await connection.drain()  # a caller that does not read its replies slows its own answers
@@ -200,6 +206,7 @@ class _Accepted(FrameConnection):
     def __init__(self, server: LaneServer):
         super().__init__(limit=1024)  # the hello: a method's name
         self.server = server
+        self.hop_where = server.role
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
