@@ -191,16 +191,21 @@ class _CountingDrafter:
         return out
 
 
-def test_a_lone_streams_short_steps_run_on_the_event_loop_one_at_a_time():
+def test_a_lone_streams_short_steps_run_on_the_event_loop_as_many_as_fit_in_its_budget(monkeypatch):
     """Once a draft step is known to be short, a stream drafting alone runs
-    each step right on the event loop (no engine-thread hand-off), and the
-    loop serves other work between its steps; a stream arriving meanwhile
+    its steps right on the event loop (no engine-thread hand-off): back to
+    back while the next would end within the worker's inline_max_s, and the
+    loop serves other work between such jobs; a stream arriving meanwhile
     makes the rest of the call share passes with it."""
     import asyncio
     import threading
 
+    import draft_service.step_batcher as sb
     from draft_service.step_batcher import DraftStepBatcher
     from specdec.rpc.serving import EngineWorker
+
+    clock = [0.0]  # the steps' own clock: each step takes `step_s` of it
+    monkeypatch.setattr(sb.time, "perf_counter", lambda: clock[0])
 
     async def run():
         ticks = [0]
@@ -211,20 +216,30 @@ def test_a_lone_streams_short_steps_run_on_the_event_loop_one_at_a_time():
                 await asyncio.sleep(0)
 
         background = asyncio.ensure_future(ticker())
-        worker = EngineWorker("eng", inline_max_s=1.0)
+        worker = EngineWorker("eng", inline_max_s=0.05)
         drafter = _CountingDrafter(ticks)
+        step_s = [0.02]
+        drafter.on_step = lambda: clock.__setitem__(0, clock[0] + step_s[0])
         batcher = DraftStepBatcher(worker, drafter)
+        loop_thread = threading.current_thread().name
         try:
             first = await batcher.start_and_collect(lambda: drafter.propose(3), "s")
             assert [d.index for d, _ in first] == [0, 1, 2]
             assert {t for t, _, _ in drafter.steps} == {"eng_0"}, "unknown step cost: one engine-thread job"
+            # 20 ms steps in a 50 ms budget: two a job (a third would end at 60 ms), the loop between jobs.
             drafter.steps.clear()
             second = await batcher.start_and_collect(lambda: drafter.propose(4), "s")
             assert [d.index for d, _ in second] == [0, 1, 2, 3]
-            loop_thread = threading.current_thread().name
             assert [t for t, _, _ in drafter.steps] == [loop_thread] * 4
             seen = [tick for _, _, tick in drafter.steps]
-            assert all(b > a for a, b in zip(seen, seen[1:])), "the loop ran nothing between two steps"
+            assert seen[0] == seen[1] < seen[2] == seen[3], seen
+            # 30 ms steps: one a job.
+            step_s[0] = 0.03
+            drafter.steps.clear()
+            third = await batcher.start_and_collect(lambda: drafter.propose(3), "s")
+            assert [d.index for d, _ in third] == [0, 1, 2]
+            seen = [tick for t, _, tick in drafter.steps if t == loop_thread]
+            assert len(seen) == 3 and seen[0] < seen[1] < seen[2], seen
             # Another stream arrives during the first step: the rest share passes with it.
             drafter.steps.clear()
             other = drafter.propose(4, "t")
@@ -234,10 +249,16 @@ def test_a_lone_streams_short_steps_run_on_the_event_loop_one_at_a_time():
                 joined.extend([item async for item in batcher.stream(other)])
 
             arrivals: list = []
-            drafter.on_step = lambda: arrivals or arrivals.append(asyncio.ensure_future(consume()))
-            third = await batcher.start_and_collect(lambda: drafter.propose(4), "s")
+
+            def step():
+                clock[0] += step_s[0]
+                if not arrivals:
+                    arrivals.append(asyncio.ensure_future(consume()))
+
+            drafter.on_step = step
+            fourth = await batcher.start_and_collect(lambda: drafter.propose(4), "s")
             await arrivals[0]
-            assert [d.index for d, _ in third] == [0, 1, 2, 3] and len(joined) == 4
+            assert [d.index for d, _ in fourth] == [0, 1, 2, 3] and len(joined) == 4
             assert max(n for _, n, _ in drafter.steps) == 2, "the two streams never shared a pass"
         finally:
             background.cancel()
