@@ -87,3 +87,21 @@ def test_a_cancelled_caller_leaves_the_engine_busy_until_its_job_ends():
             worker.shutdown()
 
     asyncio.run(main())
+
+
+def test_a_services_inline_limit_is_its_inline_max_ms():
+    """--inline-max-ms reaches the service's worker: 0 keeps every Verify on
+    the engine thread, however short."""
+    from tests.conftest import tiny_engine
+    from tests.harness import local_config, running_target
+    from tests.service_calls import TARGET_MODEL, open_session, verify
+    from specdec.v1 import target_pb2
+
+    for limit_ms, inline in ((0.0, False), (1e4, True)):
+        with running_target(tiny_engine(model=TARGET_MODEL), server_cfg=local_config(inline_max_ms=limit_ms)) as (
+                service, stub, _):
+            assert service.worker.inline_max_s == limit_ms / 1e3
+            sid = open_session(stub, [5, 6, 7], temperature=0).session_id
+            for _ in range(2):  # the first Verify is learned on the thread
+                verify(stub, target_pb2.VerifyItem(session_id=sid, draft_token_ids=[8]))
+            assert service.worker.is_short("verify") is inline

@@ -59,7 +59,7 @@ async def start_model_service(
     tls = (tls or TlsConfig()).validate(server_cfg.host, role, require_client_certs=True)
     if tls.mutual:
         interceptors = (caller_guard(tls.callers()), *interceptors)
-    worker = EngineWorker()
+    worker = EngineWorker(inline_max_s=server_cfg.inline_max_ms / 1e3)
     servicer = make_servicer(worker, limits)
     running = await start_server(server_cfg, lambda server: add_to_server(servicer, server),
                                  [service_name], interceptors=interceptors, credentials=tls.server_credentials())

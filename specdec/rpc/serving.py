@@ -21,8 +21,13 @@ log = logging.getLogger(__name__)
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-# The longest job EngineWorker.run_short runs on the event loop, seconds.
-INLINE_MAX_S = 0.005
+# The longest job EngineWorker.run_short runs on the event loop, seconds
+# (--inline-max-ms). Past it the job's two thread hand-offs are paid: ~0.2 ms
+# each on the dev VM, where a T = 0.7 Verify of the tiny pair took 4-6 ms and
+# flipped between the two ways at 5 ms (specd overhead --hops: the target's
+# handler 0.26 against 0.6 ms a round). Holding the loop 10 ms delays only
+# what does not use the engine (health, model info), by at most that.
+INLINE_MAX_S = 0.010
 
 
 @dataclass
@@ -43,6 +48,10 @@ class ServerConfig:
     lane_port: int = opt(0, "draft, target: the port of the service's lane, the round's one call to it as "
                             "frames on a TCP connection (TLS under --tls-cert), cheaper than over gRPC; "
                             "advertised in ModelInfo (-1: off; 0: pick a free one)")
+    inline_max_ms: float = opt(INLINE_MAX_S * 1e3, "draft, target: a round's model work whose last run took at "
+                                                   "most this many ms runs on the event loop, without the two "
+                                                   "thread hand-offs (0: always on the engine thread); the loop "
+                                                   "answers nothing else for that long")
 
     def channel_options(self) -> list[tuple[str, int]]:
         return [
@@ -60,7 +69,7 @@ class EngineWorker:
     then the loop's self-pipe): on a busy host that is a large part of a
     cheap call. So short jobs run right on the event loop when the engine is
     idle (`run_short`, `run_quick`): the loop is then blocked for at most
-    about `inline_max_s`, no longer than Python's own GIL switch interval.
+    about `inline_max_s` (INLINE_MAX_S, or the services' --inline-max-ms).
     """
 
     def __init__(self, name: str = "engine", inline_max_s: float = INLINE_MAX_S):
