@@ -91,6 +91,8 @@ class VerifyBatcher:
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         caller = otel_context.get_current() if self.telemetry.tracing else None
+        if self._active <= 1 and not self._pending and self._in_flight < self.max_in_flight:
+            return await self._send_alone((item, future, caller), timeout)
         self._pending.append((item, future, caller))
         self._maybe_flush()
         if self._pending and self._timer is None:
@@ -129,16 +131,38 @@ class VerifyBatcher:
         finally:
             self._returned()
 
-    async def _send_batch(self, batch: list[tuple[target_pb2.VerifyItem, asyncio.Future, object]]) -> None:
+    async def _send_alone(self, entry: tuple[target_pb2.VerifyItem, asyncio.Future, object],
+                          timeout: float | None) -> VerifyReply:
+        """A lone request's item (nothing else pending or in flight, no other
+        request on the replica): its batch, sent from the caller's own task
+        under the caller's deadline. A task of its own would cost a turn of
+        the event loop to start, and another to hand the reply on."""
+        self._in_flight += 1
+        try:
+            await self._send_batch([entry], timeout)
+        finally:
+            self._returned()
+        return entry[1].result()
+
+    async def _send_batch(self, batch: list[tuple[target_pb2.VerifyItem, asyncio.Future, object]],
+                          caller_timeout: float | None = None) -> None:
+        """One Verify carrying `batch`; each item's future gets its result or
+        error. `caller_timeout`: the one caller's deadline (`_send_alone`),
+        which bounds the call and ends it in DeadlineExceeded."""
         self.batches_sent += 1
         items = [item for item, _, _ in batch]
+        timeout = self.rpc_timeout_s if caller_timeout is None else min(caller_timeout, self.rpc_timeout_s)
         with self._batch_span(batch) as span:
             start = time.perf_counter()
             try:
-                reply, request_bytes = await self.target.verify(items, timeout=self.rpc_timeout_s)
+                reply, request_bytes = await self.target.verify(items, timeout=timeout)
             except grpc.aio.AioRpcError as exc:
                 span.set_status(trace.Status(trace.StatusCode.ERROR, exc.code().name))
-                error = unavailable("target", exc)
+                if (exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED and caller_timeout is not None
+                        and caller_timeout <= self.rpc_timeout_s):
+                    error = DeadlineExceeded("the request's deadline passed while verifying")
+                else:
+                    error = unavailable("target", exc)
                 for _, future, _ in batch:
                     if not future.done():
                         future.set_exception(error)
@@ -155,6 +179,10 @@ class VerifyBatcher:
             else:
                 future.set_result(VerifyReply(result, reply.batch_size, reply.compute_micros / 1e6, rtt, share,
                                               len(batch)))
+        for _, future, _ in batch[len(reply.results):]:  # a reply short of results: never a hang
+            if not future.done():
+                future.set_exception(SpecdecError(f"the target's reply carried {len(reply.results)} results "
+                                                  f"for {len(batch)} items"))
 
     @contextlib.contextmanager
     def _batch_span(self, batch):

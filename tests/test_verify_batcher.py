@@ -122,3 +122,56 @@ def test_a_caller_past_its_deadline_gets_deadline_exceeded_and_the_batch_goes_on
     second, third, calls = run(main())
     assert calls[0] == ["s1", "s2"], "both items went in one batch"
     assert second.result.argmax_token_ids[0] == 2 and third.result.argmax_token_ids[0] == 3
+
+
+def test_a_lone_requests_item_is_sent_from_its_own_task_under_its_deadline():
+    """With no other request on the replica and nothing pending, the item is
+    its batch, sent by the caller's task itself (no task of the batcher's to
+    start, nor to hand the reply on), bounded by the caller's deadline: past
+    it, DeadlineExceeded (not a target failure, which would move the request
+    to another replica)."""
+    import grpc
+    import pytest
+
+    from specdec.errors import DeadlineExceeded, SpecdecError, Unavailable
+
+    class Recording(FakeTarget):
+        def __init__(self, seconds, fail=None, short=False):
+            super().__init__(seconds)
+            self.tasks, self.timeouts, self.fail, self.short = [], [], fail, short
+
+        async def verify(self, items, timeout):
+            self.tasks.append(asyncio.current_task())
+            self.timeouts.append(timeout)
+            if self.fail is not None:
+                raise grpc.aio.AioRpcError(self.fail, grpc.aio.Metadata(), grpc.aio.Metadata(), "no")
+            reply, size = await super().verify(items, timeout)
+            if self.short:
+                del reply.results[:]
+            return reply, size
+
+    async def main():
+        target = Recording(0.01)
+        batcher = VerifyBatcher(target, max_batch=4, window_s=0.001, rpc_timeout_s=60.0)
+        batcher.request_started()
+        reply = await batcher.verify(item(4), timeout=5.0)
+        assert reply.result.argmax_token_ids[0] == 4
+        assert target.tasks == [asyncio.current_task()] and target.timeouts == [5.0]
+        errors = {}
+        for code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE):
+            batcher.target = Recording(0.01, fail=code)
+            try:
+                await batcher.verify(item(5), timeout=5.0)
+            except Exception as exc:  # noqa: BLE001 - the test reads it
+                errors[code] = exc
+        batcher.target = Recording(0.01, short=True)
+        with pytest.raises(SpecdecError, match="0 results for 1 items"):
+            await asyncio.wait_for(batcher.verify(item(6), timeout=5.0), 5)
+        batcher.target = Recording(0.01)
+        after = await batcher.verify(item(7), timeout=5.0)  # nothing was left counted in flight
+        assert after.result.argmax_token_ids[0] == 7
+        return errors
+
+    errors = run(main())
+    assert isinstance(errors[grpc.StatusCode.DEADLINE_EXCEEDED], DeadlineExceeded)
+    assert isinstance(errors[grpc.StatusCode.UNAVAILABLE], Unavailable)
