@@ -36,6 +36,8 @@
 #           orchestrator's own round through Generate), and in-process with idle CPUs kept polling
 #           (--cpu-wake-latency-us 0: how much is wake-ups)
 #           (deployed: that layout alone, for GPU_CHECK_PHASES)
+#   hops    `specd overhead --hops`: the orchestrator's own round cut into what each process and
+#           each crossing between them took (issue 15: where the many-core host's round goes)
 #   tests   the gpu-marked tests: CUDA-graph steps == eager (fp32), batched == alone, the bf16
 #           identity rate, exactness with the orchestrator on the GPU, one host sync per step
 #   static  `specd bench --policies none --baselines hf-static`: HF generate on a static cache,
@@ -142,7 +144,7 @@ export -f setup
 
 echo "# $(date -u +%FT%TZ) mode=$mode device=$device budget=${budget}s commit=$(git describe --always --dirty 2>/dev/null || echo '?')" >> "$out/phases.txt"
 case "$mode" in
-  once|all) phases=(smoke steps bench heads ahead overhead tests static) ;;
+  once|all) phases=(smoke steps bench heads ahead overhead hops tests static) ;;
   quick) phases=(smoke tests steps) ;;
   bench) phases=(bench static) ;;
   *) echo "unknown mode $mode: once, quick, bench or all" >&2; exit 2 ;;
@@ -197,6 +199,8 @@ for name in "${phases[@]}"; do
       phase overhead 230 bash -c "$sp overhead --reps 150 --in-process; $sp overhead --reps 150 --orchestrator-requests 8; $sp overhead --reps 150 --in-process --cpu-wake-latency-us 0" ;;
     deployed)  # the overhead's deployed layout alone (each service a process)
       phase deployed 210 "${specd[@]}" overhead --reps 150 --orchestrator-requests 8 ;;
+    hops)  # the orchestrator's round, hop by hop
+      phase hops 90 "${specd[@]}" overhead --hops --orchestrator-requests 6 ;;
     tests)
       phase tests 90 "$python" -m pytest -q -rs -p no:cacheprovider -o timeout=60 -m gpu \
         tests/test_gpu_engine.py tests/test_device_picks.py tests/test_draft_run_ahead.py ;;
