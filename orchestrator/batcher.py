@@ -136,7 +136,10 @@ class VerifyBatcher:
         """A lone request's item (nothing else pending or in flight, no other
         request on the replica): its batch, sent from the caller's own task
         under the caller's deadline. A task of its own would cost a turn of
-        the event loop to start, and another to hand the reply on."""
+        the event loop to start, and another to hand the reply on. A caller
+        cancelled meanwhile frees the in-flight slot at once (its reply, if
+        one comes, is dropped), so a batch pending then may reach the target
+        while it still computes the abandoned one, and wait there for it."""
         self._in_flight += 1
         try:
             await self._send_batch([entry], timeout)
@@ -159,7 +162,7 @@ class VerifyBatcher:
             except grpc.aio.AioRpcError as exc:
                 span.set_status(trace.Status(trace.StatusCode.ERROR, exc.code().name))
                 if (exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED and caller_timeout is not None
-                        and caller_timeout <= self.rpc_timeout_s):
+                        and caller_timeout < self.rpc_timeout_s):  # the request's own deadline, not the call's limit
                     error = DeadlineExceeded("the request's deadline passed while verifying")
                 else:
                     error = unavailable("target", exc)

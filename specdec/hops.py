@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import sys
 import time
 
 ENV = "SPECD_HOPS"
@@ -39,6 +40,7 @@ def start(directory: str) -> str:
     """Record this process's events into DIRECTORY/<pid>.hops (appending); the file's path."""
     global ON, _out
     stop()
+    os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, f"{os.getpid()}{SUFFIX}")
     _out = open(path, "a", buffering=1 << 20)
     ON = True
@@ -67,5 +69,8 @@ def compute_micros(response) -> int:
 
 
 if os.environ.get(ENV):
-    start(os.environ[ENV])
-    atexit.register(stop)
+    try:
+        start(os.environ[ENV])
+        atexit.register(stop)
+    except OSError as exc:  # a diagnostic: the process runs without it
+        print(f"specdec.hops: not recording ({ENV}={os.environ[ENV]!r}): {exc}", file=sys.stderr)

@@ -98,3 +98,21 @@ def test_a_real_round_on_the_lanes_records_its_whole_path(recording):
         assert kind.overhead_us and all(v > 0 for v in kind.overhead_us)
     lines = hops_report.report_lines(kinds)
     assert lines[2] == "| segment | greedy | sampled |"
+
+
+def test_each_kinds_first_request_can_be_left_out_as_a_warm_up():
+    events, t = [], 0
+    for number in (0, 1, 0, 1, 2):  # two requests of two and three rounds
+        more, t = _round(t + 1000, number)
+        events += more
+    assert len(rounds(events)["greedy"].overhead_us) == 3  # each round followed by its request's next
+    warm = rounds(events, skip_first_request=True)["greedy"]
+    assert len(warm.segments[hops_report._key(*hops_report.SEGMENTS[0][:2])]) == 3, "the second request's rounds"
+    assert len(warm.overhead_us) == 2
+
+
+def test_recording_into_a_directory_not_made_yet_makes_it(tmp_path):
+    path = hops.start(str(tmp_path / "not" / "yet"))
+    hops.record("round.start", "greedy", 0)
+    hops.stop()
+    assert open(path).read().split()[1:] == ["round.start", "greedy", "0"]

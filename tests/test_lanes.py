@@ -591,3 +591,28 @@ def test_closing_the_client_fails_its_calls_at_once_even_when_the_service_reads_
         deaf_server.close()
 
     _run(main())
+
+
+def test_opening_the_lane_counts_against_the_calls_timeout():
+    """A call that first has to open its lane (up to CONNECT_S) has only what
+    is left of its timeout for the call itself: a caller's deadline is never
+    overrun by the opening."""
+    async def main():
+        server = await _server()
+        client = _client(server.port)
+        opening = client._open
+
+        async def slow_open(timeout):
+            await asyncio.sleep(0.3)
+            return await opening(timeout)
+
+        client._open = slow_open
+        with pytest.raises(grpc.aio.AioRpcError) as late:
+            await client(_request("a"), 0.2)
+        assert late.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+        client._open = opening
+        assert (await client(_request("a"), 5)).drafts  # the lane itself is fine
+        await client.close()
+        server.close()
+
+    _run(main())

@@ -158,10 +158,13 @@ def test_a_lone_requests_item_is_sent_from_its_own_task_under_its_deadline():
         assert reply.result.argmax_token_ids[0] == 4
         assert target.tasks == [asyncio.current_task()] and target.timeouts == [5.0]
         errors = {}
-        for code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE):
-            batcher.target = Recording(0.01, fail=code)
+        # 60 s: a request without a deadline of its own waits as long as the call's own limit; the
+        # call's end at that limit is the target's failure (another replica may answer), not the request's.
+        for code, timeout in ((grpc.StatusCode.DEADLINE_EXCEEDED, 5.0), (grpc.StatusCode.UNAVAILABLE, 5.0),
+                              ("limit", 60.0)):
+            batcher.target = Recording(0.01, fail=grpc.StatusCode.DEADLINE_EXCEEDED if code == "limit" else code)
             try:
-                await batcher.verify(item(5), timeout=5.0)
+                await batcher.verify(item(5), timeout=timeout)
             except Exception as exc:  # noqa: BLE001 - the test reads it
                 errors[code] = exc
         batcher.target = Recording(0.01, short=True)
@@ -175,3 +178,4 @@ def test_a_lone_requests_item_is_sent_from_its_own_task_under_its_deadline():
     errors = run(main())
     assert isinstance(errors[grpc.StatusCode.DEADLINE_EXCEEDED], DeadlineExceeded)
     assert isinstance(errors[grpc.StatusCode.UNAVAILABLE], Unavailable)
+    assert isinstance(errors["limit"], Unavailable) and not isinstance(errors["limit"], DeadlineExceeded)

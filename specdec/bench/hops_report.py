@@ -78,12 +78,18 @@ def read_events(directory: Path) -> list[Event]:
     return events
 
 
-def rounds(events: list[Event]) -> dict[str, KindHops]:
-    """Each round's segments, by kind."""
+def rounds(events: list[Event], skip_first_request: bool = False) -> dict[str, KindHops]:
+    """Each round's segments, by kind; with `skip_first_request`, not those
+    of each kind's first request (a warm-up, as `orchestrator_round` runs one)."""
     starts = [i for i, e in enumerate(events) if e.event == "round.start"]
     kinds: dict[str, KindHops] = {}
+    requests: dict[str, int] = {}  # requests of each kind seen so far (a request's rounds count from 0)
     for n, first in enumerate(starts):
         start = events[first]
+        if start.value == 0:
+            requests[start.where] = requests.get(start.where, 0) + 1
+        if skip_first_request and requests.get(start.where, 0) <= 1:
+            continue
         kind = kinds.setdefault(start.where, KindHops(start.where))
         stop = starts[n + 1] if n + 1 < len(starts) else len(events)
         found = _path(events, first, stop)

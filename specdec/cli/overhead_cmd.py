@@ -96,6 +96,10 @@ def run(args: argparse.Namespace) -> int:
         return 1
     torch.set_num_threads(args.threads or 1)
     if args.hops:
+        if args.tls or args.in_process or args.cpu_wake_latency_us >= 0:
+            print("specd: error: --hops measures the deployed orchestrator's round in plaintext: it takes "
+                  "neither --tls, --in-process nor --cpu-wake-latency-us", file=sys.stderr)
+            return 1
         return _hops(args)
     held = cpu_latency.hold(args.cpu_wake_latency_us)
     if args.cpu_wake_latency_us >= 0 and not held:
@@ -139,7 +143,7 @@ def _hops(args: argparse.Namespace) -> int:
         hops_dir.mkdir()
         rounds = eventloop.run(orchestrator_round.measure(requests, args.num_draft_tokens, args.threads or 1,
                                                           Path(log_dir), hops_dir=hops_dir))
-        kinds = hops_report.rounds(hops_report.read_events(hops_dir))
+        kinds = hops_report.rounds(hops_report.read_events(hops_dir), skip_first_request=True)
     print("\n".join(orchestrator_round.report_lines(rounds)))
     print("\n" + "\n".join(hops_report.report_lines(kinds)))
     return 0

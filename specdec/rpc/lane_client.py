@@ -63,7 +63,14 @@ class LaneClient:
     async def __call__(self, request, timeout: float):
         if self._closed:
             raise LaneDown(f"the {self.service} service's lane client is closed")
-        connection = self._connection if self._connection is not None else await self._open(timeout)
+        if self._connection is not None:
+            connection = self._connection
+        else:  # opening it (up to CONNECT_S) counts against the call's timeout
+            opened = time.monotonic()
+            connection = await self._open(timeout)
+            timeout -= time.monotonic() - opened
+            if timeout <= 0:
+                raise grpc_errors.rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
         call_id = next(self._ids)
         message = carry_trace_context(self.call_type(call_id=call_id, request=request))
         payload = message.SerializeToString()

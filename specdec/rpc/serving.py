@@ -25,8 +25,9 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 # (--inline-max-ms). Past it the job's two thread hand-offs are paid: ~0.2 ms
 # each on the dev VM, where a T = 0.7 Verify of the tiny pair took 4-6 ms and
 # flipped between the two ways at 5 ms (specd overhead --hops: the target's
-# handler 0.26 against 0.6 ms a round). Holding the loop 10 ms delays only
-# what does not use the engine (health, model info), by at most that.
+# handler 0.26 against 0.6 ms a round). Holding the loop 10 ms delays its
+# other work (health, model info, another request's call being read) by at
+# most that.
 INLINE_MAX_S = 0.010
 
 
