@@ -158,8 +158,10 @@ class DraftStepBatcher:
             if self._run_ahead:
                 steps = await self.worker.run_short(CHAIN, self._job, [stream], more)
             else:
-                steps = await self.worker.run_short(STEP, self._lone_steps, stream, more)
-                self.worker.note(STEP, max(s for _, s in steps))  # what is_short weighs: one step, not the job
+                # On the loop when short, as run_short would; noted as is_short weighs it: a step, not the job.
+                steps = (self._lone_steps(stream, more) if self.worker.is_short(STEP)
+                         else await self.worker.run(self._lone_steps, stream, more))
+                self.worker.note(STEP, max(s for _, s in steps))
             if stream.done or self._arrivals != arrivals or any(not isinstance(r, DraftToken) for (r,), _ in steps):
                 return await self._take(stream, steps, tokens)
             await self._take(None, steps, tokens)

@@ -163,7 +163,7 @@ class VerifyBatcher:
                 span.set_status(trace.Status(trace.StatusCode.ERROR, exc.code().name))
                 if (exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED and caller_timeout is not None
                         and caller_timeout < self.rpc_timeout_s):  # the request's own deadline, not the call's limit
-                    error = DeadlineExceeded("the request's deadline passed while verifying")
+                    error = _deadline_passed()
                 else:
                     error = unavailable("target", exc)
                 for _, future, _ in batch:
@@ -204,9 +204,13 @@ class VerifyBatcher:
             yield span
 
 
+def _deadline_passed() -> DeadlineExceeded:
+    return DeadlineExceeded("the request's deadline passed while verifying")
+
+
 def _expire(future: asyncio.Future) -> None:
     if not future.done():  # its batch, when it returns, skips it
-        future.set_exception(DeadlineExceeded("the request's deadline passed while verifying"))
+        future.set_exception(_deadline_passed())
 
 
 def _item_error(error: target_pb2.ItemError) -> SpecdecError:

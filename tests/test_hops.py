@@ -52,11 +52,11 @@ def test_the_segments_of_a_round_add_up_to_its_time_less_the_compute_it_reports(
     kinds = rounds(sorted(first + second + noise, key=lambda e: e.ns))
     greedy = kinds["greedy"]
     assert greedy.skipped == 0
-    assert len(greedy.segments[hops_report._key(*hops_report.SEGMENTS[0][:2])]) == 2
+    assert len(greedy.segments[hops_report.SEGMENTS[0][0]]) == 2
     # Each segment is 1 µs here (1000 ns), the handlers' less their compute too; the gap between the
     # rounds (2 µs) is the between-rounds segment of the first round only (the second has no next).
-    for name, a, _ in hops_report.SEGMENTS:
-        assert greedy.segments[hops_report._key(name, a)] == [1.0, 1.0], name
+    for name, _, _ in hops_report.SEGMENTS:
+        assert greedy.segments[name] == [1.0, 1.0], name
     assert greedy.segments[BETWEEN] == [2.0]
     assert greedy.overhead_us == [len(hops_report.SEGMENTS) + 2.0]
     assert "| **the segments' medians, summed** | **15** |" in hops_report.report_lines(kinds)
@@ -67,7 +67,7 @@ def test_a_round_without_the_whole_path_is_left_out_and_counted():
     plain = [e for e in _round(end + 1000, 1)[0] if e.where not in ("draft", "from-draft")]  # no draft call
     kinds = rounds(sorted(events + plain, key=lambda e: e.ns))
     assert kinds["greedy"].skipped == 1
-    assert len(kinds["greedy"].segments[hops_report._key(*hops_report.SEGMENTS[0][:2])]) == 1
+    assert len(kinds["greedy"].segments[hops_report.SEGMENTS[0][0]]) == 1
 
 
 def test_nothing_is_recorded_while_off(tmp_path):
@@ -91,7 +91,7 @@ def test_a_real_round_on_the_lanes_records_its_whole_path(recording):
     kinds = rounds(hops_report.read_events(recording))
     assert set(kinds) == {"greedy", "sampled"}
     for kind in kinds.values():
-        cut = kind.segments[hops_report._key(*hops_report.SEGMENTS[0][:2])]
+        cut = kind.segments[hops_report.SEGMENTS[0][0]]
         assert len(cut) >= 3, (kind.kind, kind.skipped)
         for name, values in kind.segments.items():
             assert all(v >= 0 for v in values), name
@@ -107,7 +107,7 @@ def test_each_kinds_first_request_can_be_left_out_as_a_warm_up():
         events += more
     assert len(rounds(events)["greedy"].overhead_us) == 3  # each round followed by its request's next
     warm = rounds(events, skip_first_request=True)["greedy"]
-    assert len(warm.segments[hops_report._key(*hops_report.SEGMENTS[0][:2])]) == 3, "the second request's rounds"
+    assert len(warm.segments[hops_report.SEGMENTS[0][0]]) == 3, "the second request's rounds"
     assert len(warm.overhead_us) == 2
 
 

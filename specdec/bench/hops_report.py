@@ -42,7 +42,7 @@ SEGMENTS = [
     ("target: the frame, to its handler", 8, 9),
     ("target: the handler, less its compute (the reply serialized)", 9, 10),
     ("target reply: send, wire, the orchestrator's wake-up", 10, 11),
-    ("orchestrator: the reply, to its call's return", 11, 12),
+    ("orchestrator: the reply, to its call's return (target)", 11, 12),
     ("orchestrator: after the verify (accept, statistics, policy)", 12, 13),
 ]
 BETWEEN = "orchestrator: between rounds (the tokens handed to the client's stream)"
@@ -102,17 +102,12 @@ def rounds(events: list[Event], skip_first_request: bool = False) -> dict[str, K
             took = (at[b].ns - at[a].ns) / 1e3
             if b in (4, 10):
                 took -= at[b].value
-            kind.segments.setdefault(_key(name, a), []).append(took)
+            kind.segments.setdefault(name, []).append(took)
         following = events[stop] if stop < len(events) else None
         if following is not None and following.where == start.where and following.value == start.value + 1:
             kind.segments.setdefault(BETWEEN, []).append((following.ns - at[-1].ns) / 1e3)
             kind.overhead_us.append((following.ns - start.ns) / 1e3 - compute_us)
     return kinds
-
-
-def _key(name: str, first: int) -> str:
-    """Two segments share a name ('the reply, to its call's return'): the target's is told apart."""
-    return name if first != 11 else name + " (target)"
 
 
 def _path(events: list[Event], first: int, stop: int) -> list[int] | None:
@@ -139,7 +134,7 @@ def report_lines(kinds: dict[str, KindHops]) -> list[str]:
     kinds_shown = [kinds[k] for k in order if kinds[k].segments]
     if not kinds_shown:
         return ["No round made both of its calls on the lanes: nothing to cut into hops."]
-    names = [_key(name, a) for name, a, _ in SEGMENTS] + [BETWEEN]
+    names = [name for name, _, _ in SEGMENTS] + [BETWEEN]
     lines = ["Where the orchestrator's round goes, hop by hop (specdec/hops.py: each process's events on one "
              "clock; medians over rounds, µs; a handler's segment is less the compute its reply reports):", "",
              "| segment | " + " | ".join(k.kind for k in kinds_shown) + " |",
@@ -148,7 +143,7 @@ def report_lines(kinds: dict[str, KindHops]) -> list[str]:
         cells = [f"{statistics.median(k.segments[name]):.0f}" if k.segments.get(name) else "-" for k in kinds_shown]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     sums = [sum(statistics.median(v) for v in k.segments.values()) for k in kinds_shown]
-    crossings = [sum(statistics.median(k.segments[_key(SEGMENTS[i][0], SEGMENTS[i][1])]) for i in CROSSINGS)
+    crossings = [sum(statistics.median(k.segments[SEGMENTS[i][0]]) for i in CROSSINGS)
                  for k in kinds_shown]
     lines.append("| **the segments' medians, summed** | " + " | ".join(f"**{s:.0f}**" for s in sums) + " |")
     lines.append("| ... of which the four crossings | " + " | ".join(f"{c:.0f}" for c in crossings) + " |")

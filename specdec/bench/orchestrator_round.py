@@ -80,6 +80,7 @@ async def measure(requests: int, k: int, threads: int, log_dir: Path, tracing: b
     processes of their own; see the module docstring. With `hops_dir`, every
     process of the stack records its hops there (specdec/hops.py)."""
     hops_env = {hops.ENV: str(hops_dir)} if hops_dir is not None else {}
+    service_env = role_env(extra=hops_env) if hops_env else None  # None: this process's own
     stacks = []  # (traced, its trace file, target, draft), every service started before any is waited for
     services: list[ChildService] = []
     orchestrators = []
@@ -87,7 +88,6 @@ async def measure(requests: int, k: int, threads: int, log_dir: Path, tracing: b
     try:
         for traced in (False, True) if tracing else (False,):
             trace_file = str(log_dir / "orchestrator-round-spans.jsonl") if traced else ""
-            service_env = role_env(extra=hops_env) if hops_env else None
             target = ChildService("target", 0, threads, log_dir, trace_file, env=service_env)
             draft = ChildService("draft", 0, threads, log_dir, trace_file, env=service_env)  # the target's copy
             services += [target, draft]

@@ -117,33 +117,29 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _orchestrator_rounds(args: argparse.Namespace) -> list:
+def _orchestrator_rounds(args: argparse.Namespace, default_requests: int | None = None, hops_dir=None) -> list:
     import tempfile
     from pathlib import Path
 
     from specdec import eventloop
     from specdec.bench import orchestrator_round
 
-    requests = args.orchestrator_requests if args.orchestrator_requests is not None else max(2, args.reps // 10)
+    requests = args.orchestrator_requests if args.orchestrator_requests is not None else (
+        default_requests if default_requests is not None else max(2, args.reps // 10))
     with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as log_dir:
         return eventloop.run(orchestrator_round.measure(requests, args.num_draft_tokens, args.threads or 1,
-                                                        Path(log_dir)))
+                                                        Path(log_dir), hops_dir=hops_dir))
 
 
 def _hops(args: argparse.Namespace) -> int:
     import tempfile
     from pathlib import Path
 
-    from specdec import eventloop
     from specdec.bench import hops_report, orchestrator_round
 
-    requests = args.orchestrator_requests if args.orchestrator_requests is not None else 6
-    with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as log_dir:
-        hops_dir = Path(log_dir) / "hops"
-        hops_dir.mkdir()
-        rounds = eventloop.run(orchestrator_round.measure(requests, args.num_draft_tokens, args.threads or 1,
-                                                          Path(log_dir), hops_dir=hops_dir))
-        kinds = hops_report.rounds(hops_report.read_events(hops_dir), skip_first_request=True)
+    with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as hops_dir:
+        rounds = _orchestrator_rounds(args, default_requests=6, hops_dir=Path(hops_dir))
+        kinds = hops_report.rounds(hops_report.read_events(Path(hops_dir)), skip_first_request=True)
     print("\n".join(orchestrator_round.report_lines(rounds)))
     print("\n" + "\n".join(hops_report.report_lines(kinds)))
     return 0

@@ -169,10 +169,9 @@ class CallStream:
         call_id = next(self._ids)
         message = carry_trace_context(self._call_type(call_id=call_id, request=request))
         reply_future = stream.waiting.expect(call_id)
-        sent = time.monotonic()
         stream.outbox.put_nowait(message)
         try:
-            async with asyncio.timeout(timeout):
+            async with asyncio.timeout(timeout) as scope:
                 reply = await reply_future
         except TimeoutError:
             raise grpc_errors.rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
@@ -181,7 +180,7 @@ class CallStream:
                 log.info("the %s service has no call streams: unary calls from now on", self._service)
                 self.enabled = False
                 _carried("unary")
-                left = timeout - (time.monotonic() - sent)  # the refusal's time counts against the call's
+                left = scope.when() - asyncio.get_running_loop().time()  # the refusal's time counts against the call's
                 if left <= 0:
                     raise grpc_errors.rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
                 return await self._unary(request, timeout=left, metadata=trace_metadata())
