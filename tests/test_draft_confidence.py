@@ -23,7 +23,7 @@ from specdec.v1 import draft_pb2
 from tests.conftest import tiny_engine, tiny_model
 from tests.harness import complete_seeds, running_draft, running_system
 from tests.test_orchestrator import (PROMPT, SAMPLES, VOCAB, assert_matches, exact_two_token_distribution,
-                                     greedy_reference, perturbed)
+                                     greedy_reference, perturbed, stats_model)
 from tests.test_services import T, open_session
 
 GREEDY = SessionMeta(params=SamplingParams(0.0, 0, 1.0), seed=1)
@@ -167,8 +167,8 @@ def test_sampled_output_is_distributed_as_the_target_when_rounds_end_early():
     """Whether the second draft is made depends on the first draft's q(x),
     so each round's k depends on the draft's own sample: the first two
     tokens must still be distributed as the target's."""
-    target = tiny_model(seed=0, vocab_size=VOCAB, init_range=0.2)
-    draft = tiny_model(seed=7, vocab_size=VOCAB, init_range=0.2)
+    target = stats_model(0, vocab_size=VOCAB, init_range=0.2)
+    draft = stats_model(7, vocab_size=VOCAB, init_range=0.2)
     params = SamplingParams(1.0, 0, 1.0)
     exact = exact_two_token_distribution(target, params)
     # The threshold the first draft's q(x) falls below about half the time.

@@ -19,9 +19,9 @@ from draft_service.drafters import ModelDrafter
 from specdec.errors import Unavailable
 from specdec.sampling.params import SamplingParams
 from specdec.sampling.transform import logits_to_probs
-from tests.conftest import tiny_engine, tiny_model
+from tests.conftest import tiny_engine
 from tests.harness import complete_seeds, running_system
-from tests.test_orchestrator import EOS, PROMPT, VOCAB, assert_matches
+from tests.test_orchestrator import EOS, PROMPT, VOCAB, assert_matches, stats_model
 
 SAMPLES = 1200
 TOKENS = 3
@@ -66,8 +66,8 @@ def draft_fails_after_one_round(monkeypatch):
 @pytest.mark.slow
 @pytest.mark.parametrize("temperature,top_k", [(0.7, 4)])
 def test_sampled_distribution_is_kept_through_a_draft_failure(draft_fails_after_one_round, temperature, top_k):
-    target = tiny_model(seed=0, vocab_size=VOCAB, init_range=0.2)
-    draft = tiny_model(seed=7, vocab_size=VOCAB, init_range=0.2)
+    target = stats_model(0, vocab_size=VOCAB, init_range=0.2)
+    draft = stats_model(7, vocab_size=VOCAB, init_range=0.2)
     exact = exact_distribution(target, SamplingParams(temperature, top_k, 1.0), TOKENS)
     assert sum(exact.values()) == pytest.approx(1.0, abs=1e-4)
     counts: collections.Counter = collections.Counter()

@@ -11,7 +11,7 @@ from specdec.engine.draft_vocab import SubsetHead, load_ranking, rank_tokens, sa
 from specdec.engine.engine import ExtendItem
 from tests.conftest import TINY_VOCAB, tiny_engine, tiny_model
 from tests.harness import complete_seeds, running_system
-from tests.test_orchestrator import greedy_reference, perturbed
+from tests.test_orchestrator import greedy_reference, perturbed, stats_model
 
 
 def test_subset_head_equals_the_full_head_on_its_ids_and_is_minus_inf_elsewhere():
@@ -87,7 +87,7 @@ def test_sampled_output_with_a_trimmed_draft_has_the_targets_distribution():
     from specdec.sampling.params import SamplingParams
     from specdec.sampling.transform import logits_to_probs
 
-    target = tiny_model(seed=0, init_range=0.3)
+    target = stats_model(0, init_range=0.3)
     draft = perturbed(target, 0.3, seed=2)
     prompt = [11, 12, 13]
     params = SamplingParams(temperature=1.0)
