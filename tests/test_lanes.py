@@ -616,3 +616,33 @@ def test_opening_the_lane_counts_against_the_calls_timeout():
         server.close()
 
     _run(main())
+
+
+def test_a_call_that_never_waits_is_answered_in_the_read_that_brought_it():
+    """A lone round's call (its steps or verify on the loop) needs no task and
+    no turn of the loop: it is answered inside the connection's
+    data_received (specdec/eager.py); a call that waits still gets a task."""
+    tasks = []
+
+    async def handler(request, trace_context):
+        tasks.append(asyncio.current_task())  # none inside a protocol's callback
+        if request.propose.session_id == "waits":
+            await asyncio.sleep(0.01)
+            tasks.append(asyncio.current_task())
+        return draft_pb2.ProposeAllResponse(drafts=[draft_pb2.ProposeResponse(token_id=request.propose.keep_length)])
+
+    async def main():
+        server = LaneServer(METHOD, handler, draft_pb2.ProposeAllCall, draft_pb2.ProposeAllReply, "fake", 1 << 20)
+        await server.start("127.0.0.1", 0)
+        client = _client(server.port)
+        try:
+            assert (await client(_request("now", keep=3), 5)).drafts[0].token_id == 3
+            assert tasks == [None]
+            assert (await client(_request("waits", keep=4), 5)).drafts[0].token_id == 4
+            assert tasks[1] is None and isinstance(tasks[2], asyncio.Task)
+            assert server.answered == 2
+        finally:
+            await client.close()
+            server.close()
+
+    _run(main())

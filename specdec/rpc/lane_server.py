@@ -9,6 +9,7 @@ import ssl
 import grpc
 
 from specdec import hops
+from specdec.eager import start_now
 from specdec.rpc import grpc_errors
 from specdec.rpc.auth import caller_refusal
 from specdec.rpc.lane import FrameConnection, keepalive
@@ -119,8 +120,9 @@ class LaneServer:
             await asyncio.wait(list(self._connections), timeout=max(grace_s, 0.0))
 
     async def _serve(self, connection: "_Accepted") -> None:
-        """One connection's life: the handshake, then its calls, each answered
-        by a task of its own, started from the connection's data_received."""
+        """One connection's life: the handshake, then its calls, each started
+        in the connection's data_received: answered there when it never
+        waits, else by a task of its own."""
         answering: set[asyncio.Future] = set()
         keepalive(connection.transport)
         try:
@@ -169,7 +171,11 @@ class LaneServer:
             call = self.call_type.FromString(payload)
         except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError: the bytes are not a call
             raise ValueError(f"a frame that is not a {self.call_type.DESCRIPTOR.name}: {exc}") from None
-        task = asyncio.ensure_future(self._answer(connection, call))
+        # Started at once: a call that never waits (a lone round's) is
+        # answered here, without a turn of the loop (specdec/eager.py).
+        task = start_now(self._answer(connection, call))
+        if task is None:
+            return
         answering.add(task)
 
         def done(finished: asyncio.Future) -> None:
