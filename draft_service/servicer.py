@@ -65,8 +65,7 @@ class DraftServicer(SessionServicer, draft_pb2_grpc.DraftServiceServicer):
             drafts = await self.steps.start_and_collect(functools.partial(_validate, self.backend, request),
                                                         request.session_id)
             span.set_attribute(A_TOKENS, len(drafts))
-        return draft_pb2.ProposeAllResponse(drafts=[draft_to_wire(draft, seconds, request.packed_q)
-                                                  for draft, seconds in drafts])
+        return drafts_to_wire(drafts, request.packed_q)
 
     def _span(self, request, metadata):
         attributes = {A_K: request.num_draft_tokens, A_APPENDED: len(request.append_token_ids),
@@ -85,10 +84,24 @@ def _validate(backend, request):
                            list(request.append_token_ids), request.num_draft_tokens, request.min_confidence)
 
 
-def draft_to_wire(draft, seconds: float, packed_q: bool) -> draft_pb2.ProposeResponse:
-    """A drafted token as the service sends it; its q packed or as lists (specdec/sampling/q_wire.py)."""
-    msg = draft_pb2.ProposeResponse(index=draft.index, token_id=draft.token_id, length=draft.length,
-                                    compute_micros=round(seconds * 1e6), confidence=draft.confidence)
+def drafts_to_wire(drafts, packed_q: bool) -> draft_pb2.ProposeAllResponse:
+    """A ProposeAll's reply: the (draft, seconds) pairs, each made in place in
+    the reply, not made alone and then copied in (of a cold round's 85 µs for
+    four drafts on the dev VM, ~30)."""
+    reply = draft_pb2.ProposeAllResponse()
+    add = reply.drafts.add
+    for draft, seconds in drafts:
+        draft_to_wire(draft, seconds, packed_q, add)
+    return reply
+
+
+def draft_to_wire(draft, seconds: float, packed_q: bool,
+                  make=draft_pb2.ProposeResponse) -> draft_pb2.ProposeResponse:
+    """A drafted token as the service sends it; its q packed or as lists
+    (specdec/sampling/q_wire.py). `make`: the message's constructor, or a
+    repeated field's `add` to make it in place there."""
+    msg = make(index=draft.index, token_id=draft.token_id, length=draft.length,
+               compute_micros=round(seconds * 1e6), confidence=draft.confidence)
     if draft.q is not None:
         q_wire.write(msg.q, draft.q, packed_q)
     return msg

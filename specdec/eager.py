@@ -12,7 +12,10 @@ turn that ran cold, just after the wake-up: ~0.1 ms a call on the dev VM).
 for 3.11 too: the first step runs here, in a copy of the current context; if
 the coroutine then waits, a Task takes over the rest, in that same context,
 and drives it exactly as if it had run from the start (what it waits on, a
-cancellation thrown in).
+cancellation thrown in). Unlike 3.12's, the first step runs in no task:
+`asyncio.current_task()` is the caller's (none, in a protocol's callback), so
+it must not open an `asyncio.timeout`, which needs one; after the first wait
+it runs in its Task.
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ Per encoding (the lists, packed) and per number of sessions in a Verify, in
 this process and on the CPU, microseconds:
 
 - the draft: its ProposeAll reply of k drafts built and serialized
-  (the service's own `draft_to_wire`);
+  (the service's own `drafts_to_wire`);
 - the orchestrator: that reply parsed, the Verify item made of it with the
   q's passed on, q_i(x_i) read for the accept test, the Verify serialized;
 - the target: the Verify parsed and every q checked (`Verifier.verify`'s
@@ -73,7 +73,7 @@ def _best_us(fn, reps: int) -> float:
 
 
 def measure(k: int = 4, entries: int = 32, sessions: tuple[int, ...] = (1, 8), reps: int = 1000) -> list[QCosts]:
-    from draft_service.servicer import draft_to_wire
+    from draft_service.servicer import drafts_to_wire
     from specdec.bench.overhead_stack import tiny_engine
     from specdec.sampling import q_wire
     from specdec.v1 import draft_pb2, target_pb2
@@ -87,7 +87,7 @@ def measure(k: int = 4, entries: int = 32, sessions: tuple[int, ...] = (1, 8), r
         packed = encoding == "packed"
 
         def draft_reply() -> bytes:
-            return draft_pb2.ProposeAllResponse(drafts=[draft_to_wire(d, 1e-3, packed) for d in drafts]).SerializeToString()
+            return drafts_to_wire([(d, 1e-3) for d in drafts], packed).SerializeToString()
 
         reply = draft_reply()
 
