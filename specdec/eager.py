@@ -29,12 +29,13 @@ log = logging.getLogger(__name__)
 
 def start_now(coro: Coroutine) -> asyncio.Task | None:
     """Run `coro` until it first waits. None when it finished meanwhile (its
-    result dropped; an exception it raised logged), else the Task running the
-    rest of it."""
+    result dropped; an exception it raised logged, a cancellation not: a
+    protocol's callback that calls this never sees either), else the Task
+    running the rest of it."""
     context = contextvars.copy_context()
     try:
         awaited = context.run(coro.send, None)
-    except StopIteration:
+    except (StopIteration, asyncio.CancelledError):  # done, or cancelled as a task would end: quietly
         return None
     except Exception:  # noqa: BLE001 - as a task would have held it: logged, not raised into our caller
         log.exception("a coroutine started at once failed")

@@ -106,9 +106,16 @@ def test_an_exception_in_the_first_step_is_logged_not_raised(caplog):
         async def handler():
             raise RuntimeError("at once")
 
+        cancelled = asyncio.get_running_loop().create_future()
+        cancelled.cancel()
+
+        async def awaits_a_cancelled_future():
+            await cancelled  # raises at once, without waiting
+
         with caplog.at_level(logging.ERROR, logger="specdec.eager"):
             assert start_now(handler()) is None
-        assert "at once" in caplog.text
+            assert start_now(awaits_a_cancelled_future()) is None  # ends as a cancelled task would: quietly
+        assert "at once" in caplog.text and caplog.text.count("failed") == 1
 
     run(main)
 
