@@ -154,13 +154,17 @@ def test_triton_kernels_agree_with_the_reference_ops():
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
 
 
+# Qwen2 alone under the interpreter (~45 s a model on the dev VM): the Triton
+# kernels are the same for both architectures, and what differs, the q/k/v
+# biases, is torch's part of a fused layer, checked bit for bit against
+# transformers for both above; on a GPU both run (test_gpu_engine.py).
 ENGINE_CHECK = textwrap.dedent("""
     import torch
     from specdec.engine.config import EngineConfig
     from specdec.engine.engine import ModelEngine
     from tests.conftest import tiny_model
     from tests.test_gpu_engine import run_script as script
-    for arch in ("qwen2", "llama"):
+    for arch in ("qwen2",):
         outs = []
         for attention, fused in (("sdpa", "off"), ("triton", "on")):
             model = tiny_model(arch, seed=3, init_range=0.3)
