@@ -161,7 +161,7 @@ class CallStream:
             except LaneDown:  # nothing was sent (the lane logged why): the call goes by gRPC, in what is left
                 timeout -= time.monotonic() - start
                 if timeout <= 0:
-                    raise grpc_errors.rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+                    raise grpc_errors.deadline_exceeded() from None
         _carried("stream" if self.enabled else "unary")
         if not self.enabled:
             return await self._unary(request, timeout=timeout, metadata=trace_metadata())
@@ -174,7 +174,7 @@ class CallStream:
             async with asyncio.timeout(timeout) as scope:
                 reply = await reply_future
         except TimeoutError:
-            raise grpc_errors.rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+            raise grpc_errors.deadline_exceeded() from None
         except grpc.aio.AioRpcError as exc:
             if exc.code() is grpc.StatusCode.UNIMPLEMENTED and self.enabled:
                 log.info("the %s service has no call streams: unary calls from now on", self._service)
@@ -182,7 +182,7 @@ class CallStream:
                 _carried("unary")
                 left = scope.when() - asyncio.get_running_loop().time()  # the refusal's time counts against the call's
                 if left <= 0:
-                    raise grpc_errors.rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+                    raise grpc_errors.deadline_exceeded() from None
                 return await self._unary(request, timeout=left, metadata=trace_metadata())
             raise
         finally:

@@ -108,6 +108,11 @@ def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
 
 
+def deadline_exceeded() -> grpc.aio.AioRpcError:
+    """What a call past its deadline raises, as grpc's own client says it."""
+    return rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+
+
 async def answer_call(call, handle, reply_type, method: str):
     """The reply to one call: `handle`'s response, or the status its
     exception maps to in the reply's `error` (logged when it is our bug)."""

@@ -70,7 +70,7 @@ class LaneClient:
             connection = await self._open(timeout)
             timeout -= time.monotonic() - opened
             if timeout <= 0:
-                raise grpc_errors.rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+                raise grpc_errors.deadline_exceeded()
         call_id = next(self._ids)
         message = carry_trace_context(self.call_type(call_id=call_id, request=request))
         payload = message.SerializeToString()
@@ -200,7 +200,7 @@ class _Connection:
 
 def _expire(reply: asyncio.Future) -> None:
     if not reply.done():
-        reply.set_exception(grpc_errors.rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
+        reply.set_exception(grpc_errors.deadline_exceeded())
 
 
 def _broken(client: LaneClient) -> grpc.aio.AioRpcError:
