@@ -43,7 +43,7 @@ import torch
 
 from draft_service.launched_step import LaunchedStep
 from specdec.engine.engine import EngineInfo, ExtendItem, ModelEngine
-from specdec.errors import OutOfRange
+from specdec.errors import Aborted, OutOfRange
 from specdec.limits import DEFAULT_MAX_DRAFT_TOKENS, check_min_confidence, check_num_draft_tokens
 from specdec.rpc.model_service import EngineBackend, SessionMeta
 from specdec.sampling.draft_picks import DevicePicks, DraftPick, DraftRow
@@ -113,7 +113,7 @@ class Drafter(Protocol):
 
     def open(self, prompt: list[int], meta: SessionMeta, max_new_tokens: int) -> tuple[str, int, int]: ...
     def propose(self, session_id: str, keep_length: int, append: Sequence[int], k: int,
-                min_confidence: float = 0.0) -> DraftStream: ...
+                min_confidence: float = 0.0, call_number: int = 0) -> DraftStream: ...
     def step_many(self, streams: Sequence[DraftStream]) -> list[DraftToken | Exception | None]: ...
     def rollback(self, session_id: str, length: int) -> int: ...
     def close(self, session_id: str) -> bool: ...
@@ -131,14 +131,32 @@ class StreamGuard:
     append a token to a context the new call has just cut. Every new call on a
     session (Propose, Rollback, Close) therefore takes the session over, and an
     older stream stops before its next step instead of touching the session.
+
+    "Newest" is the caller's order where the caller numbers its Propose calls
+    (`call_number`): the abandoned call may also START after the next one (it
+    went on a gRPC stream, the next call on the lane), and it must then
+    neither cut the context nor stop the newer call's stream. A numbered call
+    below the highest number taken on its session is refused (Aborted).
     """
 
     def __init__(self):
         self._owner: dict[str, object] = {}
+        self._numbers: dict[str, int] = {}  # the highest call number taken, per session
 
-    def take(self, session_id: str) -> object:
+    def check(self, session_id: str, number: int = 0) -> None:
+        """Raise Aborted if a call numbered `number` (0: unnumbered) on
+        `session_id` is older than one already taken."""
+        newest = self._numbers.get(session_id, 0)
+        if number and number < newest:
+            raise Aborted(f"Propose call {number} on session {session_id!r} arrived after call {newest}, "
+                          "which took the session over")
+
+    def take(self, session_id: str, number: int = 0) -> object:
+        """The session's new owner token (`check` first: this does not refuse)."""
         token = object()
         self._owner[session_id] = token
+        if number:
+            self._numbers[session_id] = max(number, self._numbers.get(session_id, 0))
         return token
 
     def holds(self, session_id: str, token: object) -> bool:
@@ -147,6 +165,7 @@ class StreamGuard:
     def release(self, *session_ids: str) -> None:
         for session_id in session_ids:
             self._owner.pop(session_id, None)
+            self._numbers.pop(session_id, None)
 
 
 class ModelDrafter(EngineBackend):
@@ -184,20 +203,22 @@ class ModelDrafter(EngineBackend):
                 self._pick_graphs_decided = True
         return self._pick_graphs
 
-    def propose(self, session_id, keep_length, append, k, min_confidence=0.0):
+    def propose(self, session_id, keep_length, append, k, min_confidence=0.0, call_number=0):
         """Validate now; the returned stream makes the k drafts one step at a
         time (`step_many`, or `next()` on it), ending early once the product
-        of their confidences is below `min_confidence`."""
+        of their confidences is below `min_confidence`. `call_number`: the
+        caller's count of its Propose calls on the session (StreamGuard)."""
         check_num_draft_tokens(k, self.max_draft_tokens)
         check_min_confidence(min_confidence)
         session = self.engine.session(session_id)
+        self._streams.check(session_id, call_number)
         kept = session.length if keep_length is None else keep_length
         first = ExtendItem(session_id, keep_length, list(append), num_logits=1)
         self.engine.validate([first])
         if kept + len(append) + k > self.info.max_context:  # refuse now, not after streaming some drafts
             raise OutOfRange(f"drafting {k} tokens would take session {session_id!r} beyond the context "
                              f"limit of {self.info.max_context} tokens")
-        return DraftStream(self, session_id, k, self._streams.take(session_id), first,
+        return DraftStream(self, session_id, k, self._streams.take(session_id, call_number), first,
                            min_confidence=min_confidence)
 
     def step_many(self, streams):

@@ -36,11 +36,13 @@ class NgramDrafter:
         session = self._sessions.add(Session(id=new_session_id(), tokens=list(prompt), meta=meta))
         return session.id, session.length, 0
 
-    def propose(self, session_id, keep_length, append, k, min_confidence=0.0):
-        """A looked-up token is certain (confidence 1): `min_confidence` never ends it early."""
+    def propose(self, session_id, keep_length, append, k, min_confidence=0.0, call_number=0):
+        """A looked-up token is certain (confidence 1): `min_confidence` never
+        ends it early. `call_number`: as the model drafter's (StreamGuard)."""
         check_num_draft_tokens(k, self.max_draft_tokens)
         check_min_confidence(min_confidence)
         session = self._sessions.get(session_id)
+        self._streams.check(session_id, call_number)
         if keep_length is None:
             keep_length = session.length
         self.rules.check_keep(session, keep_length)
@@ -51,7 +53,8 @@ class NgramDrafter:
         del session.tokens[keep_length:]
         session.tokens.extend(append)
         drafts = self.lookup(session.tokens, k)
-        return DraftStream(self, session_id, len(drafts), self._streams.take(session_id), planned=drafts)
+        return DraftStream(self, session_id, len(drafts), self._streams.take(session_id, call_number),
+                           planned=drafts)
 
     def step_many(self, streams):
         """The next looked-up token of each stream (no model: nothing to batch)."""

@@ -81,7 +81,8 @@ def _validate(backend, request):
     """The call's DraftStream (run on the engine thread; `backend` is taken on
     the event loop, which answers UNAVAILABLE while the model loads)."""
     return backend.propose(request.session_id, request.keep_length if request.HasField("keep_length") else None,
-                           list(request.append_token_ids), request.num_draft_tokens, request.min_confidence)
+                           list(request.append_token_ids), request.num_draft_tokens, request.min_confidence,
+                           request.call_number)
 
 
 def drafts_to_wire(drafts, packed_q: bool) -> draft_pb2.ProposeAllResponse:

@@ -69,6 +69,7 @@ class RequestSessions:
         self.target_prefix = 0  # of `history`, shared with the target's context
         self.draft_id: str | None = None  # None: no draft session (none asked for, or in fallback)
         self.draft_prefix = 0
+        self._draft_calls = 0  # Propose calls numbered so far (ProposeRequest.call_number)
         self._draft_down_since: float | None = None
 
     def timeout(self) -> float:
@@ -80,6 +81,14 @@ class RequestSessions:
         if left <= 0:
             raise DeadlineExceeded("the request's deadline passed")
         return min(left, self.rpc_timeout_s)
+
+    def next_draft_call(self) -> int:
+        """The number of the request's next Propose call: increasing over
+        its draft sessions, so that a speculative call the loop abandoned
+        cannot take a session from a later call if it reaches the draft after
+        it (`ProposeRequest.call_number`)."""
+        self._draft_calls += 1
+        return self._draft_calls
 
     @property
     def packed_q(self) -> bool:

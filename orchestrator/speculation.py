@@ -230,7 +230,8 @@ class SpeculativeRequest:
             try:
                 drafts, cost = await self.sessions.draft.propose(self.sessions.draft_id, keep, self.history[keep:],
                                                                  k, self.sessions.timeout(),
-                                                                 min_confidence=stop, packed_q=self.sessions.packed_q)
+                                                                 min_confidence=stop, packed_q=self.sessions.packed_q,
+                                                                 call_number=self.sessions.next_draft_call())
             except grpc.aio.AioRpcError as exc:
                 failed(span, exc)
                 self.sessions.draft_failed(exc)
@@ -269,7 +270,7 @@ class SpeculativeRequest:
         # the bonus token, then round r+1's drafts.
         self.stats.round_trips += 1
         self._pipeline.start(self.sessions.draft_id, len(self.history) + k, k_next, self.sessions.timeout(),
-                             self.policy.min_confidence(), self.sessions.packed_q)
+                             self.policy.min_confidence(), self.sessions.packed_q, self.sessions.next_draft_call())
 
     async def _settle_ahead(self, k: int, result: RoundResult) -> None:
         """Account for the speculative Propose of round r (k drafts) and, when

@@ -30,6 +30,11 @@ class FailedPrecondition(SpecdecError):
     """The system is not in a state to serve the call (FAILED_PRECONDITION)."""
 
 
+class Aborted(SpecdecError):
+    """The call lost a race with another call of the same caller: a Propose
+    that reached the draft after a newer one on its session (ABORTED)."""
+
+
 class Unavailable(SpecdecError):
     """A downstream service cannot be reached (UNAVAILABLE)."""
 

@@ -17,6 +17,7 @@ from draft_service.server import start_draft_service
 from specdec.rpc.session_limits import SessionLimits
 from specdec.rpc.serving import ServerConfig
 from specdec.eventloop import BackgroundLoop as _BackgroundLoop
+from specdec.latency_proxy import LatencyProxy
 from specdec.telemetry import NOOP
 from specdec.v1 import draft_pb2_grpc, target_pb2_grpc
 from target_service.server import start_target_service
@@ -120,11 +121,13 @@ def running_draft(engine=None, limits: SessionLimits | None = None, ngram_vocab:
 @contextmanager
 def running_system(target_engine, draft_engine=None, ngram: bool = False, tokenizer=None,
                    limits: SessionLimits | None = None, telemetry: dict | None = None, http=None,
-                   draft_run_ahead: str = "auto", **orch_kwargs):
+                   draft_run_ahead: str = "auto", draft_grpc_delay_ms: float = 0.0, **orch_kwargs):
     """Target + draft (model, ngram, or none) + orchestrator, all on port 0.
     `telemetry` maps a role (draft, target, orchestrator) to its Telemetry;
     `http` (an HttpConfig) adds the orchestrator's HTTP front door
-    (.orchestrator.http.port).
+    (.orchestrator.http.port). `draft_grpc_delay_ms`: the orchestrator dials
+    the draft's gRPC port through a LatencyProxy of that one-way delay; its
+    lane (the round's ProposeAll) stays direct.
     Yields a namespace with .client (orchestrator.client.Client), .target, .draft,
     .orchestrator, .loop."""
     import types
@@ -143,10 +146,14 @@ def running_system(target_engine, draft_engine=None, ngram: bool = False, tokeni
                     if ngram else running_draft(draft_engine, limits, telemetry=tel["draft"], run_ahead=draft_run_ahead)
                     if draft_engine is not None else None)
         draft = draft_cm.__enter__() if draft_cm else None
+        proxy = LatencyProxy(f"127.0.0.1:{draft[0].port}", delay_ms=draft_grpc_delay_ms) \
+            if draft and draft_grpc_delay_ms else None
         loop = BackgroundLoop()
         try:
+            if proxy is not None:
+                proxy.start()
             cfg = OrchestratorConfig(target=f"127.0.0.1:{target.port}",
-                                     draft=f"127.0.0.1:{draft[0].port}" if draft else "",
+                                     draft=(proxy.address if proxy else f"127.0.0.1:{draft[0].port}") if draft else "",
                                      connect_timeout_s=10, **orch_kwargs)
             orch = loop.run(start_orchestrator(local_config(), cfg, tokenizer=tokenizer,
                                                telemetry=tel["orchestrator"], http=http))
@@ -160,6 +167,8 @@ def running_system(target_engine, draft_engine=None, ngram: bool = False, tokeni
                 loop.run(orch.stop(0))
         finally:
             loop.close()
+            if proxy is not None:
+                proxy.stop()
             if draft_cm:
                 draft_cm.__exit__(None, None, None)
 

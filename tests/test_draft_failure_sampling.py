@@ -53,11 +53,11 @@ def draft_fails_after_one_round(monkeypatch):
     calls: collections.Counter = collections.Counter()
     real = ModelDrafter.propose
 
-    def propose(self, session_id, keep_length, append, k):
+    def propose(self, session_id, *args, **kwargs):
         calls[session_id] += 1
         if calls[session_id] >= 2:
             raise Unavailable("injected draft failure")
-        return real(self, session_id, keep_length, append, k)
+        return real(self, session_id, *args, **kwargs)
 
     monkeypatch.setattr(ModelDrafter, "propose", propose)
     return calls

@@ -10,8 +10,10 @@ import pytest
 import torch
 
 from draft_service.drafters import ModelDrafter
+from draft_service.ngram_drafter import NgramDrafter
 from orchestrator.gamma_policy import AdaptivePolicy, FixedPolicy, RoundObservation, acceptance_estimate
 from orchestrator.pipelining import AheadDecision, draft_ahead_length
+from specdec.errors import Aborted
 from specdec.rpc.model_service import SessionMeta
 from specdec.sampling.params import SamplingParams
 from specdec.sampling.transform import logits_to_probs
@@ -201,6 +203,54 @@ def test_a_newer_call_on_a_draft_session_stops_an_abandoned_propose_stream():
     drafter.rollback(sid, length)
     assert list(again) == [] and engine.session(sid).length == length
     assert drafter.close(sid)
+
+
+@pytest.mark.parametrize("kind", ["model", "ngram"])
+def test_a_propose_numbered_below_one_already_started_is_refused_and_touches_nothing(kind):
+    """A call the client abandoned may START after its next call (it went on a
+    gRPC stream, the next one on the lane): numbered, it is refused, and the
+    newer call's stream and context are as if it never came."""
+    if kind == "model":
+        drafter = ModelDrafter(tiny_engine(seed=3), max_draft_tokens=8)
+        session = lambda sid: drafter.engine.session(sid).tokens  # noqa: E731
+    else:
+        drafter = NgramDrafter(16, max_draft_tokens=8)
+        session = lambda sid: drafter._sessions.get(sid).tokens  # noqa: E731
+    meta = SessionMeta(params=SamplingParams(0.0, 0, 1.0), seed=1)
+    sid, length, _ = drafter.open([5, 6, 7, 8, 5, 6, 7], meta, 32)
+    new = drafter.propose(sid, length, [8], 3, call_number=2)
+    first = next(new)
+    with pytest.raises(Aborted, match="call 1 .* after call 2"):
+        drafter.propose(sid, length, [], 4, call_number=1)
+    rest = list(new)
+    assert [d.index for d in [first] + rest] == list(range(new.k))
+    assert session(sid) == [5, 6, 7, 8, 5, 6, 7, 8] + [d.token_id for d in [first] + rest]
+    # The next numbered call, and an unnumbered one, still take the session over.
+    assert len(list(drafter.propose(sid, length + 1, [], 2, call_number=3))) <= 2
+    assert len(list(drafter.propose(sid, length + 1, [], 1))) <= 1
+    with pytest.raises(Aborted):
+        drafter.propose(sid, length + 1, [], 1, call_number=2)
+    assert drafter.close(sid)
+
+
+def test_seeded_tokens_do_not_change_when_abandoned_speculative_proposes_reach_the_draft_late():
+    """The speculative Propose goes on a gRPC stream, the round's ProposeAll on
+    the lane: with the gRPC path 15 ms slower, a speculative call dropped after
+    a partial acceptance reaches the draft after the next round's call. It is
+    refused there (its call number is older), so the next rounds draft from
+    the right context and each seed's tokens are the unpipelined loop's."""
+    target = tiny_model(seed=0, init_range=0.3)
+    draft = perturbed(target, 0.05, seed=1)
+    with running_system(tiny_engine(model=target), tiny_engine(model=draft), pipeline=True, pipeline_always=True,
+                        draft_grpc_delay_ms=15) as s:
+        for seed in range(8):
+            kwargs = dict(max_tokens=16, temperature=0.8, seed=seed, num_draft_tokens=2)
+            on = s.client.complete(GREEDY_PROMPTS[seed], pipeline=True, **kwargs)
+            off = s.client.complete(GREEDY_PROMPTS[seed], pipeline=False, **kwargs)
+            assert on.token_ids == off.token_ids, f"seed {seed}"
+            # Each round drafted ahead (pipeline_always); most guesses were dropped.
+            assert on.stats.round_trips > off.stats.round_trips
+            assert on.stats.fallback_rounds == 0, "a round lost its draft"
 
 
 def test_cancelling_a_pipelined_request_frees_both_sessions():

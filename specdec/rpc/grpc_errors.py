@@ -21,6 +21,7 @@ _CODES: dict[type, grpc.StatusCode] = {
     errors.OutOfRange: grpc.StatusCode.OUT_OF_RANGE,
     errors.ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.Aborted: grpc.StatusCode.ABORTED,
     errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
     errors.DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
     errors.Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
