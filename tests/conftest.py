@@ -11,6 +11,23 @@ from specdec.engine.engine import ModelEngine
 # manifests once a session rather than once in each tests/test_deploy_*.py.
 from tests.deploy_manifests import rendered, validation  # noqa: F401 - pytest fixtures, used by name
 
+# The test files that take a minute or more of one worker, longest first
+# (seconds per file from `pytest -n auto --dist loadfile --junitxml=...` on the
+# 2-core dev VM, 2026-11-27: real models 273 when their weights are cached,
+# faults 192, orchestrator 179, pipelining 150, bench 147, models 92, soak 90,
+# rejection exactness 83, fused decoder 64). pytest-xdist's loadfile hands
+# files out in collection order; alphabetical order left the soak and the
+# rejection tests to start last, and one worker ran on alone for a minute or
+# more after the other had finished. Only the order changes, never a result.
+HEAVY_FIRST = ("test_real_models.py", "test_faults_under_load.py", "test_orchestrator.py", "test_pipelining.py",
+               "test_bench.py", "test_models.py", "test_soak.py", "test_rejection_exactness.py",
+               "test_fused_decoder.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(HEAVY_FIRST)))  # stable: the rest keep their order
+
 TINY_VOCAB = 128
 
 # In-process services run forward passes on several threads at once (each

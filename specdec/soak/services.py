@@ -126,13 +126,15 @@ class SoakServices:
         self.services["draft"] = spawn_role("draft", ["--model", o.draft, *common], self.log_dir, self.env)
         models = [self.services[name] for name in self.model_names]
         read_ports(models)
-        wait_all_serving(models, list(self.services.values()), o.startup_timeout_s)
-        for name in self.model_names:
-            self._kv_mb[name] = kv_tensor_mb(self.services[name].log_path.read_text(errors="replace"))
+        # The orchestrator starts while the models load (it waits for them,
+        # --connect-timeout-s): its own start-up no longer follows theirs.
         targets = ",".join(self.services[n].address for n in self.target_names)
         orch = spawn_role("orchestrator", ["--draft", self.services["draft"].address, "--target", targets,
                                            "--tokenizer", "", *o.orchestrator_flags], self.log_dir, self.env)
         self.services["orchestrator"] = orch
+        wait_all_serving(models, list(self.services.values()), o.startup_timeout_s)
+        for name in self.model_names:
+            self._kv_mb[name] = kv_tensor_mb(self.services[name].log_path.read_text(errors="replace"))
         read_ports([orch])
         wait_all_serving([orch], list(self.services.values()), o.startup_timeout_s)
 
