@@ -442,3 +442,38 @@ def test_a_leaf_span_is_built_after_its_work_with_its_times_parent_attributes_an
     assert accept.status.status_code is StatusCode.ERROR and accept.events[0].name == "exception"
     assert accept.parent is None  # no span was current: a root
     telemetry.shutdown()
+
+
+def test_a_rounds_data_points_are_recorded_on_the_loops_next_turn_and_not_without_a_meter():
+    """The round's data points leave its path: inside a running loop they are
+    recorded on its next turn (all of them), outside one at once; with a
+    no-op meter they are not recorded at all."""
+    import asyncio
+
+    from opentelemetry.metrics import NoOpMeterProvider
+    from opentelemetry.sdk.metrics import MeterProvider
+
+    from specdec.metrics import Metrics
+
+    reader = InMemoryMetricReader()
+    metrics = Metrics(MeterProvider(metric_readers=[reader]).get_meter("test"))
+
+    async def a_round():
+        metrics.record_round(4, 4, 3)
+        metrics.record_rpc("draft", "Propose", 0.002)
+        during = metric_values(reader)
+        await asyncio.sleep(0)
+        return during
+
+    during = asyncio.run(a_round())
+    assert "specdec_accepted_tokens" not in during and "specdec_rpc_round_trip_seconds" not in during
+    points = metric_values(reader)
+    assert counter(points, "specdec_drafts") == 1 and counter(points, "specdec_draft_tokens") == 4
+    assert counter(points, "specdec_accepted_tokens") == 3
+    assert [counter(points, "specdec_accepted_tokens_per_position", position=i) for i in range(3)] == [1, 1, 1]
+    assert len(points["specdec_rpc_round_trip_seconds"]) == 1
+
+    metrics.record_round(2, 2, 2)  # no loop runs here: at once
+    assert counter(metric_values(reader), "specdec_accepted_tokens") == 5
+
+    assert not Metrics(NoOpMeterProvider().get_meter("test")).enabled
