@@ -42,7 +42,7 @@ class TargetServicer(SessionServicer, target_pb2_grpc.TargetServiceServicer):
                 )
                 for it in request.items
             ]
-            self.telemetry.metrics.verify_batch_size.record(len(items))
+            self.telemetry.metrics.record_verify_batch(len(items))
             # Timed where it runs (the engine thread or, when short, the event
             # loop): compute, not the wait for the engine or the hand-offs.
             batch, seconds = await self.worker.run_short("verify", _timed, self.backend.verify, items)

@@ -461,17 +461,19 @@ def test_a_rounds_data_points_are_recorded_on_the_loops_next_turn_and_not_withou
     async def a_round():
         metrics.record_round(4, 4, 3)
         metrics.record_rpc("draft", "Propose", 0.002)
+        metrics.record_verify_batch(3)
         during = metric_values(reader)
         await asyncio.sleep(0)
         return during
 
     during = asyncio.run(a_round())
-    assert "specdec_accepted_tokens" not in during and "specdec_rpc_round_trip_seconds" not in during
+    assert not {"specdec_accepted_tokens", "specdec_rpc_round_trip_seconds", "specdec_verify_batch_size"} & set(during)
     points = metric_values(reader)
     assert counter(points, "specdec_drafts") == 1 and counter(points, "specdec_draft_tokens") == 4
     assert counter(points, "specdec_accepted_tokens") == 3
     assert [counter(points, "specdec_accepted_tokens_per_position", position=i) for i in range(3)] == [1, 1, 1]
     assert len(points["specdec_rpc_round_trip_seconds"]) == 1
+    assert hist_count(points, "specdec_verify_batch_size") == 1
 
     metrics.record_round(2, 2, 2)  # no loop runs here: at once
     assert counter(metric_values(reader), "specdec_accepted_tokens") == 5
