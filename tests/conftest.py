@@ -18,7 +18,9 @@ from tests.deploy_manifests import rendered, validation  # noqa: F401 - pytest f
 # rejection exactness 83, fused decoder 64). pytest-xdist's loadfile hands
 # files out in collection order; alphabetical order left the soak and the
 # rejection tests to start last, and one worker ran on alone for a minute or
-# more after the other had finished. Only the order changes, never a result.
+# more after the other had finished. (xdist's own order, by each file's number
+# of tests, put the fault runs and the soak last: pyproject's addopts turn it
+# off.) Only the order changes, never a result.
 HEAVY_FIRST = ("test_real_models.py", "test_faults_under_load.py", "test_orchestrator.py", "test_pipelining.py",
                "test_bench.py", "test_models.py", "test_soak.py", "test_rejection_exactness.py",
                "test_fused_decoder.py")
