@@ -44,7 +44,8 @@ class Metrics:
     SDK's measurement consumer, its attribute lookup and its lock), and more
     run cold between the models' steps. Deferred, they run once the round's
     next call is on its way, as the spans are built (specdec/spans.py). A
-    scrape may see a round a turn of the loop late; nothing is lost. With a
+    scrape may see a round a turn of the loop late (points scheduled as the
+    loop stops for good are dropped with it). With a
     no-op meter nothing is recorded at all."""
 
     def __init__(self, meter: Meter):
