@@ -169,10 +169,15 @@ class DraftStepBatcher:
 
     def _lone_steps(self, stream: DraftStream, more) -> list[tuple[list, float]]:
         """A lone stream's steps back to back while the next would still end
-        within `inline_max_s` of the first's start (one step at least), and
-        `more()` says no stream has arrived (on the engine thread one may).
-        Each step on a turn of the loop of its own paid that turn's Python
-        cold after the forward pass: ~0.09 ms a step on the dev VM."""
+        within `inline_max_s` of the first's start (one step at least), or
+        is the stream's last, and `more()` says no stream has arrived (on the
+        engine thread one may). Each step on a turn of the loop of its own
+        paid that turn's Python cold after the forward pass: ~0.09 ms a step
+        on the dev VM. A last step left to a job of its own paid a whole turn
+        of the loop between the two jobs, 155 µs there (`specd overhead
+        --hops` with probes in the handler: four 3 ms steps against the 10 ms
+        limit), for a wait of at most one more step; `_timed_steps` keeps a
+        job's last step the same way."""
         until = time.perf_counter() + self.worker.inline_max_s
         steps = []
         while True:
@@ -180,8 +185,8 @@ class DraftStepBatcher:
             results = self.drafter.step_many([stream])
             now = time.perf_counter()
             steps.append((results, now - start))
-            if (stream.done or not isinstance(results[0], DraftToken) or now + (now - start) > until
-                    or not more()):
+            if (stream.done or not isinstance(results[0], DraftToken) or not more()
+                    or (now + (now - start) > until and stream.k - stream.produced > 1)):
                 return steps
 
     def _job(self, streams: list[DraftStream], more) -> list[tuple[list, float]]:

@@ -233,13 +233,13 @@ def test_a_lone_streams_short_steps_run_on_the_event_loop_as_many_as_fit_in_its_
             assert [t for t, _, _ in drafter.steps] == [loop_thread] * 4
             seen = [tick for _, _, tick in drafter.steps]
             assert seen[0] == seen[1] < seen[2] == seen[3], seen
-            # 30 ms steps: one a job.
+            # 30 ms steps: one a job, but a stream's last step is never left to a job of its own.
             step_s[0] = 0.03
             drafter.steps.clear()
             third = await batcher.start_and_collect(lambda: drafter.propose(3), "s")
             assert [d.index for d, _ in third] == [0, 1, 2]
             seen = [tick for t, _, tick in drafter.steps if t == loop_thread]
-            assert len(seen) == 3 and seen[0] < seen[1] < seen[2], seen
+            assert len(seen) == 3 and seen[0] < seen[1] == seen[2], seen
             # Another stream arrives during the first step: the rest share passes with it.
             drafter.steps.clear()
             other = drafter.propose(4, "t")
