@@ -143,20 +143,19 @@ class StreamGuard:
         self._owner: dict[str, object] = {}
         self._numbers: dict[str, int] = {}  # the highest call number taken, per session
 
-    def check(self, session_id: str, number: int = 0) -> None:
-        """Raise Aborted if a call numbered `number` (0: unnumbered) on
-        `session_id` is older than one already taken."""
+    def take(self, session_id: str, number: int = 0) -> object:
+        """The session's new owner token for a call numbered `number` (0:
+        unnumbered); Aborted, with nothing changed, if that call is older than
+        one that already took the session. Take it before the call changes
+        the session."""
         newest = self._numbers.get(session_id, 0)
         if number and number < newest:
             raise Aborted(f"Propose call {number} on session {session_id!r} arrived after call {newest}, "
                           "which took the session over")
-
-    def take(self, session_id: str, number: int = 0) -> object:
-        """The session's new owner token (`check` first: this does not refuse)."""
         token = object()
         self._owner[session_id] = token
         if number:
-            self._numbers[session_id] = max(number, self._numbers.get(session_id, 0))
+            self._numbers[session_id] = number
         return token
 
     def holds(self, session_id: str, token: object) -> bool:
@@ -211,7 +210,6 @@ class ModelDrafter(EngineBackend):
         check_num_draft_tokens(k, self.max_draft_tokens)
         check_min_confidence(min_confidence)
         session = self.engine.session(session_id)
-        self._streams.check(session_id, call_number)
         kept = session.length if keep_length is None else keep_length
         first = ExtendItem(session_id, keep_length, list(append), num_logits=1)
         self.engine.validate([first])

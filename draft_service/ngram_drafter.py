@@ -42,7 +42,6 @@ class NgramDrafter:
         check_num_draft_tokens(k, self.max_draft_tokens)
         check_min_confidence(min_confidence)
         session = self._sessions.get(session_id)
-        self._streams.check(session_id, call_number)
         if keep_length is None:
             keep_length = session.length
         self.rules.check_keep(session, keep_length)
@@ -50,11 +49,11 @@ class NgramDrafter:
         if keep_length + len(append) < 1:  # as the model drafter: an empty context has nothing to draft from
             raise InvalidArgument("nothing to draft from (a context of 0 tokens): keep or append at least one token")
         self.rules.check_length(session, keep_length + len(append) + k)
+        owner = self._streams.take(session_id, call_number)  # before the cut: a late call is refused here
         del session.tokens[keep_length:]
         session.tokens.extend(append)
         drafts = self.lookup(session.tokens, k)
-        return DraftStream(self, session_id, len(drafts), self._streams.take(session_id, call_number),
-                           planned=drafts)
+        return DraftStream(self, session_id, len(drafts), owner, planned=drafts)
 
     def step_many(self, streams):
         """The next looked-up token of each stream (no model: nothing to batch)."""
