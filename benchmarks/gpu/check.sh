@@ -38,6 +38,8 @@
 #           (deployed: that layout alone, for GPU_CHECK_PHASES)
 #   hops    `specd overhead --hops`: the orchestrator's own round cut into what each process and
 #           each crossing between them took (issue 15: where the many-core host's round goes)
+#   busy    the hops again with every process busy polling while a reply is due (--busy-poll-us
+#           50000): what the wake-ups cost a round where each role has CPUs to spare
 #   tests   the gpu-marked tests: CUDA-graph steps == eager (fp32), batched == alone, the bf16
 #           identity rate, exactness with the orchestrator on the GPU, one host sync per step
 #   static  `specd bench --policies none --baselines hf-static`: HF generate on a static cache,
@@ -144,7 +146,7 @@ export -f setup
 
 echo "# $(date -u +%FT%TZ) mode=$mode device=$device budget=${budget}s commit=$(git describe --always --dirty 2>/dev/null || echo '?')" >> "$out/phases.txt"
 case "$mode" in
-  once|all) phases=(smoke steps bench heads ahead overhead tests hops static) ;;
+  once|all) phases=(smoke steps bench heads ahead overhead tests hops busy static) ;;
   quick) phases=(smoke tests steps) ;;
   bench) phases=(bench static) ;;
   *) echo "unknown mode $mode: once, quick, bench or all" >&2; exit 2 ;;
@@ -201,6 +203,8 @@ for name in "${phases[@]}"; do
       phase deployed 210 "${specd[@]}" overhead --reps 150 --orchestrator-requests 8 ;;
     hops)  # the orchestrator's round, hop by hop
       phase hops 90 "${specd[@]}" overhead --hops --orchestrator-requests 6 ;;
+    busy)  # the same with every process polling while a reply is due (--busy-poll-us, specdec/busy_poll.py)
+      phase busy 90 "${specd[@]}" overhead --hops --orchestrator-requests 6 --busy-poll-us 50000 ;;
     tests)
       phase tests 90 "$python" -m pytest -q -rs -p no:cacheprovider -o timeout=60 -m gpu \
         tests/test_gpu_engine.py tests/test_device_picks.py tests/test_draft_run_ahead.py ;;

@@ -5,16 +5,22 @@ roles are deployed (one process per role): a target (or draft) service over
 stdin closes (the parent went away) or on SIGTERM.
 
     python -m specdec.bench.overhead_service --role target --seed 0 [--trace-file F] [--tls-cert C ...]
+
+Busy polling (specdec/busy_poll.py) as the roles take it from the
+environment: SPECD_BUSY_POLL_US.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 
 
 async def _serve(args: argparse.Namespace) -> None:
     from draft_service.drafters import ModelDrafter
+    from specdec import busy_poll
+    from specdec.config import env_name
     from draft_service.server import start_draft_service
     from specdec.bench.overhead_stack import tiny_engine
     from specdec.rpc.session_limits import SessionLimits
@@ -24,6 +30,7 @@ async def _serve(args: argparse.Namespace) -> None:
     from target_service.server import start_target_service
     from target_service.verifier import Verifier
 
+    busy_poll.configure(int(os.environ.get(env_name("busy_poll_us"), "0") or 0))  # as `specd serve` reads it
     limits = SessionLimits()
     telemetry = setup_telemetry(args.role, TelemetrySettings(tracing=bool(args.trace_file),
                                                              trace_file=args.trace_file))

@@ -10,7 +10,7 @@ two whole systems with tracing on and off, and spans per generated token
 (specdec/bench/tracing_cost.py).
 
     specd overhead --reps 200 --num-draft-tokens 4 [--tls] [--orchestrator-requests 20]
-    specd overhead --hops [--orchestrator-requests 6]
+    specd overhead --hops [--orchestrator-requests 6] [--busy-poll-us 20000]
     specd overhead --wire [--target qwen2.5-coder-1.5b-instruct]
     specd overhead --end-to-end [--requests 30 --tokens 64] [--random-pair]
     specd overhead --end-to-end --draft qwen2.5-coder-0.5b-instruct --target qwen2.5-coder-1.5b-instruct \
@@ -39,6 +39,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cpu-wake-latency-us", type=int, default=-1, metavar="US",
                    help="hold the machine's CPU wake-up latency at US microseconds while measuring (0: idle CPUs "
                    "poll; specdec/cpu_latency.py, needs write access to /dev/cpu_dma_latency); default: leave it")
+    p.add_argument("--busy-poll-us", type=int, default=0, metavar="US",
+                   help="every process of the run polls its event loop instead of sleeping while a reply is due, "
+                   "up to US microseconds a wait (the roles' --busy-poll-us, specdec/busy_poll.py); default 0: off")
     p.add_argument("--orchestrator-requests", type=int, default=None, metavar="N",
                    help="Generate requests of each kind for the orchestrator's own round (deployed layout only; "
                    "default: --reps / 10, at least 2)")
@@ -95,6 +98,10 @@ def run(args: argparse.Namespace) -> int:
         print("specd: error: --orchestrator-requests must be at least 1", file=sys.stderr)
         return 1
     torch.set_num_threads(args.threads or 1)
+    if args.busy_poll_us < 0:
+        print("specd: error: --busy-poll-us must be 0 (off) or more", file=sys.stderr)
+        return 1
+    _busy_poll(args.busy_poll_us)
     if args.hops:
         if args.tls or args.in_process or args.cpu_wake_latency_us >= 0:
             print("specd: error: --hops measures the deployed orchestrator's round in plaintext: it takes "
@@ -111,6 +118,8 @@ def run(args: argparse.Namespace) -> int:
     print(report(figures, args.reps))
     if not args.in_process:  # the orchestrator's own round: deployed, as clients call it
         print("\n" + "\n".join(orchestrator_round.report_lines(_orchestrator_rounds(args))))
+    if args.busy_poll_us:
+        print(_busy_poll_note(args.busy_poll_us))
     if held:
         print(f"\nThe CPU wake-up latency was held at <= {args.cpu_wake_latency_us} us ({cpu_latency.DEVICE}) "
               "throughout, for every process of the run.")
@@ -142,7 +151,26 @@ def _hops(args: argparse.Namespace) -> int:
         kinds = hops_report.rounds(hops_report.read_events(Path(hops_dir)), skip_first_request=True)
     print("\n".join(orchestrator_round.report_lines(rounds)))
     print("\n" + "\n".join(hops_report.report_lines(kinds)))
+    if args.busy_poll_us:
+        print(_busy_poll_note(args.busy_poll_us))
     return 0
+
+
+def _busy_poll(max_us: int) -> None:
+    """Busy polling in this process and, through the environment the roles
+    read it from, in every process it starts."""
+    import os
+
+    from specdec import busy_poll
+    from specdec.config import env_name
+
+    busy_poll.configure(max_us)
+    os.environ[env_name("busy_poll_us")] = str(max_us)
+
+
+def _busy_poll_note(max_us: int) -> str:
+    return (f"\nEvery process of the run polled its event loop while a reply was due, up to {max_us} us a wait "
+            "(--busy-poll-us).")
 
 
 def _end_to_end(args: argparse.Namespace) -> int:

@@ -11,7 +11,7 @@ from draft_service.config import DrafterConfig
 from orchestrator.config import DEFAULT_PORT as ORCH_PORT
 from orchestrator.config import OrchestratorConfig
 from orchestrator.openai_api.config import HttpConfig
-from specdec import cpu_latency, eventloop
+from specdec import busy_poll, cpu_latency, eventloop
 from specdec.cli.exits import EXIT_USAGE
 from specdec.config import add_arguments, from_args
 from specdec.engine.config import EngineConfig
@@ -162,6 +162,7 @@ def role_telemetry(role: str, server_cfg: ServerConfig):
 async def _serve_forever(running, server_cfg: ServerConfig, role: str, what: str) -> None:
     log.info("%s SERVING on %s:%d (%s)", role, server_cfg.host, running.port, what)
     cpu_latency.hold(server_cfg.cpu_wake_latency_us)
+    busy_poll.configure(server_cfg.busy_poll_us)
     install_drain_on_signals(running, server_cfg.drain_grace_s)
     await running.wait()
     log.info("%s stopped", role)

@@ -39,6 +39,7 @@ import grpc
 from opentelemetry import context as context_api
 from opentelemetry import trace
 
+from specdec import busy_poll
 from specdec.errors import InvalidArgument
 from specdec.rpc import grpc_errors
 from specdec.rpc.grpc_tracing import carry_trace_context, trace_metadata
@@ -86,11 +87,13 @@ class ServedStreams:
             reply = await grpc_errors.answer_call(call, handle, reply_type, method)
             async with writing:
                 await context.write(reply)
+            busy_poll.linger()  # the caller's next call usually follows within a round (--busy-poll-us)
 
         async def read() -> None:
             async for call in calls:
                 if isinstance(call, Malformed):
                     raise InvalidArgument(call.message)
+                busy_poll.arrived()
                 task = asyncio.ensure_future(answer(call))
                 answering.add(task)
                 task.add_done_callback(answering.discard)
@@ -172,7 +175,8 @@ class CallStream:
         stream.outbox.put_nowait(message)
         try:
             async with asyncio.timeout(timeout) as scope:
-                reply = await reply_future
+                with busy_poll.waiting():
+                    reply = await reply_future
         except TimeoutError:
             raise grpc_errors.deadline_exceeded() from None
         except grpc.aio.AioRpcError as exc:

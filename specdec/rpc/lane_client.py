@@ -10,7 +10,7 @@ from typing import Awaitable, Callable
 
 import grpc
 
-from specdec import hops
+from specdec import busy_poll, hops
 from specdec.rpc import grpc_errors
 from specdec.rpc.grpc_tracing import carry_trace_context
 from specdec.rpc.lane import FrameConnection, LaneDown, PendingReplies, keepalive
@@ -90,7 +90,8 @@ class LaneClient:
                 connection.protocol.write(payload)
             except (RuntimeError, OSError):  # the transport closed under us: its end fails the rest
                 raise _broken(self) from None
-            reply = await reply_future
+            with busy_poll.waiting():
+                reply = await reply_future
             hops.record("call.back", self.service)
         finally:
             deadline.cancel()

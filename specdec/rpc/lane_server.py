@@ -8,7 +8,7 @@ import ssl
 
 import grpc
 
-from specdec import hops
+from specdec import busy_poll, hops
 from specdec.eager import start_now
 from specdec.rpc import grpc_errors
 from specdec.rpc.auth import caller_refusal
@@ -171,6 +171,7 @@ class LaneServer:
             call = self.call_type.FromString(payload)
         except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError: the bytes are not a call
             raise ValueError(f"a frame that is not a {self.call_type.DESCRIPTOR.name}: {exc}") from None
+        busy_poll.arrived()  # a linger after the last reply has done its work
         # Started at once: a call that never waits (a lone round's) is
         # answered here, without a turn of the loop (specdec/eager.py).
         task = start_now(self._answer(connection, call))
@@ -203,6 +204,7 @@ class LaneServer:
             hops.record("call.answered", self.role, hops.compute_micros(reply.response))
         if not connection.is_closing():
             connection.write(payload)
+            busy_poll.linger()  # the caller's next call usually follows within a round (--busy-poll-us)
             await connection.drain()  # a caller that does not read its replies slows its own answers
 
 

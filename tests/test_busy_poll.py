@@ -1,0 +1,158 @@
+"""Busy polling (specdec/busy_poll.py): off unless configured; on, a loop
+polls while a reply is due and stops once it came or the limit passed; a
+service lingers after a reply until the next call comes; the lanes and the
+call streams use it, and the tokens of a round do not change."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from specdec import busy_poll
+from specdec.rpc.lane_server import LaneServer
+from tests.harness import DEADLINE_S
+from tests.test_lanes import METHOD, _client, _handle, _request
+
+
+@pytest.fixture
+def polling():
+    """Busy polling on (up to 1 s a wait) for the test, off after it."""
+    busy_poll.configure(1_000_000)
+    yield
+    busy_poll.configure(0)
+
+
+def _run(coro):
+    return asyncio.run(asyncio.wait_for(coro, DEADLINE_S))
+
+
+def _poller():
+    return busy_poll._pollers.get(asyncio.get_running_loop())
+
+
+def test_off_by_default_a_wait_polls_nothing():
+    async def main():
+        reply = asyncio.get_running_loop().create_future()
+        asyncio.get_running_loop().call_later(0.02, reply.set_result, 1)
+        with busy_poll.waiting():
+            assert await reply == 1
+        busy_poll.linger()
+        await asyncio.sleep(0.01)
+        return busy_poll.turns()
+
+    assert not busy_poll.enabled()
+    assert _run(main()) == 0
+
+
+def test_a_wait_polls_until_its_reply_comes_and_then_stops(polling):
+    async def main():
+        loop = asyncio.get_running_loop()
+        reply = loop.create_future()
+        loop.call_later(0.02, reply.set_result, "answer")
+        with busy_poll.waiting():
+            assert await reply == "answer"
+        during = busy_poll.turns()
+        await asyncio.sleep(0)  # the turn that sees no wait left
+        await asyncio.sleep(0)
+        assert not _poller().running
+        after = busy_poll.turns()
+        await asyncio.sleep(0.02)
+        return during, after, busy_poll.turns()
+
+    during, after, later = _run(main())
+    assert during > 10  # 20 ms of turns of a few µs each
+    assert later == after  # stopped with the wait
+
+
+def test_a_wait_is_polled_no_longer_than_the_limit():
+    busy_poll.configure(5_000)  # 5 ms
+    try:
+        async def main():
+            loop = asyncio.get_running_loop()
+            reply = loop.create_future()
+            loop.call_later(0.1, reply.set_result, None)
+            with busy_poll.waiting():
+                await asyncio.sleep(0.05)  # well past the limit, the reply still due
+                assert not _poller().running
+                stopped_at = busy_poll.turns()
+                await reply
+            return stopped_at, busy_poll.turns()
+
+        stopped_at, end = _run(main())
+        assert stopped_at > 0 and end == stopped_at
+    finally:
+        busy_poll.configure(0)
+
+
+def test_a_linger_polls_until_the_next_call_comes(polling):
+    async def main():
+        busy_poll.linger()
+        await asyncio.sleep(0.01)
+        assert _poller().running and busy_poll.turns() > 0
+        busy_poll.arrived()
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        return _poller().running
+
+    assert _run(main()) is False
+
+
+def test_turning_it_off_stops_a_loop_that_polls(polling):
+    async def main():
+        reply = asyncio.get_running_loop().create_future()
+        asyncio.get_running_loop().call_later(0.05, reply.set_result, None)
+        with busy_poll.waiting():
+            await asyncio.sleep(0.005)
+            busy_poll.configure(0)
+            await asyncio.sleep(0.005)
+            assert not _poller().running
+            await reply
+
+    _run(main())
+
+
+def test_a_lane_call_polls_on_both_sides_and_answers_as_before(polling):
+    """The client polls while its call is out; the server lingers after
+    its reply until the next call, which ends the linger."""
+    async def main():
+        server = LaneServer(METHOD, _handle, *_lane_types(), "fake", 1 << 20)
+        await server.start("127.0.0.1", 0)
+        client = _client(server.port)
+        try:
+            reply = await client(_request("slow-20", keep=5), 5)  # the handler answers after 20 ms
+            assert [d.token_id for d in reply.drafts] == [5]
+            assert busy_poll.turns() > 10  # one loop: the client's wait and the server's linger alike
+            assert _poller().linger_until > 0  # the server lingers after its reply
+            reply = await client(_request("a", keep=9), 5)
+            assert [d.token_id for d in reply.drafts] == [9]
+        finally:
+            await client.close()
+            server.close()
+            await server.wait_closed(1)
+
+    _run(main())
+
+
+def _lane_types():
+    from specdec.v1 import draft_pb2
+
+    return draft_pb2.ProposeAllCall, draft_pb2.ProposeAllReply
+
+
+def test_rounds_with_every_role_polling_give_the_target_only_greedy_tokens(polling):
+    from tests.conftest import tiny_engine, tiny_model
+    from tests.harness import running_system
+    from tests.test_orchestrator import greedy_reference, perturbed
+
+    target = tiny_model(seed=0, init_range=0.3)
+    draft = perturbed(target, 0.15, seed=1)
+    prompt = [5, 9, 14, 3, 22, 7]
+    reference = greedy_reference(target, prompt, 20)
+    for lanes in (True, False):  # the lanes, then the gRPC call streams
+        with running_system(tiny_engine(model=target), tiny_engine(model=draft), lanes=lanes) as system:
+            result = system.client.complete(prompt, max_tokens=20, temperature=0, num_draft_tokens=3)
+            assert result.token_ids == reference[:len(result.token_ids)]
+            assert len(result.token_ids) == 20 or reference[len(result.token_ids)] == 2
+            assert result.stats.rounds > 1
+            for loop in (system.loop, system.draft_loop, system.target_loop):
+                assert busy_poll._pollers[loop.loop].turns > 0  # the orchestrator waited, each service lingered
