@@ -91,19 +91,33 @@ def _poller() -> _Poller:
     return poller
 
 
-@contextlib.contextmanager
+class _Waiting:
+    """A wait being polled through: ends when its block does."""
+
+    __slots__ = ("poller",)
+
+    def __init__(self, poller: _Poller):
+        self.poller = poller
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc_info) -> None:
+        self.poller.waits -= 1
+
+
+_NOT_POLLING = contextlib.nullcontext()  # what `waiting` is when off: nothing made per call
+
+
 def waiting():
-    """Poll while the block waits for a reply (at most the configured time)."""
+    """A context manager: poll while its block waits for a reply (at most
+    the configured time from now)."""
     if not _max_s:
-        yield
-        return
+        return _NOT_POLLING
     poller = _poller()
     poller.waits += 1
     poller.start(time.monotonic() + _max_s)
-    try:
-        yield
-    finally:
-        poller.waits -= 1
+    return _Waiting(poller)
 
 
 def linger() -> None:
