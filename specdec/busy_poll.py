@@ -11,39 +11,52 @@ caches gone cold. On the 2-core dev VM one 16-byte frame each way after a
 3 ms wait cost the waiting side 300-500 µs over the wait, 120-190 µs when
 that side's loop kept polling through it (a scratch echo, side by side).
 
-The trick: while a wait is on, a callback on the loop schedules itself again
-with `call_soon`. A loop with a callback ready polls its sockets with a zero
-timeout (asyncio's and uvloop's alike) and so never blocks; every turn still
-reads whatever I/O is ready and runs every other callback, so nothing on the
-loop is delayed by it. A turn costs a few microseconds of CPU.
+The trick: while a wait is polled, a callback on the loop schedules itself
+again with `call_soon`. A loop with a callback ready polls its sockets with a
+zero timeout (asyncio's and uvloop's alike) and so never blocks; every turn
+still reads whatever I/O is ready and runs every other callback, so nothing
+on the loop is delayed by it. A turn costs a few microseconds of CPU.
 
-It costs a CPU for the length of each wait, so it is bounded and off unless
-asked for (`--busy-poll-us`):
-- a caller polls from sending a call until its reply comes (`waiting`), at
-  most `max_s` from the call's start, and sleeps after;
-- a service keeps polling for `max_s` after each reply it sends (`linger`),
-  as its next call usually follows within a round.
-It is Linux's SO_BUSY_POLL, done in the event loop: worth it on a machine
-with a CPU to spare for each role (a GPU host); on a machine where the roles
-share fewer CPUs than they have (the 2-core dev VM), a polling role takes CPU
-from one that computes.
+Polling costs a CPU while it lasts, so it is off unless asked for
+(`--busy-poll-us`), bounded, and, where the wait's length can be told from
+the waits before it, only its end is polled (hybrid polling, as the kernel's
+NVMe driver does it): the loop sleeps until LEAD_S before the shortest of
+the last few such waits (`Expected`), then polls.
+- A caller polls from then until its reply comes (`waiting`), at most
+  `max_s`.
+- A service, after each reply it sends, polls likewise until its next call
+  comes (`linger`, ended by `arrived`), the gap it expects being the ones
+  between its replies and the next calls.
+On a machine with a CPU to spare for each role (a GPU host) the whole wait
+may be polled at no cost to anyone; on one where the roles share fewer CPUs
+than they have (the 2-core dev VM) a polling role takes CPU from a role that
+computes, which the hybrid keeps to the wait's end (docs/benchmarks.md).
 """
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import logging
 import time
 import weakref
+
+log = logging.getLogger(__name__)
+
+LEAD_S = 0.0005  # polling starts this long before a wait is expected to end
+HISTORY = 8  # the waits `Expected` remembers
 
 _max_s = 0.0  # this process's setting (`configure`)
 _pollers: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Poller]" = weakref.WeakKeyDictionary()
 
 
 def configure(max_us: float) -> None:
-    """How long, in microseconds, a wait may be polled through (0 or less: never)."""
+    """How long, in microseconds, a wait may be polled (0 or less: never)."""
     global _max_s
     _max_s = max(0.0, max_us / 1e6)
-    if not _max_s:
+    if _max_s:
+        log.info("busy polling: the end of each wait for a reply is polled, up to %d us a wait", max_us)
+    else:
         for poller in list(_pollers.values()):
             poller.stop()
 
@@ -52,35 +65,61 @@ def enabled() -> bool:
     return _max_s > 0
 
 
+class Expected:
+    """How long one kind of wait lasts: the last HISTORY of them. The loop
+    may sleep until LEAD_S before the shortest (none seen yet: not at all)."""
+
+    __slots__ = ("recent",)
+
+    def __init__(self) -> None:
+        self.recent: collections.deque[float] = collections.deque(maxlen=HISTORY)
+
+    def note(self, seconds: float) -> None:
+        self.recent.append(seconds)
+
+    def sleep_s(self) -> float:
+        """How long a new wait of this kind may sleep before it polls."""
+        return min(self.recent) - LEAD_S if self.recent else 0.0
+
+
 class _Poller:
-    """One loop's polling: on while any wait is on (up to its limit) or a
-    linger has not ended."""
+    """One loop's polling: on while a polled wait is on, or a linger has not
+    ended, up to `until`."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
-        self.waits = 0
-        self.until = 0.0  # polling stops at this monotonic time, waits or not
-        self.linger_until = 0.0
+        self.waits = 0  # waits being polled now
+        self.until = 0.0  # polling stops at this monotonic time, whatever is on
+        self.lingering = False
+        self.linger_timer: asyncio.TimerHandle | None = None
+        self.linger_since = 0.0  # when the last reply went (what the gap to the next call is timed from)
         self.running = False
         self.turns = 0  # turns polled, since start (for tests and `specd overhead`)
 
-    def start(self, until: float) -> None:
+    def start(self) -> None:
+        """Poll from now, for up to the configured time."""
+        until = time.monotonic() + _max_s
         if until > self.until:
             self.until = until
-        if not self.running:
+        if not self.running and _max_s:
             self.running = True
             self.loop.call_soon(self._turn)
 
     def stop(self) -> None:
-        self.until = self.linger_until = 0.0
+        self.until = 0.0
+        self.lingering = False
 
     def _turn(self) -> None:
-        now = time.monotonic()
-        if now < self.until and (self.waits > 0 or now < self.linger_until):
+        if time.monotonic() < self.until and (self.waits > 0 or self.lingering):
             self.turns += 1
             self.loop.call_soon(self._turn)
         else:
             self.running = False
+
+    def start_lingering(self) -> None:
+        self.linger_timer = None
+        self.lingering = True
+        self.start()
 
 
 def _poller() -> _Poller:
@@ -92,56 +131,92 @@ def _poller() -> _Poller:
 
 
 class _Waiting:
-    """A wait being polled through: ends when its block does."""
+    """One wait for a reply: polled from its start, or from a timer that
+    fires shortly before it is expected to end; its length noted on exit."""
 
-    __slots__ = ("poller",)
+    __slots__ = ("poller", "expected", "start", "timer", "polling")
 
-    def __init__(self, poller: _Poller):
+    def __init__(self, poller: _Poller, expected: Expected | None):
         self.poller = poller
+        self.expected = expected
+        self.timer: asyncio.TimerHandle | None = None
+        self.polling = False
+        self.start = time.monotonic()
+        sleep_s = expected.sleep_s() if expected is not None else 0.0
+        if sleep_s > 0:
+            self.timer = poller.loop.call_later(sleep_s, self._poll)
+        else:
+            self._poll()
+
+    def _poll(self) -> None:
+        self.timer = None
+        self.polling = True
+        self.poller.waits += 1
+        self.poller.start()
 
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, *exc_info) -> None:
-        self.poller.waits -= 1
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if self.polling:
+            self.poller.waits -= 1
+        elif self.timer is not None:
+            self.timer.cancel()
+        if self.expected is not None and exc_type is None:
+            self.expected.note(time.monotonic() - self.start)
 
 
 _NOT_POLLING = contextlib.nullcontext()  # what `waiting` is when off: nothing made per call
 
 
-def waiting():
-    """A context manager: poll while its block waits for a reply (at most
-    the configured time from now)."""
+def waiting(expected: Expected | None = None):
+    """A context manager: poll while its block waits for a reply, from the
+    start or, with `expected`, from LEAD_S before such waits have ended
+    lately; at most the configured time."""
     if not _max_s:
         return _NOT_POLLING
-    poller = _poller()
-    poller.waits += 1
-    poller.start(time.monotonic() + _max_s)
-    return _Waiting(poller)
+    return _Waiting(_poller(), expected)
 
 
-def linger() -> None:
-    """Keep polling for the configured time from now: a reply was just sent,
-    and the peer's next call is likely to follow soon."""
+def linger(expected: Expected | None = None) -> None:
+    """A reply was just sent: poll until the peer's next call comes
+    (`arrived`), from now or, with `expected` (the gaps between replies and
+    the next calls), from LEAD_S before that gap has ended lately; at most
+    the configured time."""
     if not _max_s:
         return
     poller = _poller()
-    poller.linger_until = until = time.monotonic() + _max_s
-    poller.start(until)
+    if poller.linger_timer is not None:
+        poller.linger_timer.cancel()
+    poller.linger_since = time.monotonic()
+    sleep_s = expected.sleep_s() if expected is not None else 0.0
+    if sleep_s > 0:
+        poller.lingering = False
+        poller.linger_timer = poller.loop.call_later(sleep_s, poller.start_lingering)
+    else:
+        poller.start_lingering()
 
 
-def arrived() -> None:
-    """A call came: whatever linger waited for it has ended (its handler
-    may now hand work to the engine thread, which a polling loop would
-    only contend with for the CPU)."""
-    if _max_s:
-        poller = _pollers.get(asyncio.get_running_loop())
-        if poller is not None:
-            poller.linger_until = 0.0
+def arrived(expected: Expected | None = None) -> None:
+    """A call came: the linger after the last reply has done its work (the
+    call's handler may now hand work to the engine thread, which a polling
+    loop would only contend with for the CPU); with `expected`, the gap is
+    noted there."""
+    if not _max_s:
+        return
+    poller = _pollers.get(asyncio.get_running_loop())
+    if poller is None:
+        return
+    if poller.linger_timer is not None:
+        poller.linger_timer.cancel()
+        poller.linger_timer = None
+    if expected is not None and poller.linger_since:
+        expected.note(time.monotonic() - poller.linger_since)
+    poller.linger_since = 0.0
+    poller.lingering = False
 
 
 def turns() -> int:
     """Turns this thread's running loop has polled (0 when it never polled)."""
     poller = _pollers.get(asyncio.get_running_loop())
     return poller.turns if poller is not None else 0
-

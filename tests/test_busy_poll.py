@@ -1,7 +1,8 @@
 """Busy polling (specdec/busy_poll.py): off unless configured; on, a loop
 polls while a reply is due and stops once it came or the limit passed; a
-service lingers after a reply until the next call comes; the lanes and the
-call streams use it, and the tokens of a round do not change."""
+service lingers after a reply until the next call comes; with the lengths of
+the waits before, only a wait's end is polled; the lanes and the call
+streams use it, and the tokens of a round do not change."""
 from __future__ import annotations
 
 import asyncio
@@ -111,6 +112,51 @@ def test_turning_it_off_stops_a_loop_that_polls(polling):
     _run(main())
 
 
+def test_a_wait_expected_to_be_long_sleeps_until_just_before_its_end(polling):
+    async def main():
+        loop = asyncio.get_running_loop()
+        expected = busy_poll.Expected()
+        expected.note(0.2)  # such waits took 200 ms lately: sleep ~199.5 ms, then poll
+        early = loop.create_future()
+        loop.call_later(0.01, early.set_result, None)
+        with busy_poll.waiting(expected):
+            await early  # came long before the polling was due: nothing polled
+        assert busy_poll.turns() == 0
+        assert list(expected.recent)[-1] < 0.2  # its length noted: the next wait polls sooner
+        expected.recent.clear()
+        expected.note(0.05)
+        late = loop.create_future()
+        loop.call_later(0.1, late.set_result, None)
+        with busy_poll.waiting(expected):
+            await asyncio.sleep(0.005)
+            assert busy_poll.turns() == 0  # still asleep, ~45 ms before the poll is due
+            await late
+        return busy_poll.turns()
+
+    assert _run(main()) > 0  # polled from ~49.5 ms until the reply at 100 ms
+
+
+def test_a_linger_expecting_a_long_gap_polls_only_its_end_and_the_call_notes_the_gap(polling):
+    async def main():
+        expected = busy_poll.Expected()
+        expected.note(0.2)
+        busy_poll.linger(expected)
+        await asyncio.sleep(0.01)
+        assert busy_poll.turns() == 0 and not _poller().lingering  # not due for ~190 ms
+        busy_poll.arrived(expected)
+        assert _poller().linger_timer is None  # the call ended the linger before it began
+        gap = list(expected.recent)[-1]
+        assert 0.005 < gap < 0.2
+        expected.recent.clear()
+        expected.note(0.0001)  # shorter than the lead: poll at once
+        busy_poll.linger(expected)
+        await asyncio.sleep(0.005)
+        assert _poller().lingering and busy_poll.turns() > 0
+        busy_poll.arrived(expected)
+
+    _run(main())
+
+
 def test_a_lane_call_polls_on_both_sides_and_answers_as_before(polling):
     """The client polls while its call is out; the server lingers after
     its reply until the next call, which ends the linger."""
@@ -122,7 +168,7 @@ def test_a_lane_call_polls_on_both_sides_and_answers_as_before(polling):
             reply = await client(_request("slow-20", keep=5), 5)  # the handler answers after 20 ms
             assert [d.token_id for d in reply.drafts] == [5]
             assert busy_poll.turns() > 10  # one loop: the client's wait and the server's linger alike
-            assert _poller().linger_until > 0  # the server lingers after its reply
+            assert _poller().lingering  # the server lingers after its reply
             reply = await client(_request("a", keep=9), 5)
             assert [d.token_id for d in reply.drafts] == [9]
         finally:

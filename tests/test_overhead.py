@@ -172,6 +172,32 @@ def test_services_in_processes_of_their_own_serve_traced_rounds_and_stop(tmp_pat
                for span in spans)
 
 
+def test_service_processes_take_their_roles_busy_polling_and_serve_rounds(tmp_path: Path):
+    """`specd overhead --busy-poll-us US --busy-poll-roles ...`: each service
+    process gets its role's setting, and polling changes no round."""
+    from specdec.bench.overhead import round_calls
+    from specdec.bench.overhead_stack import StackSpec, start_stacks
+
+    async def run():
+        bg = BackgroundLoop()
+        stack = start_stacks(bg, [StackSpec(tracing=False)], tmp_path, busy_poll_us={"draft": 50_000})[0]
+        try:
+            await stack.use_lanes()
+            rounds = await round_calls(stack, "greedy", 3, "plain", [])
+            for _ in range(3):
+                assert await rounds["plain greedy round"]() > 0
+        finally:
+            await stack.close_clients()
+            for service in (stack.target, stack.draft):
+                await service.stop(0)
+            bg.stop()
+        return stack
+
+    stack = asyncio.run(run())
+    assert "busy polling" in stack.draft.service.log_path.read_text()
+    assert "busy polling" not in stack.target.service.log_path.read_text()
+
+
 def test_the_bare_server_in_a_process_of_its_own_answers_and_stops():
     """The deployed layout's reference for the no-op: a bare call that, like
     the no-op, crosses into another process (bare_grpc.ChildServer)."""

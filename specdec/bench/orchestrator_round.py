@@ -74,11 +74,14 @@ class _Kind:
 
 
 async def measure(requests: int, k: int, threads: int, log_dir: Path, tracing: bool = True,
-                  new_tokens: int = NEW_TOKENS, hops_dir: Path | None = None) -> list[OrchestratorRound]:
+                  new_tokens: int = NEW_TOKENS, hops_dir: Path | None = None,
+                  busy_poll_us: dict[str, int] | None = None) -> list[OrchestratorRound]:
     """`requests` Generate requests of each kind (greedy and T = 0.7, tracing
     off and, with `tracing`, on), interleaved, through orchestrators in
     processes of their own; see the module docstring. With `hops_dir`, every
-    process of the stack records its hops there (specdec/hops.py)."""
+    process of the stack records its hops there (specdec/hops.py).
+    `busy_poll_us`: each role's --busy-poll-us (default 0: off)."""
+    polls = busy_poll_us or {}
     hops_env = {hops.ENV: str(hops_dir)} if hops_dir is not None else {}
     service_env = role_env(extra=hops_env) if hops_env else None  # None: this process's own
     stacks = []  # (traced, its trace file, target, draft), every service started before any is waited for
@@ -88,8 +91,10 @@ async def measure(requests: int, k: int, threads: int, log_dir: Path, tracing: b
     try:
         for traced in (False, True) if tracing else (False,):
             trace_file = str(log_dir / "orchestrator-round-spans.jsonl") if traced else ""
-            target = ChildService("target", 0, threads, log_dir, trace_file, env=service_env)
-            draft = ChildService("draft", 0, threads, log_dir, trace_file, env=service_env)  # the target's copy
+            target = ChildService("target", 0, threads, log_dir, trace_file, env=service_env,
+                                  busy_poll_us=polls.get("target", 0))
+            draft = ChildService("draft", 0, threads, log_dir, trace_file, env=service_env,  # the target's copy
+                                 busy_poll_us=polls.get("draft", 0))
             services += [target, draft]
             stacks.append((traced, trace_file, target, draft))
         for traced, trace_file, target, draft in stacks:
@@ -99,7 +104,8 @@ async def measure(requests: int, k: int, threads: int, log_dir: Path, tracing: b
             orchestrator = spawn_role(
                 "orchestrator", ["--target", f"127.0.0.1:{ports[0]}", "--draft", f"127.0.0.1:{ports[1]}",
                                  "--policy", "fixed", "--num-draft-tokens", str(k), "--draft-min-confidence", "0",
-                                 "--no-speculation-gate", "--no-pipeline"],
+                                 "--no-speculation-gate", "--no-pipeline",
+                                 "--busy-poll-us", str(polls.get("orchestrator", 0))],
                 log_dir, env, name=f"orchestrator-{'traced' if traced else 'plain'}")
             orchestrators.append(orchestrator)
             kinds += [_Kind(sampling, traced, orchestrator) for sampling in SAMPLINGS]

@@ -226,11 +226,13 @@ async def _close_server(server: asyncio.AbstractServer) -> None:
     await server.wait_closed()
 
 
-async def measure(reps: int, k: int, tls: bool = False, in_process: bool = False, threads: int = 1) -> Figures:
+async def measure(reps: int, k: int, tls: bool = False, in_process: bool = False, threads: int = 1,
+                  busy_poll_us: dict[str, int] | None = None) -> Figures:
     """`tls`: also the rounds over mutual TLS (tracing off), as `tls <sampling> round`.
     The services run each in a process of their own, as deployed, and beside
     them the greedy round with both services in this process (`inproc`);
-    `in_process`: every stack's services in this process (no `inproc` rounds)."""
+    `in_process`: every stack's services in this process (no `inproc` rounds).
+    `busy_poll_us`: the service processes' --busy-poll-us, by role."""
     bg = BackgroundLoop()
     stacks: list[Stack] = []
     cpu: dict[str, RoundCpu | None] = {}
@@ -266,7 +268,7 @@ async def measure(reps: int, k: int, tls: bool = False, in_process: bool = False
                 kinds.append(("inproc", "greedy"))
             specs = [StackSpec(tracing=prefix in ("traced", "services"), tls=certificates if prefix == "tls" else None,
                                in_process=in_process or prefix == "inproc") for prefix, _ in kinds]
-            stacks += start_stacks(bg, specs, Path(trace_dir), threads)
+            stacks += start_stacks(bg, specs, Path(trace_dir), threads, busy_poll_us)
             for (prefix, sampling), stack in zip(kinds, stacks):
                 await stack.use_lanes()
                 if sampling == "noop":

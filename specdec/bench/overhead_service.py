@@ -4,23 +4,19 @@ roles are deployed (one process per role): a target (or draft) service over
 ("listening on 127.0.0.1:PORT", as `specd serve` does). It stops when its
 stdin closes (the parent went away) or on SIGTERM.
 
-    python -m specdec.bench.overhead_service --role target --seed 0 [--trace-file F] [--tls-cert C ...]
-
-Busy polling (specdec/busy_poll.py) as the roles take it from the
-environment: SPECD_BUSY_POLL_US.
+    python -m specdec.bench.overhead_service --role target --seed 0 [--trace-file F] [--tls-cert C ...] \
+        [--busy-poll-us US]
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import sys
 
 
 async def _serve(args: argparse.Namespace) -> None:
     from draft_service.drafters import ModelDrafter
     from specdec import busy_poll
-    from specdec.config import env_name
     from draft_service.server import start_draft_service
     from specdec.bench.overhead_stack import tiny_engine
     from specdec.rpc.session_limits import SessionLimits
@@ -30,7 +26,7 @@ async def _serve(args: argparse.Namespace) -> None:
     from target_service.server import start_target_service
     from target_service.verifier import Verifier
 
-    busy_poll.configure(int(os.environ.get(env_name("busy_poll_us"), "0") or 0))  # as `specd serve` reads it
+    busy_poll.configure(args.busy_poll_us)
     limits = SessionLimits()
     telemetry = setup_telemetry(args.role, TelemetrySettings(tracing=bool(args.trace_file),
                                                              trace_file=args.trace_file))
@@ -65,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tls-cert", default="")
     p.add_argument("--tls-key", default="")
     p.add_argument("--tls-ca", default="")
+    p.add_argument("--busy-poll-us", type=int, default=0, help="as the roles' flag (specdec/busy_poll.py); 0: off")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(args.threads)

@@ -57,9 +57,9 @@ class ChildService:
     _numbers = itertools.count()
 
     def __init__(self, role: str, seed: int, threads: int, log_dir: Path, trace_file: str = "", tls_files=None,
-                 env: dict | None = None):
+                 env: dict | None = None, busy_poll_us: int = 0):
         command = [sys.executable, "-m", "specdec.bench.overhead_service", "--role", role, "--seed", str(seed),
-                   "--threads", str(threads)]
+                   "--threads", str(threads), "--busy-poll-us", str(busy_poll_us)]
         if trace_file:
             command += ["--trace-file", trace_file]
         if tls_files is not None:
@@ -134,10 +134,11 @@ class StackSpec:
 
 
 def start_stacks(bg: eventloop.BackgroundLoop, specs: list[StackSpec], trace_dir: Path,
-                 threads: int = 1) -> list[Stack]:
+                 threads: int = 1, busy_poll_us: dict[str, int] | None = None) -> list[Stack]:
     """One stack per spec. The services of a stack run each in a process of
     its own, as deployed (all processes are started before any is waited
-    for), or with `in_process` on `bg`, in this process."""
+    for), or with `in_process` on `bg`, in this process. `busy_poll_us`:
+    each service process's --busy-poll-us, by role (default 0: off)."""
     from draft_service.drafters import ModelDrafter
     from draft_service.server import start_draft_service
     from specdec.rpc.session_limits import SessionLimits
@@ -159,8 +160,11 @@ def start_stacks(bg: eventloop.BackgroundLoop, specs: list[StackSpec], trace_dir
                                                tls=_service_tls(spec.tls, "draft")))
         else:
             files = (lambda role: spec.tls.files[role]) if spec.tls is not None else (lambda role: None)
-            target = ChildService("target", 0, threads, trace_dir, trace_file if spec.tracing else "", files("target"))
-            draft = ChildService("draft", 1, threads, trace_dir, trace_file if spec.tracing else "", files("draft"))
+            polls = busy_poll_us or {}
+            target = ChildService("target", 0, threads, trace_dir, trace_file if spec.tracing else "", files("target"),
+                                  busy_poll_us=polls.get("target", 0))
+            draft = ChildService("draft", 1, threads, trace_dir, trace_file if spec.tracing else "", files("draft"),
+                                 busy_poll_us=polls.get("draft", 0))
         built.append((spec, target, draft, verifier, drafter))
     return [_stack(spec, target, draft, verifier, drafter, trace_file)
             for spec, target, draft, verifier, drafter in built]

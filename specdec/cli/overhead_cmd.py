@@ -10,7 +10,7 @@ two whole systems with tracing on and off, and spans per generated token
 (specdec/bench/tracing_cost.py).
 
     specd overhead --reps 200 --num-draft-tokens 4 [--tls] [--orchestrator-requests 20]
-    specd overhead --hops [--orchestrator-requests 6] [--busy-poll-us 20000]
+    specd overhead --hops [--orchestrator-requests 6] [--busy-poll-us 50000 --busy-poll-roles orchestrator]
     specd overhead --wire [--target qwen2.5-coder-1.5b-instruct]
     specd overhead --end-to-end [--requests 30 --tokens 64] [--random-pair]
     specd overhead --end-to-end --draft qwen2.5-coder-0.5b-instruct --target qwen2.5-coder-1.5b-instruct \
@@ -22,6 +22,8 @@ import argparse
 import sys
 
 from specdec.cli.model_flags import add_device, add_dtype, add_threads
+
+ROLES = ("orchestrator", "draft", "target")
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("overhead", help="per-round wire and loop overhead against bare grpcio calls",
@@ -40,8 +42,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="hold the machine's CPU wake-up latency at US microseconds while measuring (0: idle CPUs "
                    "poll; specdec/cpu_latency.py, needs write access to /dev/cpu_dma_latency); default: leave it")
     p.add_argument("--busy-poll-us", type=int, default=0, metavar="US",
-                   help="every process of the run polls its event loop instead of sleeping while a reply is due, "
-                   "up to US microseconds a wait (the roles' --busy-poll-us, specdec/busy_poll.py); default 0: off")
+                   help="the roles of --busy-poll-roles poll their event loops instead of sleeping through the end "
+                   "of a wait for a reply, up to US microseconds a wait (the roles' --busy-poll-us, "
+                   "specdec/busy_poll.py); default 0: off")
+    p.add_argument("--busy-poll-roles", nargs="+", choices=ROLES, default=list(ROLES), metavar="ROLE",
+                   help="which roles poll with --busy-poll-us: orchestrator (this process's clients too), draft, "
+                   "target (default: all three; with --in-process the services share this process's setting)")
     p.add_argument("--orchestrator-requests", type=int, default=None, metavar="N",
                    help="Generate requests of each kind for the orchestrator's own round (deployed layout only; "
                    "default: --reps / 10, at least 2)")
@@ -101,32 +107,33 @@ def run(args: argparse.Namespace) -> int:
     if args.busy_poll_us < 0:
         print("specd: error: --busy-poll-us must be 0 (off) or more", file=sys.stderr)
         return 1
-    _busy_poll(args.busy_poll_us)
+    polls = _busy_poll(args.busy_poll_us, args.busy_poll_roles)
     if args.hops:
         if args.tls or args.in_process or args.cpu_wake_latency_us >= 0:
             print("specd: error: --hops measures the deployed orchestrator's round in plaintext: it takes "
                   "neither --tls, --in-process nor --cpu-wake-latency-us", file=sys.stderr)
             return 1
-        return _hops(args)
+        return _hops(args, polls)
     held = cpu_latency.hold(args.cpu_wake_latency_us)
     if args.cpu_wake_latency_us >= 0 and not held:
         print(f"specd overhead: cannot hold the CPU wake-up latency at {args.cpu_wake_latency_us} us "
               f"(see the log)", file=sys.stderr)
         return 1
     figures = eventloop.run(measure(args.reps, args.num_draft_tokens, tls=args.tls, in_process=args.in_process,
-                                    threads=args.threads or 1))
+                                    threads=args.threads or 1, busy_poll_us=polls))
     print(report(figures, args.reps))
     if not args.in_process:  # the orchestrator's own round: deployed, as clients call it
-        print("\n" + "\n".join(orchestrator_round.report_lines(_orchestrator_rounds(args))))
+        print("\n" + "\n".join(orchestrator_round.report_lines(_orchestrator_rounds(args, polls=polls))))
     if args.busy_poll_us:
-        print(_busy_poll_note(args.busy_poll_us))
+        print(_busy_poll_note(args.busy_poll_us, args.busy_poll_roles))
     if held:
         print(f"\nThe CPU wake-up latency was held at <= {args.cpu_wake_latency_us} us ({cpu_latency.DEVICE}) "
               "throughout, for every process of the run.")
     return 0
 
 
-def _orchestrator_rounds(args: argparse.Namespace, default_requests: int | None = None, hops_dir=None) -> list:
+def _orchestrator_rounds(args: argparse.Namespace, default_requests: int | None = None, hops_dir=None,
+                         polls: dict[str, int] | None = None) -> list:
     import tempfile
     from pathlib import Path
 
@@ -137,40 +144,38 @@ def _orchestrator_rounds(args: argparse.Namespace, default_requests: int | None 
         default_requests if default_requests is not None else max(2, args.reps // 10))
     with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as log_dir:
         return eventloop.run(orchestrator_round.measure(requests, args.num_draft_tokens, args.threads or 1,
-                                                        Path(log_dir), hops_dir=hops_dir))
+                                                        Path(log_dir), hops_dir=hops_dir, busy_poll_us=polls))
 
 
-def _hops(args: argparse.Namespace) -> int:
+def _hops(args: argparse.Namespace, polls: dict[str, int]) -> int:
     import tempfile
     from pathlib import Path
 
     from specdec.bench import hops_report, orchestrator_round
 
     with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as hops_dir:
-        rounds = _orchestrator_rounds(args, default_requests=6, hops_dir=Path(hops_dir))
+        rounds = _orchestrator_rounds(args, default_requests=6, hops_dir=Path(hops_dir), polls=polls)
         kinds = hops_report.rounds(hops_report.read_events(Path(hops_dir)), skip_first_request=True)
     print("\n".join(orchestrator_round.report_lines(rounds)))
     print("\n" + "\n".join(hops_report.report_lines(kinds)))
     if args.busy_poll_us:
-        print(_busy_poll_note(args.busy_poll_us))
+        print(_busy_poll_note(args.busy_poll_us, args.busy_poll_roles))
     return 0
 
 
-def _busy_poll(max_us: int) -> None:
-    """Busy polling in this process and, through the environment the roles
-    read it from, in every process it starts."""
-    import os
-
+def _busy_poll(max_us: int, roles: list[str]) -> dict[str, int]:
+    """Each role's --busy-poll-us; this process (the orchestrator's clients
+    in the emulated round) polls with the orchestrator."""
     from specdec import busy_poll
-    from specdec.config import env_name
 
-    busy_poll.configure(max_us)
-    os.environ[env_name("busy_poll_us")] = str(max_us)
+    polls = {role: max_us if role in roles else 0 for role in ROLES}
+    busy_poll.configure(polls["orchestrator"])
+    return polls
 
 
-def _busy_poll_note(max_us: int) -> str:
-    return (f"\nEvery process of the run polled its event loop while a reply was due, up to {max_us} us a wait "
-            "(--busy-poll-us).")
+def _busy_poll_note(max_us: int, roles: list[str]) -> str:
+    return (f"\nBusy polling (--busy-poll-us {max_us}): {', '.join(roles)} polled the end of each wait for a reply "
+            "instead of sleeping through it.")
 
 
 def _end_to_end(args: argparse.Namespace) -> int:

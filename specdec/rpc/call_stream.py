@@ -61,6 +61,7 @@ class ServedStreams:
     def __init__(self):
         self._readers: set[asyncio.Task] = set()
         self.closed = False
+        self._call_gap = busy_poll.Expected()  # from a reply to the next call (--busy-poll-us)
 
     def close(self) -> None:
         """Stop reading new calls on every stream; each ends once the calls
@@ -87,13 +88,13 @@ class ServedStreams:
             reply = await grpc_errors.answer_call(call, handle, reply_type, method)
             async with writing:
                 await context.write(reply)
-            busy_poll.linger()  # the caller's next call usually follows within a round (--busy-poll-us)
+            busy_poll.linger(self._call_gap)  # the caller's next call usually follows within a round (--busy-poll-us)
 
         async def read() -> None:
             async for call in calls:
                 if isinstance(call, Malformed):
                     raise InvalidArgument(call.message)
-                busy_poll.arrived()
+                busy_poll.arrived(self._call_gap)
                 task = asyncio.ensure_future(answer(call))
                 answering.add(task)
                 task.add_done_callback(answering.discard)
@@ -153,6 +154,7 @@ class CallStream:
         self.lane: LaneClient | None = None
         self._stream: _OpenStream | None = None
         self._ids = itertools.count(1)
+        self._reply_wait = busy_poll.Expected()  # how long replies take (--busy-poll-us)
 
     async def __call__(self, request, timeout: float):
         lane = self.lane
@@ -175,7 +177,7 @@ class CallStream:
         stream.outbox.put_nowait(message)
         try:
             async with asyncio.timeout(timeout) as scope:
-                with busy_poll.waiting():
+                with busy_poll.waiting(self._reply_wait):
                     reply = await reply_future
         except TimeoutError:
             raise grpc_errors.deadline_exceeded() from None

@@ -51,6 +51,7 @@ class LaneClient:
         self._opening: asyncio.Future | None = None
         self._down_until = 0.0
         self._closed = False
+        self._reply_wait = busy_poll.Expected()  # how long replies take (--busy-poll-us)
 
     @property
     def address(self) -> str:
@@ -90,7 +91,7 @@ class LaneClient:
                 connection.protocol.write(payload)
             except (RuntimeError, OSError):  # the transport closed under us: its end fails the rest
                 raise _broken(self) from None
-            with busy_poll.waiting():
+            with busy_poll.waiting(self._reply_wait):
                 reply = await reply_future
             hops.record("call.back", self.service)
         finally:

@@ -91,6 +91,7 @@ class LaneServer:
         self._connections: set[asyncio.Task] = set()
         self.closed = False
         self.answered = 0  # calls answered, since start
+        self._call_gap = busy_poll.Expected()  # from a reply to the next call (--busy-poll-us)
         # What `specdec.hops` calls this service: "draft" for /specdec.v1.DraftService/ProposeAll.
         self.role = method.rsplit("/", 2)[-2].rsplit(".", 1)[-1].removesuffix("Service").lower()
 
@@ -171,7 +172,7 @@ class LaneServer:
             call = self.call_type.FromString(payload)
         except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError: the bytes are not a call
             raise ValueError(f"a frame that is not a {self.call_type.DESCRIPTOR.name}: {exc}") from None
-        busy_poll.arrived()  # a linger after the last reply has done its work
+        busy_poll.arrived(self._call_gap)  # a linger after the last reply has done its work
         # Started at once: a call that never waits (a lone round's) is
         # answered here, without a turn of the loop (specdec/eager.py).
         task = start_now(self._answer(connection, call))
@@ -204,7 +205,7 @@ class LaneServer:
             hops.record("call.answered", self.role, hops.compute_micros(reply.response))
         if not connection.is_closing():
             connection.write(payload)
-            busy_poll.linger()  # the caller's next call usually follows within a round (--busy-poll-us)
+            busy_poll.linger(self._call_gap)  # the caller's next call usually follows within a round (--busy-poll-us)
             await connection.drain()  # a caller that does not read its replies slows its own answers
 
 
