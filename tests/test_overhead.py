@@ -119,6 +119,14 @@ def test_specd_overhead_measures_every_figure_it_prints():
         assert row in text, row
 
 
+async def _stop(stack, bg) -> None:
+    """A stack's clients closed and its service processes stopped, then its loop."""
+    await stack.close_clients()
+    for service in (stack.target, stack.draft):
+        await service.stop(0)
+    bg.stop()
+
+
 def test_services_in_processes_of_their_own_serve_traced_rounds_and_stop(tmp_path: Path):
     """The deployed layout `specd overhead` measures by default: each service
     in its own process (specdec/bench/overhead_service.py) serves the
@@ -151,10 +159,7 @@ def test_services_in_processes_of_their_own_serve_traced_rounds_and_stop(tmp_pat
                 assert cpu.spent[service] - cpu.outside[service] == pytest.approx(cpu.compute[service])
             stack.telemetry.force_flush()
         finally:
-            await stack.close_clients()
-            for service in (stack.target, stack.draft):
-                await service.stop(0)
-            bg.stop()
+            await _stop(stack, bg)
         return stack
 
     stack = asyncio.run(run())
@@ -187,10 +192,7 @@ def test_service_processes_take_their_roles_busy_polling_and_serve_rounds(tmp_pa
             for _ in range(3):
                 assert await rounds["plain greedy round"]() > 0
         finally:
-            await stack.close_clients()
-            for service in (stack.target, stack.draft):
-                await service.stop(0)
-            bg.stop()
+            await _stop(stack, bg)
         return stack
 
     stack = asyncio.run(run())
