@@ -46,7 +46,7 @@ GPU = "nvidia.com/gpu"
 # -- the `specd` CLI contract (hard-coded until the tests can read the real parser) -------
 
 COMMON_FLAGS = {"--host", "--port", "--metrics-port", "--drain-grace-s", "--reflection", "--max-message-bytes",
-                "--health-port", "--tls-cert", "--tls-key", "--tls-ca", "--insecure"}
+                "--health-port", "--tls-cert", "--tls-key", "--tls-ca", "--insecure", "--busy-poll-us"}
 MODEL_FLAGS = {
     "--model", "--device", "--dtype", "--threads", "--max-sessions", "--max-context",
     "--session-ttl-s", "--max-draft-tokens", "--allowed-callers", "--max-sessions-per-caller", "--lane-port",
