@@ -60,6 +60,9 @@ def test_the_segments_of_a_round_add_up_to_its_time_less_the_compute_it_reports(
     assert greedy.segments[BETWEEN] == [2.0]
     assert greedy.overhead_us == [len(hops_report.SEGMENTS) + 2.0]
     assert "| **the segments' medians, summed** | **15** |" in hops_report.report_lines(kinds)
+    assert "| ... its mean / 90th percentile | 15 / 15 |" in hops_report.report_lines(kinds)
+    greedy.overhead_us = [float(v) for v in range(10, 0, -1)] + [100.0]  # one slow round in eleven
+    assert "| ... its mean / 90th percentile | 14 / 10 |" in hops_report.report_lines(kinds)
 
 
 def test_a_round_without_the_whole_path_is_left_out_and_counted():

@@ -14,6 +14,7 @@ concurrent requests would interleave): as `orchestrator_round` runs them.
 """
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -150,6 +151,17 @@ def report_lines(kinds: dict[str, KindHops]) -> list[str]:
     lines.append("| a whole round's overhead (start to the next start, less compute), median | "
                  + " | ".join(f"{statistics.median(k.overhead_us):.0f}" if k.overhead_us else "-"
                               for k in kinds_shown) + " |")
+    # The slow rounds a median hides (a contended host makes them): what a mean over rounds, as
+    # `specd overhead` reports the orchestrator's round, also counts.
+    lines.append("| ... its mean / 90th percentile | "
+                 + " | ".join(f"{statistics.fmean(k.overhead_us):.0f} / {_p90(k.overhead_us):.0f}" if k.overhead_us
+                              else "-" for k in kinds_shown) + " |")
     lines.append("| rounds cut / left out (another path) | "
                  + " | ".join(f"{len(k.segments[names[0]])} / {k.skipped}" for k in kinds_shown) + " |")
     return lines
+
+
+def _p90(values: list[float]) -> float:
+    """The 90th percentile, nearest rank."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(0.9 * len(ordered)) - 1)]
