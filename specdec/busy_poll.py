@@ -122,6 +122,16 @@ class _Poller:
         self.start()
 
 
+def _when_due(loop: asyncio.AbstractEventLoop, expected: Expected | None, start) -> asyncio.TimerHandle | None:
+    """Call `start` now, or, when `expected` says such waits last longer
+    than the lead, from a timer shortly before they end (returned)."""
+    sleep_s = expected.sleep_s() if expected is not None else 0.0
+    if sleep_s > 0:
+        return loop.call_later(sleep_s, start)
+    start()
+    return None
+
+
 def _poller() -> _Poller:
     loop = asyncio.get_running_loop()
     poller = _pollers.get(loop)
@@ -139,14 +149,9 @@ class _Waiting:
     def __init__(self, poller: _Poller, expected: Expected | None):
         self.poller = poller
         self.expected = expected
-        self.timer: asyncio.TimerHandle | None = None
         self.polling = False
         self.start = time.monotonic()
-        sleep_s = expected.sleep_s() if expected is not None else 0.0
-        if sleep_s > 0:
-            self.timer = poller.loop.call_later(sleep_s, self._poll)
-        else:
-            self._poll()
+        self.timer = _when_due(poller.loop, expected, self._poll)  # None once polling
 
     def _poll(self) -> None:
         self.timer = None
@@ -189,12 +194,8 @@ def linger(expected: Expected | None = None) -> None:
     if poller.linger_timer is not None:
         poller.linger_timer.cancel()
     poller.linger_since = time.monotonic()
-    sleep_s = expected.sleep_s() if expected is not None else 0.0
-    if sleep_s > 0:
-        poller.lingering = False
-        poller.linger_timer = poller.loop.call_later(sleep_s, poller.start_lingering)
-    else:
-        poller.start_lingering()
+    poller.lingering = False
+    poller.linger_timer = _when_due(poller.loop, expected, poller.start_lingering)
 
 
 def arrived(expected: Expected | None = None) -> None:

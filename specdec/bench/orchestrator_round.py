@@ -91,10 +91,9 @@ async def measure(requests: int, k: int, threads: int, log_dir: Path, tracing: b
     try:
         for traced in (False, True) if tracing else (False,):
             trace_file = str(log_dir / "orchestrator-round-spans.jsonl") if traced else ""
-            target = ChildService("target", 0, threads, log_dir, trace_file, env=service_env,
-                                  busy_poll_us=polls.get("target", 0))
+            target = ChildService("target", 0, threads, log_dir, trace_file, env=service_env, busy_poll_us=polls)
             draft = ChildService("draft", 0, threads, log_dir, trace_file, env=service_env,  # the target's copy
-                                 busy_poll_us=polls.get("draft", 0))
+                                 busy_poll_us=polls)
             services += [target, draft]
             stacks.append((traced, trace_file, target, draft))
         for traced, trace_file, target, draft in stacks:

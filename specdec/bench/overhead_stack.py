@@ -57,9 +57,10 @@ class ChildService:
     _numbers = itertools.count()
 
     def __init__(self, role: str, seed: int, threads: int, log_dir: Path, trace_file: str = "", tls_files=None,
-                 env: dict | None = None, busy_poll_us: int = 0):
+                 env: dict | None = None, busy_poll_us: dict[str, int] | None = None):
+        # busy_poll_us: each role's --busy-poll-us (this service takes its own role's; none: off)
         command = [sys.executable, "-m", "specdec.bench.overhead_service", "--role", role, "--seed", str(seed),
-                   "--threads", str(threads), "--busy-poll-us", str(busy_poll_us)]
+                   "--threads", str(threads), "--busy-poll-us", str((busy_poll_us or {}).get(role, 0))]
         if trace_file:
             command += ["--trace-file", trace_file]
         if tls_files is not None:
@@ -160,11 +161,10 @@ def start_stacks(bg: eventloop.BackgroundLoop, specs: list[StackSpec], trace_dir
                                                tls=_service_tls(spec.tls, "draft")))
         else:
             files = (lambda role: spec.tls.files[role]) if spec.tls is not None else (lambda role: None)
-            polls = busy_poll_us or {}
             target = ChildService("target", 0, threads, trace_dir, trace_file if spec.tracing else "", files("target"),
-                                  busy_poll_us=polls.get("target", 0))
+                                  busy_poll_us=busy_poll_us)
             draft = ChildService("draft", 1, threads, trace_dir, trace_file if spec.tracing else "", files("draft"),
-                                 busy_poll_us=polls.get("draft", 0))
+                                 busy_poll_us=busy_poll_us)
         built.append((spec, target, draft, verifier, drafter))
     return [_stack(spec, target, draft, verifier, drafter, trace_file)
             for spec, target, draft, verifier, drafter in built]
