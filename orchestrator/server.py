@@ -20,7 +20,7 @@ from orchestrator.replicas import Replica, ReplicaPool, split_address
 from orchestrator.security import Dialer, downstream_dialer
 from orchestrator.servicer import Backends, OrchestratorServicer
 from orchestrator.speculation import LoopSettings
-from specdec.engine.vocab import usable_size_of
+from orchestrator.tokenizer import load_tokenizer
 from specdec.errors import FailedPrecondition, InvalidArgument, Unavailable
 from specdec.limits import check_min_confidence
 from specdec.rpc.auth import api_key_guard
@@ -86,6 +86,13 @@ def _use_lane(cfg: OrchestratorConfig, dial: Dialer, client, service_address: st
                  client.info.lane_port)
 
 
+def usable_size_of(info) -> int:
+    """The usable size a ModelInfo or EngineInfo announces
+    (`specdec.engine.vocab.usable_size`); 0 in `usable_vocab_size` (a service
+    older than the field, or the n-gram drafter) means all `vocab_size` ids."""
+    return int(info.usable_vocab_size or info.vocab_size)
+
+
 def check_compatible(draft_info, target_info) -> None:
     """The draft's token ids must mean the same as the target's.
 
@@ -142,26 +149,6 @@ def gate_settings(cfg: OrchestratorConfig) -> GateSettings:
         raise FailedPrecondition(f"--gate-epoch-ms must be >= 0, not {cfg.gate_epoch_ms}")
     return GateSettings(enabled=cfg.speculation_gate, min_streams=cfg.gate_min_streams,
                         min_epoch_s=cfg.gate_epoch_ms / 1000, probe_cost=cfg.gate_probe_cost)
-
-
-def load_tokenizer(name: str):
-    """A tokenizer from a catalog name or directory; None when there is none."""
-    if not name:
-        return None
-    from specdec.models import synth
-
-    if synth.is_synth_name(name):
-        return synth.load_tokenizer(name)
-    from transformers import AutoTokenizer
-
-    from specdec.models.cache import locate
-
-    try:
-        where, gguf_file = locate(name)
-        return AutoTokenizer.from_pretrained(where, **({"gguf_file": gguf_file} if gguf_file else {}))
-    except (OSError, ValueError, LookupError) as exc:
-        log.warning("no tokenizer from %r (%s): only prompt_token_ids requests will work", name, exc)
-        return None
 
 
 async def build_backends(cfg: OrchestratorConfig, tokenizer=None, telemetry: Telemetry = NOOP,

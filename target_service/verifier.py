@@ -2,7 +2,7 @@
 
 `verify()` runs ONE forward pass over every valid item of a batch (sessions of
 different lengths and different k), then the target's half of rejection
-sampling for every item at once (`specdec.sampling.rejection.score_many`, one
+sampling for every item at once (`specdec.sampling.scoring.score_many`, one
 transfer to the host for the whole batch). What goes back
 is O(k) numbers per item, never a distribution. A bad item (expired session,
 malformed q, ...) gets its own error and does not fail the others.
@@ -18,8 +18,9 @@ from specdec.engine.engine import EngineSession, ExtendItem, ModelEngine
 from specdec.errors import InvalidArgument, SpecdecError
 from specdec.limits import DEFAULT_MAX_DRAFT_TOKENS, check_num_draft_tokens
 from specdec.rpc.model_service import EngineBackend, SessionMeta
-from specdec.sampling.rejection import ScoreJob, VerifyOutcome, sample_token, score_many
-from specdec.sampling import q_wire
+from specdec.sampling.rejection import VerifyOutcome
+from specdec.sampling.scoring import ScoreJob, sample_token, score_many
+from specdec.sampling import q_checks, q_wire
 from specdec.sampling.sparse import SparseDist
 from specdec.sampling.transform import argmax_tokens, logits_to_probs
 
@@ -71,7 +72,7 @@ class Verifier(EngineBackend):
         sessions = [self._session(item.session_id) for item in items]
         # The q's of every item that will need them, at once (the packed ones of
         # one size are checked together); a greedy session's are never read.
-        checked_q = q_wire.check_items([(it.draft_q, it.drafts) if self._reads_q(it, s) else ((), ())
+        checked_q = q_checks.check_items([(it.draft_q, it.drafts) if self._reads_q(it, s) else ((), ())
                                         for it, s in zip(items, sessions)], self.engine.usable_vocab_size)
         for i, item in enumerate(items):
             try:
@@ -118,7 +119,7 @@ class Verifier(EngineBackend):
 
     @staticmethod
     def _check_q(item: VerifyRequestItem, checked_q: list[SparseDist] | ValueError) -> list[SparseDist]:
-        """The item's q's as `q_wire.check_items` found them."""
+        """The item's q's as `q_checks.check_items` found them."""
         if len(item.draft_q) != len(item.drafts):
             raise InvalidArgument(
                 f"{len(item.drafts)} drafted tokens but {len(item.draft_q)} proposal distributions"

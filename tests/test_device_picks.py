@@ -3,7 +3,7 @@
 The draft's batched picks (specdec/sampling/draft_picks.py): every row's pick
 equals the one-row path (`truncate` + `draw_draft`, or the argmax), a row
 picks the same whatever it is batched with, and a row without mass fails
-alone. The target's batched scoring (`rejection.score_many`): each job's
+alone. The target's batched scoring (`scoring.score_many`): each job's
 outcome equals its own `score_drafts`, in any batch."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 
 from specdec.sampling.draft_picks import DraftRow, NoMass, pick_drafts
 from specdec.sampling.params import SamplingParams
-from specdec.sampling.rejection import NoTargetMass, ScoreJob, draw_draft, score_drafts, score_many
+from specdec.sampling.scoring import NoTargetMass, ScoreJob, draw_draft, score_drafts, score_many
 from specdec.sampling.sparse import truncate
 from specdec.sampling.transform import argmax_tokens, logits_to_probs
 
@@ -186,12 +186,12 @@ def test_a_target_row_without_mass_fails_its_job_alone():
 
 def test_a_verify_batch_scores_the_same_in_runs_of_any_size(monkeypatch):
     """On a CPU a sampled group is scored in runs bounded by CPU_GROUP_ELEMENTS
-    (rejection._chunks): one job per run, a few, or all give the same outcomes."""
-    from specdec.sampling import rejection
+    (scoring._chunks): one job per run, a few, or all give the same outcomes."""
+    from specdec.sampling import scoring
     jobs = score_jobs(seed=33) + score_jobs(seed=34)
     together = score_many(jobs)
     for limit in (1, 3 * VOCAB, 9 * VOCAB):
-        monkeypatch.setattr(rejection, "CPU_GROUP_ELEMENTS", limit)
+        monkeypatch.setattr(scoring, "CPU_GROUP_ELEMENTS", limit)
         assert score_many(jobs) == together
 
 
@@ -199,14 +199,14 @@ def test_sessions_lying_back_to_back_in_one_tensor_are_scored_from_it_without_a_
     """The engine's batched forward returns each session's logits as a view of
     one tensor (torch.split): a group of such sessions reads them in place,
     and scores as sessions in tensors of their own do."""
-    from specdec.sampling import rejection
+    from specdec.sampling import scoring
     jobs = [j for j in score_jobs(seed=40) if not j.params.greedy and j.params == PARAMS[1]]
     base = torch.cat([j.target_logits for j in jobs])
     views = [ScoreJob(rows, *[getattr(j, f) for f in ("draft_ids", "draft_q", "params", "seed", "first_position")])
              for j, rows in zip(jobs, torch.split(base, [j.target_logits.shape[0] for j in jobs]))]
     assert len(views) == 2
-    assert rejection._rows(views).data_ptr() == base.data_ptr()
-    assert rejection._rows(jobs).data_ptr() != base.data_ptr()  # apart: a copy
+    assert scoring._rows(views).data_ptr() == base.data_ptr()
+    assert scoring._rows(jobs).data_ptr() != base.data_ptr()  # apart: a copy
     assert score_many(views) == score_many(jobs)
 
 
@@ -244,11 +244,11 @@ def test_a_sampled_verify_batch_costs_the_same_operations_for_2_or_8_sessions():
 
 
 def test_rows_of_another_width_are_never_read_as_the_first_ones_width():
-    from specdec.sampling import rejection
+    from specdec.sampling import scoring
     big = torch.randn(4, 10)
     jobs = [ScoreJob(rows, [0], [], PARAMS[0], 0, 5) for rows in (big[0:2], big[2:4, :6])]
     with pytest.raises(RuntimeError):  # torch.cat refuses the widths; before: one [4, 10] view
-        rejection._rows(jobs)
+        scoring._rows(jobs)
 
 
 @pytest.mark.gpu

@@ -11,12 +11,11 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-from orchestrator.server import check_compatible
+from orchestrator.server import check_compatible, usable_size_of
 from specdec.engine.config import EngineConfig
 from specdec.engine.engine import ExtendItem, ModelEngine
 from specdec.engine.loading import tokenizer_fingerprint
-from specdec.engine.vocab import (IdSpace, known_token_count, mask_padding_, usable_size, usable_size_of,
-                                  usable_size_of_directory)
+from specdec.engine.vocab import IdSpace, known_token_count, mask_padding_, usable_size, usable_size_of_directory
 from specdec.errors import FailedPrecondition, InvalidArgument
 from specdec.v1 import common_pb2
 from tests.conftest import tiny_config

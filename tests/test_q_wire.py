@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from draft_service import servicer as draft_servicer
-from specdec.sampling import q_wire
-from specdec.sampling.sparse import SparseDist, prob_of, validate_sparse
+from specdec.sampling import q_checks, q_wire
+from specdec.sampling.sparse import SparseDist, validate_sparse
+from specdec.sampling.sparse_lists import prob_of
 from specdec.v1 import common_pb2, draft_pb2, target_pb2
 from target_service.servicer import TargetServicer
 from tests.conftest import tiny_engine, tiny_model
@@ -22,8 +23,8 @@ VOCAB = 1000
 
 
 def check_many(qs, drafted, vocab_size):
-    """One Verify item's q's through `q_wire.check_items`; its ValueError raised."""
-    (checked,) = q_wire.check_items([(qs, drafted)], vocab_size)
+    """One Verify item's q's through `q_checks.check_items`; its ValueError raised."""
+    (checked,) = q_checks.check_items([(qs, drafted)], vocab_size)
     if isinstance(checked, ValueError):
         raise checked
     return checked

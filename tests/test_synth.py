@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from orchestrator.server import load_tokenizer
+from orchestrator.tokenizer import load_tokenizer
 from specdec.cli.main import main
 from specdec.engine.config import EngineConfig
 from specdec.engine.engine import ExtendItem, ModelEngine
@@ -120,9 +120,15 @@ def test_a_synthetic_engine_without_a_tokenizer_announces_and_masks_its_familys_
     assert torch.isneginf(logits[0, 300:]).all() and torch.isfinite(logits[0, :300]).all()
 
 
-def test_the_orchestrator_reads_a_synth_targets_tokenizer_from_the_synth_module(monkeypatch):
+def test_the_orchestrator_reads_a_synth_targets_tokenizer_from_the_synth_module(monkeypatch, tmp_path):
+    """Its donor's directory read without torch (orchestrator/tokenizer.py) when
+    it has tokenizer.json; the synth module's own loader otherwise."""
     monkeypatch.setattr(synth, "load_tokenizer", lambda name, cache_dir=None: ("tokenizer of", name))
+    monkeypatch.setattr(synth, "tokenizer_dir", lambda name, cache_dir=None: None)
     assert load_tokenizer("synth:qwen2.5-7b") == ("tokenizer of", "synth:qwen2.5-7b")
+    trained_tokenizer().save_pretrained(tmp_path)
+    monkeypatch.setattr(synth, "tokenizer_dir", lambda name, cache_dir=None: tmp_path)
+    assert len(load_tokenizer("synth:qwen2.5-7b")) == len(trained_tokenizer())
 
 
 def test_a_trimmed_head_on_a_synthetic_model_keeps_the_lowest_ids_for_step_costs():

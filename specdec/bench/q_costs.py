@@ -9,7 +9,7 @@ this process and on the CPU, microseconds:
 - the orchestrator: that reply parsed, the Verify item made of it with the
   q's passed on, q_i(x_i) read for the accept test, the Verify serialized;
 - the target: the Verify parsed and every q checked (`Verifier.verify`'s
-  `q_wire.check_items`), warm (back to back) and as a round meets it (a tiny
+  `q_checks.check_items`), warm (back to back) and as a round meets it (a tiny
   model's forward pass between two checks, so the caches are cold).
 
 The q's are truncated drafts of 32 entries over Qwen's vocabulary (151936),
@@ -75,7 +75,7 @@ def _best_us(fn, reps: int) -> float:
 def measure(k: int = 4, entries: int = 32, sessions: tuple[int, ...] = (1, 8), reps: int = 1000) -> list[QCosts]:
     from draft_service.servicer import drafts_to_wire
     from specdec.bench.overhead_stack import tiny_engine
-    from specdec.sampling import q_wire
+    from specdec.sampling import q_checks, q_wire
     from specdec.v1 import draft_pb2, target_pb2
 
     rng = random.Random(3)
@@ -108,7 +108,7 @@ def measure(k: int = 4, entries: int = 32, sessions: tuple[int, ...] = (1, 8), r
 
             def target() -> None:
                 request = target_pb2.VerifyRequest.FromString(wire)
-                checked = q_wire.check_items([([q_wire.received(q) for q in it.draft_q], list(it.draft_token_ids))
+                checked = q_checks.check_items([([q_wire.received(q) for q in it.draft_q], list(it.draft_token_ids))
                                               for it in request.items], QWEN_VOCAB)
                 assert not any(isinstance(c, ValueError) for c in checked), checked
 

@@ -208,7 +208,7 @@ def load_pair(target: str = "", draft: str = "", dtype: str = "auto", threads: i
     when no target is named; else the named models, warmed, with HumanEval
     prompts through the target's tokenizer (token-id prompts of the tiny
     pair's kind if it has none)."""
-    from orchestrator.server import load_tokenizer
+    from orchestrator.tokenizer import load_tokenizer
     from specdec.bench.tiny_pair import ensure_tiny_pair, tiny_prompts
     from specdec.engine.config import EngineConfig
     from specdec.engine.engine import ModelEngine

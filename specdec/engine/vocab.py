@@ -104,13 +104,6 @@ def usable_size_of_directory(model_dir: str, rows: int) -> int:
         return rows
 
 
-def usable_size_of(info) -> int:
-    """The usable size a ModelInfo or EngineInfo announces; 0 in
-    `usable_vocab_size` (a service older than the field, or the n-gram
-    drafter) means all `vocab_size` ids."""
-    return int(info.usable_vocab_size or info.vocab_size)
-
-
 def mask_padding_(logits: torch.Tensor, usable: int) -> torch.Tensor:
     """Set logits[..., usable:] to -inf in place and return logits [..., V].
 

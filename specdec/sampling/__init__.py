@@ -3,58 +3,41 @@
 - `params`: `SamplingParams` and their validation.
 - `transform`: logits -> p or q (temperature, top-k, top-p), the same on both sides.
 - `rng`: counter-based uniforms keyed by (seed, position, stream).
-- `sparse`: the truncated proposal q (`SparseDist`) and inverse-CDF sampling.
-- `rejection`: the rejection sampler; its docstring defines the vocabulary
-  (accepted, rejected, recovered and bonus tokens).
+- `sparse`: the truncated proposal q (`SparseDist`) and inverse-CDF sampling;
+  `sparse_lists` the same q read as the wire's two lists, without tensors.
+- `rejection`: the rejection sampler's words (accepted, rejected, recovered and
+  bonus tokens) and the orchestrator's accept decisions; `scoring` the draft's
+  and the target's halves, on the models' tensors.
+- `q_wire`: a proposal's two encodings on the wire; `q_checks` the target's
+  checks of the proposals it receives.
+
+The orchestrator imports only the modules that need no torch (`params`, `rng`,
+`sparse_lists`, `rejection`, `q_wire`), so it runs without it. The names below
+are re-exported lazily, each module loaded on first use, so that importing this
+package does not import torch either.
 """
+from __future__ import annotations
 
-from specdec.sampling.params import SamplingParams
-from specdec.sampling.rejection import (
-    RoundResult,
-    VerifyOutcome,
-    accept_greedy,
-    accept_sampled,
-    draw_draft,
-    sample_token,
-    score_drafts,
-)
-from specdec.sampling.rng import Stream, random_seed, uniform, uniforms
-from specdec.sampling.sparse import (
-    SparseDist,
-    densify,
-    densify_many,
-    prob_of,
-    sample,
-    sample_dense,
-    sample_rows,
-    truncate,
-    validate_sparse,
-)
-from specdec.sampling.transform import argmax_tokens, logits_to_probs, top_indices
+import importlib
 
-__all__ = [
-    "RoundResult",
-    "SamplingParams",
-    "SparseDist",
-    "Stream",
-    "VerifyOutcome",
-    "accept_greedy",
-    "accept_sampled",
-    "argmax_tokens",
-    "densify",
-    "densify_many",
-    "draw_draft",
-    "logits_to_probs",
-    "prob_of",
-    "random_seed",
-    "sample",
-    "sample_dense",
-    "sample_rows",
-    "sample_token",
-    "score_drafts",
-    "top_indices",
-    "truncate",
-    "uniform",
-    "uniforms",
-    "validate_sparse",
-]
+_EXPORTS = {
+    "SamplingParams": "params",
+    "RoundResult": "rejection", "VerifyOutcome": "rejection", "accept_greedy": "rejection",
+    "accept_sampled": "rejection",
+    "draw_draft": "scoring", "sample_token": "scoring", "score_drafts": "scoring",
+    "Stream": "rng", "random_seed": "rng", "uniform": "rng", "uniforms": "rng",
+    "SparseDist": "sparse", "densify": "sparse", "densify_many": "sparse", "sample": "sparse",
+    "sample_dense": "sparse", "sample_rows": "sparse", "truncate": "sparse", "validate_sparse": "sparse",
+    "prob_of": "sparse_lists",
+    "argmax_tokens": "transform", "logits_to_probs": "transform", "top_indices": "transform",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    globals()[name] = value
+    return value
