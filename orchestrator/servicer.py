@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from jinja2.exceptions import TemplateError
+
 from orchestrator.config import OrchestratorConfig
 from orchestrator.detokenizer import IncrementalDetokenizer
 from orchestrator.gamma_policy import make_policy
@@ -144,7 +146,10 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
             raise InvalidArgument("message roles must be system, user or assistant")
         if not getattr(tok, "chat_template", None):
             raise InvalidArgument("the target's tokenizer has no chat template: send a plain prompt")
-        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        try:
+            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        except TemplateError as exc:  # the template's own `raise_exception`: these messages are not its form
+            raise InvalidArgument(f"the model's chat template refuses these messages: {exc}") from None
         if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
             ids = ids["input_ids"]
         return list(ids)

@@ -2,6 +2,7 @@
 messages, streamed text, stop strings and finish reasons."""
 from __future__ import annotations
 
+import grpc
 import pytest
 
 from specdec.v1 import orchestrator_pb2 as pb
@@ -10,7 +11,11 @@ from tests.harness import running_system
 from tests.test_detokenizer import byte_level_bpe
 from tests.test_orchestrator import greedy_reference
 
-CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+# It refuses a conversation that opens with the assistant, as many real
+# templates refuse forms they were not trained on (raise_exception).
+CHAT_TEMPLATE = ("{% if messages[0]['role'] == 'assistant' %}"
+                 "{{ raise_exception('a conversation opens with a system or user message') }}{% endif %}"
+                 "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<assistant>{% endif %}")
 
 
@@ -51,6 +56,15 @@ def test_chat_messages_use_the_chat_template(text_system):
         prompt_ids = prompt_ids["input_ids"]
     assert result.stats.prompt_tokens == len(prompt_ids)
     assert result.token_ids == greedy_reference(s.target_model, prompt_ids, 8)
+
+
+def test_messages_the_chat_template_refuses_are_an_invalid_argument(text_system):
+    with pytest.raises(grpc.RpcError) as err:
+        text_system.client.complete([{"role": "assistant", "content": "hi"}], max_tokens=4, temperature=0)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details() == ("the model's chat template refuses these messages: "
+                                   "a conversation opens with a system or user message")
+    assert text_system.client.complete([{"role": "user", "content": "hi"}], max_tokens=4).token_ids
 
 
 def test_stop_string_truncates_the_text_and_ends_with_stop(text_system):

@@ -228,6 +228,8 @@ def test_stop_strings_truncate_and_finish_with_stop(http_system):
     ("chat/completions", dict(messages=[{"role": "user", "content": [{"type": "image_url"}]}]),
      "messages.0.content.0", "only text parts"),
     ("chat/completions", dict(messages=[]), "messages", "at least 1"),
+    ("chat/completions", dict(messages=[{"role": "assistant", "content": "x"}]), None,
+     "chat template refuses these messages: a conversation opens with a system or user message"),
     # Found by the fuzzer (specdec.fuzz): values protobuf cannot carry were a 500.
     ("completions", dict(max_tokens=2**63), "max_tokens", "less than or equal to 2147483647"),
     ("chat/completions", dict(max_completion_tokens=2**31), "max_completion_tokens", "less than or equal"),
