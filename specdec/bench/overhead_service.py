@@ -15,16 +15,18 @@ import sys
 
 
 async def _serve(args: argparse.Namespace) -> None:
-    from draft_service.drafters import ModelDrafter
-    from specdec import busy_poll
-    from draft_service.server import start_draft_service
-    from specdec.bench.overhead_stack import tiny_engine
-    from specdec.rpc.session_limits import SessionLimits
-    from specdec.rpc.serving import ServerConfig
-    from specdec.security.tls import TlsConfig
-    from specdec.telemetry import TelemetrySettings, setup_telemetry
-    from target_service.server import start_target_service
-    from target_service.verifier import Verifier
+    from specdec import busy_poll, heap
+
+    with heap.importing():  # as `specd serve` imports a role
+        from draft_service.drafters import ModelDrafter
+        from draft_service.server import start_draft_service
+        from specdec.bench.overhead_stack import tiny_engine
+        from specdec.rpc.session_limits import SessionLimits
+        from specdec.rpc.serving import ServerConfig
+        from specdec.security.tls import TlsConfig
+        from specdec.telemetry import TelemetrySettings, setup_telemetry
+        from target_service.server import start_target_service
+        from target_service.verifier import Verifier
 
     busy_poll.configure(args.busy_poll_us)
     limits = SessionLimits()
@@ -39,6 +41,7 @@ async def _serve(args: argparse.Namespace) -> None:
     else:
         drafter = ModelDrafter(engine, limits.max_draft_tokens)
         service = await start_draft_service(cfg, limits, lambda: drafter, telemetry=telemetry, tls=tls)
+    heap.settle()  # as `specd serve` does once SERVING
     try:
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # returns when stdin closes
     finally:
@@ -49,9 +52,10 @@ async def _serve(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     import logging
 
-    import torch
+    from specdec import eventloop, heap
 
-    from specdec import eventloop
+    with heap.importing():
+        import torch
 
     p = argparse.ArgumentParser(prog="python -m specdec.bench.overhead_service")
     p.add_argument("--role", choices=("target", "draft"), required=True)

@@ -11,7 +11,7 @@ from draft_service.config import DrafterConfig
 from orchestrator.config import DEFAULT_PORT as ORCH_PORT
 from orchestrator.config import OrchestratorConfig
 from orchestrator.openai_api.config import HttpConfig
-from specdec import busy_poll, cpu_latency, eventloop
+from specdec import busy_poll, cpu_latency, eventloop, heap
 from specdec.cli.exits import EXIT_USAGE
 from specdec.config import add_arguments, from_args
 from specdec.engine.config import EngineConfig
@@ -80,7 +80,8 @@ def _valid_engine(engine_cfg: EngineConfig, role: str, *checks) -> bool:
 
 
 def _serve_draft(args: argparse.Namespace) -> int:
-    from draft_service.server import build_drafter, start_draft_service
+    with heap.importing():
+        from draft_service.server import build_drafter, start_draft_service
 
     server_cfg, engine_cfg = from_args(ServerConfig, args), from_args(EngineConfig, args)
     limits, drafter_cfg = from_args(SessionLimits, args), from_args(DrafterConfig, args)
@@ -101,8 +102,9 @@ def _serve_draft(args: argparse.Namespace) -> int:
 
 
 def _serve_target(args: argparse.Namespace) -> int:
-    from specdec.engine.quantize import refuse_for_target
-    from target_service.server import build_verifier, start_target_service
+    with heap.importing():
+        from specdec.engine.quantize import refuse_for_target
+        from target_service.server import build_verifier, start_target_service
 
     server_cfg, engine_cfg, limits = from_args(ServerConfig, args), from_args(EngineConfig, args), from_args(SessionLimits, args)
     if not _valid_engine(engine_cfg, "target", refuse_for_target):
@@ -121,7 +123,8 @@ def _serve_target(args: argparse.Namespace) -> int:
 
 
 def _serve_orchestrator(args: argparse.Namespace) -> int:
-    from orchestrator.server import start_orchestrator
+    with heap.importing():
+        from orchestrator.server import start_orchestrator
 
     server_cfg, cfg = from_args(ServerConfig, args), from_args(OrchestratorConfig, args)
     http_cfg = from_args(HttpConfig, args)  # validated by start_orchestrator (a bad value: one line)
@@ -163,6 +166,7 @@ async def _serve_forever(running, server_cfg: ServerConfig, role: str, what: str
     log.info("%s SERVING on %s:%d (%s)", role, server_cfg.host, running.port, what)
     cpu_latency.hold(server_cfg.cpu_wake_latency_us)
     busy_poll.configure(server_cfg.busy_poll_us)
+    heap.settle()
     install_drain_on_signals(running, server_cfg.drain_grace_s)
     await running.wait()
     log.info("%s stopped", role)
