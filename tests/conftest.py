@@ -2,14 +2,20 @@
 from __future__ import annotations
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen2Config
 
-from specdec.engine.config import EngineConfig
-from specdec.engine.engine import ModelEngine
-# The deployment tests' fixtures, registered here so that deploy/validate.sh renders the
-# manifests once a session rather than once in each tests/test_deploy_*.py.
-from tests.deploy_manifests import rendered, validation  # noqa: F401 - pytest fixtures, used by name
+from specdec import heap
+
+# As `specd serve` imports a role (specdec/heap.py): the heavy imports without
+# the collector's full walks, and what they made frozen out of later ones.
+with heap.importing():
+    import torch
+    from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen2Config
+
+    from specdec.engine.config import EngineConfig
+    from specdec.engine.engine import ModelEngine
+    # The deployment tests' fixtures, registered here so that deploy/validate.sh renders the
+    # manifests once a session rather than once in each tests/test_deploy_*.py.
+    from tests.deploy_manifests import rendered, validation  # noqa: F401 - pytest fixtures, used by name
 
 # The test files that take a minute or more of one worker, longest first
 # (seconds per file from `pytest -n auto --dist loadfile --junitxml=...` on the
