@@ -133,9 +133,8 @@ def load_tokenizer(name: str):
     from specdec.models import synth
 
     if synth.is_synth_name(name):
-        directory = synth.tokenizer_dir(name)
-        tokenizer = TextTokenizer.from_directory(directory) if directory is not None else None
-        return tokenizer if tokenizer is not None else synth.load_tokenizer(name)
+        directory = synth.tokenizer_dir(name)  # a donor's directory, with its tokenizer.json
+        return TextTokenizer.from_directory(directory) if directory is not None else synth.load_tokenizer(name)
     from specdec.models.cache import locate
 
     try:

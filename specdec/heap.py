@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import gc
 import logging
 import os
@@ -60,13 +61,13 @@ def _freeze() -> None:
     collection still frees what is frozen (extension modules that check for
     leaks at exit, such as triton's nanobind bindings, would report every
     frozen object of theirs as leaked)."""
-    if not _thaw_at_exit:
-        atexit.register(gc.unfreeze)
-        _thaw_at_exit.append(True)
+    _thaw_at_exit()
     gc.freeze()
 
 
-_thaw_at_exit: list[bool] = []
+@functools.cache
+def _thaw_at_exit() -> None:
+    atexit.register(gc.unfreeze)  # once per process
 
 
 def settle() -> int:

@@ -14,12 +14,12 @@ concurrent requests would interleave): as `orchestrator_round` runs them.
 """
 from __future__ import annotations
 
-import math
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from specdec.hops import SUFFIX
+from specdec.soak.report import percentile  # nearest rank, as the soak reports its latencies
 
 # The events of a round with both lane calls, in order: (event, where).
 PATH = [
@@ -154,14 +154,9 @@ def report_lines(kinds: dict[str, KindHops]) -> list[str]:
     # The slow rounds a median hides (a contended host makes them): what a mean over rounds, as
     # `specd overhead` reports the orchestrator's round, also counts.
     lines.append("| ... its mean / 90th percentile | "
-                 + " | ".join(f"{statistics.fmean(k.overhead_us):.0f} / {_p90(k.overhead_us):.0f}" if k.overhead_us
+                 + " | ".join(f"{statistics.fmean(k.overhead_us):.0f} / {percentile(k.overhead_us, 90):.0f}" if k.overhead_us
                               else "-" for k in kinds_shown) + " |")
     lines.append("| rounds cut / left out (another path) | "
                  + " | ".join(f"{len(k.segments[names[0]])} / {k.skipped}" for k in kinds_shown) + " |")
     return lines
 
-
-def _p90(values: list[float]) -> float:
-    """The 90th percentile, nearest rank."""
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(0.9 * len(ordered)) - 1)]
