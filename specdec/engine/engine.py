@@ -194,18 +194,67 @@ class ModelEngine(WeightForms):
         The last prompt token is left out of the cache: the first extend needs
         its logits anyway, so it is computed there and not twice.
         """
-        prompt = list(prompt)
-        self.rules.check_open(prompt, max_new_tokens)
-        self._sessions.check_room()
-        session = EngineSession(id=new_session_id(), tokens=[], slot=self.store.allocate())
-        self._sessions.add(session)
-        try:
-            self._prefill(session, prompt[:-1])
-        except BaseException:
-            self.close(session.id)
-            raise
-        session.tokens = prompt
+        (session,) = self.open_sessions([(prompt, max_new_tokens)])
+        if isinstance(session, Exception):
+            raise session
         return session
+
+    def open_sessions(self, requests: Sequence[tuple[Sequence[int], int]]) -> list[EngineSession | Exception]:
+        """Open a session for each (prompt, max_new_tokens) and prefill the
+        prompts together: each forward pass takes up to `prefill_chunk`
+        prompt tokens, from as many sessions as they come from (one pass
+        where `open_session` would run one per session). Each request gets its
+        session or its own error (a prompt refused, no room) in its place. If
+        a shared pass fails, the sessions it was filling are closed and opened
+        one by one, so that one request's problem never fails another's."""
+        requests = [(list(prompt), max_new_tokens) for prompt, max_new_tokens in requests]
+        out: list[EngineSession | Exception] = []
+        for prompt, max_new_tokens in requests:
+            try:
+                self.rules.check_open(prompt, max_new_tokens)
+                self._sessions.check_room()
+                # The last prompt token is left to the first extend (open_session).
+                out.append(self._sessions.add(EngineSession(id=new_session_id(), tokens=prompt[:-1],
+                                                            slot=self.store.allocate())))
+            except Exception as exc:  # noqa: BLE001 - this request's problem only
+                out.append(exc)
+        fresh = [s for s in out if isinstance(s, EngineSession)]
+        try:
+            self._prefill_together(fresh)
+        except BaseException as exc:
+            for session in fresh:
+                self.close(session.id)
+            if len(fresh) == 1 or not isinstance(exc, Exception):
+                raise
+            return [self._open_alone(prompt, n) if isinstance(s, EngineSession) else s
+                    for s, (prompt, n) in zip(out, requests)]
+        for session, (prompt, _) in zip(out, requests):
+            if isinstance(session, EngineSession):
+                session.tokens = prompt
+        return out
+
+    def _open_alone(self, prompt: Sequence[int], max_new_tokens: int) -> EngineSession | Exception:
+        try:
+            return self.open_session(prompt, max_new_tokens)
+        except Exception as exc:  # noqa: BLE001 - this request's problem only
+            return exc
+
+    def _prefill_together(self, sessions: list[EngineSession]) -> None:
+        """Compute every session's tokens in passes of at most `prefill_chunk`
+        tokens, each pass taking the sessions in order, as much of each as fits."""
+        chunk = self.cfg.prefill_chunk
+        waiting = [s for s in sessions if s.cached < len(s.tokens)]
+        while waiting:
+            room, batch, stops = chunk, [], []
+            for session in waiting:
+                take = min(room, len(session.tokens) - session.cached)
+                batch.append(session)
+                stops.append(session.cached + take)
+                room -= take
+                if not room:
+                    break
+            self._run(batch, stops, [0] * len(batch))
+            waiting = [s for s in waiting if s.cached < len(s.tokens)]
 
     def append_tokens(self, session_id: str, tokens: Sequence[int], computed: int = 0) -> int:
         """Append to the context without a forward pass (the next extend
@@ -313,12 +362,6 @@ class ModelEngine(WeightForms):
         while session.length - session.cached > max(chunk, num_logits):
             stop = min(session.cached + chunk, session.length - max(num_logits, 1))
             self._run([session], [stop], [0])
-
-    def _prefill(self, session: EngineSession, tokens: list[int]) -> None:
-        session.tokens = list(tokens)
-        chunk = self.cfg.prefill_chunk
-        for start in range(0, len(tokens), chunk):
-            self._run([session], [min(start + chunk, len(tokens))], [0])
 
     def _forward(self, sessions: list[EngineSession], num_logits: list[int]) -> list[torch.Tensor]:
         return self._run(sessions, [s.length for s in sessions], num_logits)

@@ -13,6 +13,7 @@ from specdec.errors import InvalidArgument, Unavailable
 from specdec.rpc import grpc_errors
 from specdec.rpc.call_stream import ServedStreams
 from specdec.rpc.lane_methods import LaneMethod
+from specdec.rpc.open_batcher import OpenBatcher
 from specdec.rpc.serving import EngineWorker
 from specdec.rpc.session_limits import SessionLimits
 from specdec.rpc.session_quota import SessionQuota
@@ -53,6 +54,20 @@ class EngineBackend:
         session = self.engine.open_session(prompt, max_new_tokens)
         session.meta = meta
         return session.id, session.length, self.engine.slot_bytes
+
+    def open_many(self, requests) -> list:
+        """`open` for each (prompt, meta, max_new_tokens), the prompts
+        prefilled in shared forward passes (ModelEngine.open_sessions); each
+        request's result, or its own error, in its place."""
+        sessions = self.engine.open_sessions([(prompt, max_new) for prompt, _, max_new in requests])
+        out = []
+        for session, (_, meta, _) in zip(sessions, requests):
+            if isinstance(session, Exception):
+                out.append(session)
+                continue
+            session.meta = meta
+            out.append((session.id, session.length, self.engine.slot_bytes))
+        return out
 
     def rollback(self, session_id: str, length: int) -> int:
         return self.engine.rollback(session_id, length)
@@ -113,6 +128,7 @@ class SessionServicer:
         self.quota = SessionQuota(limits.max_sessions_per_caller)
         self.expired_sessions = 0  # closed by idle expiry since start: sessions a caller leaked
         self.call_streams = ServedStreams()  # the service's long-lived call streams, ended by a drain
+        self.opens = OpenBatcher(worker)  # OpenSession calls arriving together share their prefill passes
         self.lane_port = 0  # the lane's port once it listens (0: none)
 
     def lane_call(self) -> LaneCall:
@@ -162,8 +178,8 @@ class SessionServicer:
                                         {A_PROMPT_TOKENS: len(request.prompt_token_ids)}) as span:
             meta = SessionMeta(params=sampling_from_wire(request.sampling), seed=request.seed)
             caller = self.quota.admit(context)
-            opening = asyncio.ensure_future(self.worker.run(
-                self.backend.open, list(request.prompt_token_ids), meta, request.max_new_tokens))
+            opening = asyncio.ensure_future(self.opens.open(
+                self.backend, list(request.prompt_token_ids), meta, request.max_new_tokens))
             try:
                 session_id, length, kv_bytes = await asyncio.shield(opening)
             except asyncio.CancelledError:
