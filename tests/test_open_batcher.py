@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
+import time
 
 import pytest
 import torch
 
-from specdec.errors import InvalidArgument, ResourceExhausted
+from specdec.errors import InvalidArgument, ResourceExhausted, Unavailable
 from specdec.engine.engine import ExtendItem
 from specdec.rpc.open_batcher import OpenBatcher
 from specdec.rpc.serving import EngineWorker
@@ -75,6 +76,17 @@ def test_a_failed_shared_pass_opens_each_session_alone():
     assert engine.num_sessions == len(PROMPTS)  # nothing held by the failed open
 
 
+def test_a_failed_pass_gives_its_error_to_its_own_request_only():
+    engine = tiny_engine()
+    real_run = engine._run
+    engine._run = lambda *a: (_ for _ in ()).throw(RuntimeError("injected: the pass failed"))
+    results = engine.open_sessions([([], 0), (PROMPTS[0], 0)])  # the first refused, the second's pass fails
+    engine._run = real_run
+    assert isinstance(results[0], InvalidArgument)
+    assert isinstance(results[1], RuntimeError)
+    assert engine.num_sessions == 0
+
+
 class _Backend:
     """Records each open_many call's requests; fails the prompt [0]."""
 
@@ -90,36 +102,84 @@ class _Backend:
         self.closed.append(session_id)
 
 
-def test_opens_arriving_while_the_engine_is_busy_share_one_job():
+class _NoModelBackend(_Backend):
+    """A backend without open_many (as the prompt-lookup drafter)."""
+
+    open_many = None
+
+    def open(self, prompt, meta, max_new_tokens):
+        self.calls.append(prompt)
+        if prompt == [0]:
+            raise InvalidArgument("prompt [0]")
+        return f"s{prompt[0]}", len(prompt), 0
+
+
+def _blocked(worker):
+    """Occupy the engine thread until the returned event is set."""
+    busy, release = threading.Event(), threading.Event()
+    blocker = asyncio.ensure_future(worker.run(lambda: busy.set() or release.wait(10)))
+    return blocker, busy, release
+
+
+async def _opens_behind_a_busy_engine(batcher, prompts):
+    blocker, busy, release = _blocked(batcher.worker)
+    await asyncio.get_running_loop().run_in_executor(None, busy.wait, 10)
+    opens = [asyncio.ensure_future(batcher.open(p, None, 0)) for p in prompts]
+    await asyncio.sleep(0.05)
+    release.set()
+    results = await asyncio.gather(*opens, return_exceptions=True)
+    await blocker
+    return results
+
+
+@pytest.mark.parametrize("kind", [_Backend, _NoModelBackend])
+def test_opens_arriving_while_the_engine_is_busy_share_one_job(kind):
+    backend = kind()
+
     async def main():
         worker = EngineWorker()
-        batcher, backend = OpenBatcher(worker), _Backend()
-        busy, release = threading.Event(), threading.Event()
-        blocker = asyncio.ensure_future(worker.run(lambda: busy.set() or release.wait(10)))
-        await asyncio.get_running_loop().run_in_executor(None, busy.wait, 10)
-        opens = [asyncio.ensure_future(batcher.open(backend, [i], None, 0)) for i in (1, 2, 0, 3)]
-        await asyncio.sleep(0.05)
-        assert backend.calls == []  # all four wait behind the busy engine
-        release.set()
-        results = await asyncio.gather(*opens, return_exceptions=True)
-        await blocker
+        batcher = OpenBatcher(worker, lambda: backend)
+        results = await _opens_behind_a_busy_engine(batcher, [[1], [2], [0], [3]])
+        assert batcher.jobs == 1 and batcher.opens == 4
         # alone afterwards: a job of its own, at once
-        assert await batcher.open(backend, [4], None, 0) == ("s4", 1, 1)
+        assert (await batcher.open([4], None, 0))[:2] == ("s4", 1)
+        assert batcher.jobs == 2
         worker.shutdown()
         return results
 
     results = asyncio.run(main())
-    assert results[:2] == [("s1", 1, 1), ("s2", 1, 1)] and results[3] == ("s3", 1, 1)
+    assert [r[:2] for i, r in enumerate(results) if i != 2] == [("s1", 1), ("s2", 1), ("s3", 1)]
     assert isinstance(results[2], InvalidArgument)
+    if kind is _Backend:
+        assert backend.calls == [[[1], [2], [0], [3]], [[4]]]
+
+
+def test_a_job_takes_at_most_its_tokens_and_leaves_the_rest_to_the_next():
+    backend = _Backend()
+
+    async def main():
+        worker = EngineWorker()
+        batcher = OpenBatcher(worker, lambda: backend, max_tokens=5)
+        prompts = [[1, 1], [2, 2], [3, 3], [4] * 9, [5]]
+        results = await _opens_behind_a_busy_engine(batcher, prompts)
+        worker.shutdown()
+        return results
+
+    results = asyncio.run(main())
+    assert [r[0] for r in results] == ["s1", "s2", "s3", "s4", "s5"]
+    # 2 + 2 fit in 5 tokens; a prompt longer than the budget goes alone
+    assert backend.calls == [[[1, 1], [2, 2]], [[3, 3]], [[4] * 9], [[5]]]
 
 
 def test_a_lone_open_runs_at_once_and_an_abandoned_one_is_closed():
+    backend = _Backend()
+
     async def main():
         worker = EngineWorker()
-        batcher, backend = OpenBatcher(worker), _Backend()
-        assert await batcher.open(backend, [5], None, 0) == ("s5", 1, 1)
+        batcher = OpenBatcher(worker, lambda: backend)
+        assert await batcher.open([5], None, 0) == ("s5", 1, 1)
         assert batcher.jobs == 1 and backend.calls == [[[5]]]
-        waiting = asyncio.ensure_future(batcher.open(backend, [6], None, 0))
+        waiting = asyncio.ensure_future(batcher.open([6], None, 0))
         await asyncio.sleep(0)
         waiting.cancel()  # its caller went away before the job answered
         for _ in range(100):
@@ -127,23 +187,51 @@ def test_a_lone_open_runs_at_once_and_an_abandoned_one_is_closed():
                 break
             await asyncio.sleep(0.01)
         worker.shutdown()
-        return backend.closed
 
-    assert asyncio.run(main()) == ["s6"]
+    asyncio.run(main())
+    assert backend.closed == ["s6"]
+
+
+def test_opens_whose_job_cannot_run_get_an_error_and_no_one_waits():
+    def loading():
+        raise Unavailable("the model is still loading")
+
+    async def main():
+        worker = EngineWorker()
+        batcher = OpenBatcher(worker, loading)
+        results = await _opens_behind_a_busy_engine(batcher, [[1], [2]])
+        worker.shutdown()  # a job that cannot even be queued: the service is stopping
+        with pytest.raises(RuntimeError, match="shutdown"):
+            await asyncio.wait_for(batcher.open([3], None, 0), 5)
+        return results
+
+    assert all(isinstance(r, Unavailable) for r in asyncio.run(main()))
 
 
 def test_concurrent_open_session_calls_share_prefill_passes_and_decode_as_alone():
     engine = tiny_engine(seed=0)
     prompts = [tokens(4 + i, 10 + i) for i in range(12)]
-    with running_target(engine) as (service, stub, _):
+    with running_target(engine) as (service, stub, loop):
         expected = []
         for p in prompts:  # one at a time: a job each
             sid = open_session(stub, p).session_id
             expected.append(list(decode(stub, sid, 3).token_ids))
-        jobs_before = service.servicer.opens.jobs
+        batcher = service.servicer.opens
+        jobs_before = batcher.jobs
+
+        async def hold_the_engine():
+            return _blocked(batcher.worker)
+
+        blocker, busy, release = loop.run(hold_the_engine())
+        assert busy.wait(10)
         with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
-            sids = list(pool.map(lambda p: open_session(stub, p).session_id, prompts))
-        jobs = service.servicer.opens.jobs - jobs_before
+            opening = [pool.submit(lambda p=p: open_session(stub, p).session_id) for p in prompts]
+            deadline = time.monotonic() + 30
+            while len(batcher._waiting) < len(prompts):  # every call has reached the service
+                assert time.monotonic() < deadline, "the opens never arrived"
+                time.sleep(0.01)
+            release.set()
+            sids = [f.result(30) for f in opening]
+        assert batcher.jobs - jobs_before == 1  # 150 prompt tokens: one job
         assert len(set(sids)) == len(prompts)
         assert [list(decode(stub, sid, 3).token_ids) for sid in sids] == expected
-    assert jobs < len(prompts), "no two of twelve concurrent opens shared a job"

@@ -217,7 +217,8 @@ def _free_port() -> int:
 def test_health_is_not_serving_while_loading(role):
     release = threading.Event()
     engine = tiny_engine(model=TARGET_MODEL)
-    limits = SessionLimits()
+    # A quota of one session: an open refused while loading must not keep its reservation.
+    limits = SessionLimits(max_sessions_per_caller=1)
 
     def build_backend():
         assert release.wait(30), "never released"
@@ -247,7 +248,8 @@ def test_health_is_not_serving_while_loading(role):
                 time.sleep(0.02)
         assert status == health_pb2.HealthCheckResponse.NOT_SERVING
         assert health_status(port, name) == health_pb2.HealthCheckResponse.NOT_SERVING
-        expect_status(Code.UNAVAILABLE, "loading", open_session, stub, [1, 2, 3])
+        for _ in range(2):
+            expect_status(Code.UNAVAILABLE, "loading", open_session, stub, [1, 2, 3])
         expect_status(Code.UNAVAILABLE, "loading", stub.GetModelInfo, common_pb2.GetModelInfoRequest(), timeout=T)
         if role == "target":
             expect_status(Code.UNAVAILABLE, "loading", verify, stub, item("x", [1]))

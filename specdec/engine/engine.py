@@ -205,8 +205,8 @@ class ModelEngine(WeightForms):
         prompt tokens, from as many sessions as they come from (one pass
         where `open_session` would run one per session). Each request gets its
         session or its own error (a prompt refused, no room) in its place. If
-        a shared pass fails, the sessions it was filling are closed and opened
-        one by one, so that one request's problem never fails another's."""
+        a shared pass fails, every session of the call is closed and opened
+        again alone, so that one request's problem never fails another's."""
         requests = [(list(prompt), max_new_tokens) for prompt, max_new_tokens in requests]
         out: list[EngineSession | Exception] = []
         for prompt, max_new_tokens in requests:
@@ -224,8 +224,10 @@ class ModelEngine(WeightForms):
         except BaseException as exc:
             for session in fresh:
                 self.close(session.id)
-            if len(fresh) == 1 or not isinstance(exc, Exception):
+            if len(requests) == 1 or not isinstance(exc, Exception):
                 raise
+            if len(fresh) == 1:  # its own pass failed: its own error
+                return [exc if isinstance(s, EngineSession) else s for s in out]
             return [self._open_alone(prompt, n) if isinstance(s, EngineSession) else s
                     for s, (prompt, n) in zip(out, requests)]
         for session, (prompt, _) in zip(out, requests):

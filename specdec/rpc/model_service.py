@@ -128,7 +128,7 @@ class SessionServicer:
         self.quota = SessionQuota(limits.max_sessions_per_caller)
         self.expired_sessions = 0  # closed by idle expiry since start: sessions a caller leaked
         self.call_streams = ServedStreams()  # the service's long-lived call streams, ended by a drain
-        self.opens = OpenBatcher(worker)  # OpenSession calls arriving together share their prefill passes
+        self.opens = OpenBatcher(worker, lambda: self.backend)  # OpenSession calls arriving together share prefill passes
         self.lane_port = 0  # the lane's port once it listens (0: none)
 
     def lane_call(self) -> LaneCall:
@@ -177,9 +177,12 @@ class SessionServicer:
         with self.telemetry.leaf_server_span(SPAN_PREFILL, context.invocation_metadata(),
                                         {A_PROMPT_TOKENS: len(request.prompt_token_ids)}) as span:
             meta = SessionMeta(params=sampling_from_wire(request.sampling), seed=request.seed)
+            # UNAVAILABLE at once while the model loads (the load holds the engine thread), and
+            # before the caller's quota is counted: a refused open must not keep a reservation.
+            self.backend  # noqa: B018 - raises while loading
             caller = self.quota.admit(context)
-            opening = asyncio.ensure_future(self.opens.open(
-                self.backend, list(request.prompt_token_ids), meta, request.max_new_tokens))
+            opening = asyncio.ensure_future(self.opens.open(list(request.prompt_token_ids), meta,
+                                                            request.max_new_tokens))
             try:
                 session_id, length, kv_bytes = await asyncio.shield(opening)
             except asyncio.CancelledError:
