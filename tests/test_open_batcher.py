@@ -142,13 +142,14 @@ def test_opens_arriving_while_the_engine_is_busy_share_one_job(kind):
         results = await _opens_behind_a_busy_engine(batcher, [[1], [2], [0], [3]])
         assert batcher.jobs == 1 and batcher.opens == 4
         # alone afterwards: a job of its own, at once
-        assert (await batcher.open([4], None, 0))[:2] == ("s4", 1)
+        assert (await batcher.open([4], None, 0))[::3] == ("s4", 1)
         assert batcher.jobs == 2
         worker.shutdown()
         return results
 
     results = asyncio.run(main())
-    assert [r[:2] for i, r in enumerate(results) if i != 2] == [("s1", 1), ("s2", 1), ("s3", 1)]
+    # (session, its job's opens)
+    assert [r[::3] for i, r in enumerate(results) if i != 2] == [("s1", 4), ("s2", 4), ("s3", 4)]
     assert isinstance(results[2], InvalidArgument)
     if kind is _Backend:
         assert backend.calls == [[[1], [2], [0], [3]], [[4]]]
@@ -166,7 +167,7 @@ def test_a_job_takes_at_most_its_tokens_and_leaves_the_rest_to_the_next():
         return results
 
     results = asyncio.run(main())
-    assert [r[0] for r in results] == ["s1", "s2", "s3", "s4", "s5"]
+    assert [(r[0], r[3]) for r in results] == [("s1", 2), ("s2", 2), ("s3", 1), ("s4", 1), ("s5", 1)]
     # 2 + 2 fit in 5 tokens; a prompt longer than the budget goes alone
     assert backend.calls == [[[1, 1], [2, 2]], [[3, 3]], [[4] * 9], [[5]]]
 
@@ -177,7 +178,7 @@ def test_a_lone_open_runs_at_once_and_an_abandoned_one_is_closed():
     async def main():
         worker = EngineWorker()
         batcher = OpenBatcher(worker, lambda: backend)
-        assert await batcher.open([5], None, 0) == ("s5", 1, 1)
+        assert await batcher.open([5], None, 0) == ("s5", 1, 1, 1)
         assert batcher.jobs == 1 and backend.calls == [[[5]]]
         waiting = asyncio.ensure_future(batcher.open([6], None, 0))
         await asyncio.sleep(0)

@@ -121,6 +121,7 @@ def test_one_generate_is_one_connected_trace_across_the_three_services(traced):
         peer = by_id[prefill.parent.span_id].attributes[T.A_PEER]
         assert service_of(prefill) == f"specdec-{peer}"
         assert prefill.attributes[T.A_PROMPT_TOKENS] == len(prompt) and prefill.attributes[T.A_KV_BYTES] > 0
+        assert prefill.attributes[T.A_BATCH_SESSIONS] == 1  # one request: its open had a job of its own
 
     rounds = [s for s in spans if s.name == T.SPAN_ROUND]
     assert len(rounds) == st.rounds == names.count(T.SPAN_TARGET_VERIFY) == names.count(T.SPAN_VERIFY)

@@ -18,7 +18,7 @@ from specdec.rpc.serving import EngineWorker
 from specdec.rpc.session_limits import SessionLimits
 from specdec.rpc.session_quota import SessionQuota
 from specdec.sampling.params import SamplingParams
-from specdec.telemetry import (A_KV_BYTES, A_LENGTH, A_PROMPT_TOKENS, NOOP, SPAN_CLOSE, SPAN_PREFILL,
+from specdec.telemetry import (A_BATCH_SESSIONS, A_KV_BYTES, A_LENGTH, A_PROMPT_TOKENS, NOOP, SPAN_CLOSE, SPAN_PREFILL,
                                SPAN_ROLLBACK, Telemetry)
 from specdec.v1 import common_pb2
 
@@ -184,7 +184,7 @@ class SessionServicer:
             opening = asyncio.ensure_future(self.opens.open(list(request.prompt_token_ids), meta,
                                                             request.max_new_tokens))
             try:
-                session_id, length, kv_bytes = await asyncio.shield(opening)
+                session_id, length, kv_bytes, shared = await asyncio.shield(opening)
             except asyncio.CancelledError:
                 # The caller gave up (cancelled, or its deadline passed) while
                 # the prefill ran on the engine thread, which finishes it
@@ -198,6 +198,7 @@ class SessionServicer:
                 raise
             self.quota.opened(caller, session_id)
             span.set_attribute(A_KV_BYTES, kv_bytes)
+            span.set_attribute(A_BATCH_SESSIONS, shared)
         return common_pb2.OpenSessionResponse(session_id=session_id, length=length, kv_bytes=kv_bytes)
 
     def sessions_closed(self, session_ids) -> None:

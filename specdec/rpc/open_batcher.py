@@ -42,9 +42,10 @@ class OpenBatcher:
         self.jobs = 0  # open jobs run (for tests)
         self.opens = 0  # opens they served
 
-    async def open(self, prompt: list[int], meta, max_new_tokens: int) -> tuple[str, int, int]:
+    async def open(self, prompt: list[int], meta, max_new_tokens: int) -> tuple[str, int, int, int]:
         """`backend.open(prompt, meta, max_new_tokens)`, in a job shared with
-        the opens waiting beside it."""
+        the opens waiting beside it; with the number of opens its job took
+        (the prefill span's `specdec.batch.sessions`)."""
         future = asyncio.get_running_loop().create_future()
         with self._lock:
             self._waiting.append(((prompt, meta, max_new_tokens), future))
@@ -75,7 +76,7 @@ class OpenBatcher:
             elif isinstance(result, BaseException):
                 future.set_exception(result)
             else:
-                future.set_result(result)
+                future.set_result((*result, len(taken)))
 
     def _take_and_open(self, taken: list) -> list:
         """On the engine thread: take the opens waiting now (up to
