@@ -181,18 +181,12 @@ class SessionServicer:
             # before the caller's quota is counted: a refused open must not keep a reservation.
             self.backend  # noqa: B018 - raises while loading
             caller = self.quota.admit(context)
-            opening = asyncio.ensure_future(self.opens.open(list(request.prompt_token_ids), meta,
-                                                            request.max_new_tokens))
             try:
-                session_id, length, kv_bytes, shared = await asyncio.shield(opening)
-            except asyncio.CancelledError:
-                # The caller gave up (cancelled, or its deadline passed) while
-                # the prefill ran on the engine thread, which finishes it
-                # anyway: close the session nobody will learn of, instead of
-                # holding its KV slot until it expires.
-                self.quota.abandon(caller)
-                opening.add_done_callback(self._close_orphan)
-                raise
+                # A caller that gives up (cancelled, or its deadline passed) while its
+                # prefill runs leaves a session nobody will learn of: the batcher closes
+                # it as soon as it is open, instead of holding its KV slot until it expires.
+                session_id, length, kv_bytes, shared = await self.opens.open(
+                    list(request.prompt_token_ids), meta, request.max_new_tokens)
             except BaseException:
                 self.quota.abandon(caller)
                 raise
@@ -204,13 +198,6 @@ class SessionServicer:
     def sessions_closed(self, session_ids) -> None:
         """`session_ids` were closed (by their caller, or expired): forget what was kept of them."""
         self.quota.closed(session_ids)
-
-    def _close_orphan(self, opening: asyncio.Future) -> None:
-        if opening.cancelled() or opening.exception() is not None:
-            return
-        session_id = opening.result()[0]
-        log.info("closing session %s: its OpenSession call was abandoned while it opened", session_id)
-        asyncio.ensure_future(self.worker.run_quick(self.backend.close, session_id))
 
     @grpc_errors.unary
     async def Rollback(self, request, context):

@@ -21,10 +21,13 @@ else shared its job.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from typing import Callable
 
 from specdec.errors import Unavailable
+
+log = logging.getLogger(__name__)
 
 # Prompt tokens one open job takes at most: four of the engine's default
 # prefill passes (512 tokens each).
@@ -72,6 +75,7 @@ class OpenBatcher:
         for (_, future), result in zip(taken, results):
             if future.done():  # its caller went away: a session it opened is nobody's
                 if not isinstance(result, BaseException):
+                    log.info("closing session %s: its OpenSession call was abandoned while it opened", result[0])
                     asyncio.ensure_future(self.worker.run_quick(self.backend().close, result[0]))
             elif isinstance(result, BaseException):
                 future.set_exception(result)
