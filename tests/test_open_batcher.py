@@ -193,6 +193,37 @@ def test_a_lone_open_runs_at_once_and_an_abandoned_one_is_closed():
     assert backend.closed == ["s6"]
 
 
+def test_an_open_cancelled_after_its_job_answered_closes_its_session():
+    """grpc cancels the handler when the call's deadline passes: that can land
+    after the job set the open's result and before the handler woke to take it."""
+    backend = _Backend()
+
+    class AnsweredThenCancelled(asyncio.Future):
+        def set_result(self, result):
+            super().set_result(result)
+            if isinstance(result, tuple):  # the open's answer, not the engine job's
+                opening.cancel()  # the same loop turn, before the awaiting task wakes
+
+    async def main():
+        nonlocal opening
+        worker = EngineWorker()
+        batcher = OpenBatcher(worker, lambda: backend)
+        loop = asyncio.get_running_loop()
+        loop.create_future = lambda: AnsweredThenCancelled(loop=loop)
+        opening = asyncio.ensure_future(batcher.open([7], None, 0))
+        with pytest.raises(asyncio.CancelledError):
+            await opening
+        for _ in range(100):
+            if backend.closed:
+                break
+            await asyncio.sleep(0.01)
+        worker.shutdown()
+
+    opening = None
+    asyncio.run(main())
+    assert backend.calls == [[[7]]] and backend.closed == ["s7"]
+
+
 def test_opens_whose_job_cannot_run_get_an_error_and_no_one_waits():
     def loading():
         raise Unavailable("the model is still loading")

@@ -58,6 +58,42 @@ def test_a_session_whose_open_was_abandoned_is_closed():
         assert counts(stub) == (0, 0)
 
 
+class _EndedCall:
+    """The context of a call whose deadline passed while its open ran, before
+    the server's cancellation reached the handler."""
+
+    def __init__(self):
+        self.aborted = None
+
+    def invocation_metadata(self):
+        return ()
+
+    def peer(self):
+        return "ipv4:127.0.0.1:1"
+
+    def cancelled(self):
+        return False
+
+    def done(self):
+        return False
+
+    def time_remaining(self):
+        return -0.01
+
+    async def abort(self, code, details):
+        self.aborted = (code, details)
+        raise grpc.aio.AbortError()
+
+
+def test_an_open_that_finishes_after_its_call_ended_is_closed():
+    with running_target(tiny_engine()) as (service, stub, loop):
+        call = _EndedCall()
+        with pytest.raises(grpc.aio.AbortError):
+            loop.run(service.servicer.OpenSession(common_pb2.OpenSessionRequest(prompt_token_ids=[3, 4, 5]), call))
+        assert call.aborted[0] == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert wait_for(lambda: counts(stub) == (0, 0)), counts(stub)
+
+
 def test_a_close_whose_caller_gave_up_still_closes():
     with running_target(tiny_engine()) as (service, stub, loop):
         sid = stub.OpenSession(common_pb2.OpenSessionRequest(prompt_token_ids=[3, 4, 5]), timeout=10).session_id

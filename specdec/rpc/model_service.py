@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from specdec.engine.engine import EngineInfo
-from specdec.errors import InvalidArgument, Unavailable
+from specdec.errors import DeadlineExceeded, InvalidArgument, Unavailable
 from specdec.rpc import grpc_errors
 from specdec.rpc.call_stream import ServedStreams
 from specdec.rpc.lane_methods import LaneMethod
@@ -81,6 +81,15 @@ class EngineBackend:
     def usage(self) -> tuple[int, int]:
         """(open sessions, reserved KV bytes); safe from any thread."""
         return self.engine.num_sessions, self.engine.kv_bytes_reserved
+
+
+def caller_gone(context) -> bool:
+    """Whether the call behind `context` has ended (cancelled, or its deadline
+    passed): a reply written now reaches nobody."""
+    if context.cancelled() or context.done():
+        return True
+    remaining = context.time_remaining()
+    return remaining is not None and remaining <= 0
 
 
 def sampling_from_wire(msg: common_pb2.SamplingParams) -> SamplingParams:
@@ -190,6 +199,13 @@ class SessionServicer:
             except BaseException:
                 self.quota.abandon(caller)
                 raise
+            if caller_gone(context):
+                # Its deadline passed as the open finished, and the cancellation has not
+                # reached this task (it may never, once the reply is written): nobody
+                # would learn of the session.
+                self.quota.abandon(caller)
+                self.opens.close_orphan(session_id)
+                raise DeadlineExceeded("the call's deadline passed while its session opened; the session is closed")
             self.quota.opened(caller, session_id)
             span.set_attribute(A_KV_BYTES, kv_bytes)
             span.set_attribute(A_BATCH_SESSIONS, shared)

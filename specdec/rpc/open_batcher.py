@@ -56,7 +56,20 @@ class OpenBatcher:
             self._queued = True
         if queue_a_job:
             asyncio.ensure_future(self._job())
-        return await future
+        try:
+            return await future
+        except asyncio.CancelledError:
+            # Cancelled after its job had answered, before this task woke: the
+            # session is open and its caller will never learn of it.
+            if future.done() and not future.cancelled() and future.exception() is None:
+                self.close_orphan(future.result()[0])
+            raise
+
+    def close_orphan(self, session_id: str) -> None:
+        """Close a session whose OpenSession call went away while it opened,
+        instead of holding its KV slot until it expires."""
+        log.info("closing session %s: its OpenSession call was abandoned while it opened", session_id)
+        asyncio.ensure_future(self.worker.run_quick(self.backend().close, session_id))
 
     async def _job(self) -> None:
         taken: list[tuple[tuple, asyncio.Future]] = []
@@ -75,8 +88,7 @@ class OpenBatcher:
         for (_, future), result in zip(taken, results):
             if future.done():  # its caller went away: a session it opened is nobody's
                 if not isinstance(result, BaseException):
-                    log.info("closing session %s: its OpenSession call was abandoned while it opened", result[0])
-                    asyncio.ensure_future(self.worker.run_quick(self.backend().close, result[0]))
+                    self.close_orphan(result[0])
             elif isinstance(result, BaseException):
                 future.set_exception(result)
             else:
