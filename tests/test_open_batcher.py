@@ -1,5 +1,6 @@
-"""Session opens batched: prompts prefilled together (ModelEngine.open_sessions)
-and OpenSession calls that arrive together sharing one job (specdec/rpc/open_batcher.py)."""
+"""Session opens batched: prompts prefilled together (ModelEngine.open_sessions,
+specdec/engine/prefill.py) and OpenSession calls that arrive together sharing one
+job, one prefill pass an engine-thread job (specdec/rpc/open_batcher.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -76,6 +77,38 @@ def test_a_failed_shared_pass_opens_each_session_alone():
     assert engine.num_sessions == len(PROMPTS)  # nothing held by the failed open
 
 
+def test_an_opening_runs_one_pass_a_step_and_other_sessions_run_between():
+    engine = tiny_engine(prefill_chunk=8)
+    alone = [engine.open_session(p) for p in PROMPTS]
+    running = engine.open_session(tokens(6, 9))
+    before = _next_logits(engine, [running.id])[0]
+    engine.rollback(running.id, 6)
+    opening = engine.start_opening([(p, 0) for p in PROMPTS])
+    steps = 0
+    while not opening.done:
+        opening.step()
+        steps += 1
+        # another session's round between two passes: its logits as without the opening
+        torch.testing.assert_close(_next_logits(engine, [running.id])[0], before)
+        engine.rollback(running.id, 6)
+    assert steps == 5  # 34 tokens to compute, 8 a pass (the first test's split)
+    together = opening.results()
+    assert [s.tokens for s in together] == PROMPTS
+    for x, y in zip(_next_logits(engine, [s.id for s in alone]), _next_logits(engine, [s.id for s in together])):
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5)
+
+
+def test_a_session_between_its_passes_is_not_taken_as_idle():
+    engine = tiny_engine(prefill_chunk=8)
+    opening = engine.start_opening([(tokens(30, 5), 0)])
+    time.sleep(0.1)
+    while not opening.done:
+        opening.step()
+        assert engine.expire_idle(0.05) == []  # each pass marks the opening's sessions used
+    (session,) = opening.results()
+    assert engine.session(session.id).length == 30
+
+
 def test_a_failed_pass_gives_its_error_to_its_own_request_only():
     engine = tiny_engine()
     real_run = engine._run
@@ -87,25 +120,46 @@ def test_a_failed_pass_gives_its_error_to_its_own_request_only():
     assert engine.num_sessions == 0
 
 
+class _Opening:
+    """A fake opening: `passes` steps, each noted in `log`, then its results."""
+
+    def __init__(self, results, passes, log):
+        self._results, self.left, self.log = results, passes, log
+
+    @property
+    def done(self):
+        return self.left == 0
+
+    def step(self):
+        self.log.append(("pass", self.left))
+        self.left -= 1
+
+    def results(self):
+        return self._results
+
+
 class _Backend:
-    """Records each open_many call's requests; fails the prompt [0]."""
+    """Records each opening's requests; fails the prompt [0]; one pass per
+    512 prompt tokens, as the engine's default chunk."""
 
     def __init__(self):
         self.calls = []
         self.closed = []
+        self.log = []
 
-    def open_many(self, requests):
+    def start_opening(self, requests):
         self.calls.append([r[0] for r in requests])
-        return [InvalidArgument("prompt [0]") if r[0] == [0] else (f"s{r[0][0]}", len(r[0]), 1) for r in requests]
+        results = [InvalidArgument("prompt [0]") if r[0] == [0] else (f"s{r[0][0]}", len(r[0]), 1) for r in requests]
+        return _Opening(results, max(1, -(-sum(len(r[0]) for r in requests) // 512)), self.log)
 
     def close(self, session_id):
         self.closed.append(session_id)
 
 
 class _NoModelBackend(_Backend):
-    """A backend without open_many (as the prompt-lookup drafter)."""
+    """A backend that opens each request at once (as the prompt-lookup drafter)."""
 
-    open_many = None
+    start_opening = None
 
     def open(self, prompt, meta, max_new_tokens):
         self.calls.append(prompt)
@@ -170,6 +224,42 @@ def test_a_job_takes_at_most_its_tokens_and_leaves_the_rest_to_the_next():
     assert [(r[0], r[3]) for r in results] == [("s1", 2), ("s2", 2), ("s3", 1), ("s4", 1), ("s5", 1)]
     # 2 + 2 fit in 5 tokens; a prompt longer than the budget goes alone
     assert backend.calls == [[[1, 1], [2, 2]], [[3, 3]], [[4] * 9], [[5]]]
+
+
+def test_what_queues_behind_an_open_runs_between_its_passes():
+    backend = _Backend()
+    first_pass_runs, release = threading.Event(), threading.Event()
+    real_start = backend.start_opening
+
+    def start_opening(requests):
+        opening = real_start(requests)
+        step = opening.step
+
+        def first_step_waits():
+            first_pass_runs.set()
+            release.wait(10)
+            opening.step = step
+            step()
+
+        opening.step = first_step_waits
+        return opening
+
+    backend.start_opening = start_opening
+
+    async def main():
+        worker = EngineWorker()
+        batcher = OpenBatcher(worker, lambda: backend)
+        opening = asyncio.ensure_future(batcher.open([1] * 1100, None, 0))  # three passes of 512
+        await asyncio.get_running_loop().run_in_executor(None, first_pass_runs.wait, 10)
+        rounds = asyncio.ensure_future(worker.run(lambda: backend.log.append("a round")))
+        release.set()
+        await rounds
+        result = await opening
+        worker.shutdown()
+        return result
+
+    assert asyncio.run(main())[::3] == ("s1", 1)
+    assert backend.log == [("pass", 3), "a round", ("pass", 2), ("pass", 1)]
 
 
 def test_a_lone_open_runs_at_once_and_an_abandoned_one_is_closed():

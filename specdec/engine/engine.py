@@ -38,21 +38,14 @@ from specdec.engine.fused_decoder import FusedDecoder
 from specdec.engine.model_facts import (cache_kwarg, choose_kernel, context_limit, eos_ids, probe_kv_shape,
                                        wants_fused, wants_graphs)
 from specdec.engine.packed_linear import wants_packing
-from specdec.engine.sessions import ContextRules, Session, SessionTable, new_session_id
+from specdec.engine.prefill import PrefillJob
+from specdec.engine.sessions import ContextRules, EngineSession, SessionTable
 from specdec.engine.static_steps import CaptureReport, StaticSteps
 from specdec.engine.weight_forms import WeightForms
 from specdec.errors import InvalidArgument
 from specdec.host_copy import to_device
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class EngineSession(Session):
-    # The session's slot in the KV store.
-    slot: int = -1
-    # Positions [0, cached) of the slot hold valid keys/values.
-    cached: int = 0
 
 
 @dataclass(frozen=True)
@@ -201,62 +194,16 @@ class ModelEngine(WeightForms):
 
     def open_sessions(self, requests: Sequence[tuple[Sequence[int], int]]) -> list[EngineSession | Exception]:
         """Open a session for each (prompt, max_new_tokens) and prefill the
-        prompts together: each forward pass takes up to `prefill_chunk`
-        prompt tokens, from as many sessions as they come from (one pass
-        where `open_session` would run one per session). Each request gets its
-        session or its own error (a prompt refused, no room) in its place. If
-        a shared pass fails, every session of the call is closed and opened
-        again alone, so that one request's problem never fails another's."""
-        requests = [(list(prompt), max_new_tokens) for prompt, max_new_tokens in requests]
-        out: list[EngineSession | Exception] = []
-        for prompt, max_new_tokens in requests:
-            try:
-                self.rules.check_open(prompt, max_new_tokens)
-                self._sessions.check_room()
-                # The last prompt token is left to the first extend (open_session).
-                out.append(self._sessions.add(EngineSession(id=new_session_id(), tokens=prompt[:-1],
-                                                            slot=self.store.allocate())))
-            except Exception as exc:  # noqa: BLE001 - this request's problem only
-                out.append(exc)
-        fresh = [s for s in out if isinstance(s, EngineSession)]
-        try:
-            self._prefill_together(fresh)
-        except BaseException as exc:
-            for session in fresh:
-                self.close(session.id)
-            if len(requests) == 1 or not isinstance(exc, Exception):
-                raise
-            if len(fresh) == 1:  # its own pass failed: its own error
-                return [exc if isinstance(s, EngineSession) else s for s in out]
-            return [self._open_alone(prompt, n) if isinstance(s, EngineSession) else s
-                    for s, (prompt, n) in zip(out, requests)]
-        for session, (prompt, _) in zip(out, requests):
-            if isinstance(session, EngineSession):
-                session.tokens = prompt
-        return out
+        prompts together, all passes now (`start_opening` for one pass at a
+        time): each forward pass takes up to `prefill_chunk` prompt tokens,
+        from as many sessions as they come from. Each request gets its
+        session or its own error in its place (specdec/engine/prefill.py)."""
+        return self.start_opening(requests).results()
 
-    def _open_alone(self, prompt: Sequence[int], max_new_tokens: int) -> EngineSession | Exception:
-        try:
-            return self.open_session(prompt, max_new_tokens)
-        except Exception as exc:  # noqa: BLE001 - this request's problem only
-            return exc
-
-    def _prefill_together(self, sessions: list[EngineSession]) -> None:
-        """Compute every session's tokens in passes of at most `prefill_chunk`
-        tokens, each pass taking the sessions in order, as much of each as fits."""
-        chunk = self.cfg.prefill_chunk
-        waiting = [s for s in sessions if s.cached < len(s.tokens)]
-        while waiting:
-            room, batch, stops = chunk, [], []
-            for session in waiting:
-                take = min(room, len(session.tokens) - session.cached)
-                batch.append(session)
-                stops.append(session.cached + take)
-                room -= take
-                if not room:
-                    break
-            self._run(batch, stops, [0] * len(batch))
-            waiting = [s for s in waiting if s.cached < len(s.tokens)]
+    def start_opening(self, requests: Sequence[tuple[Sequence[int], int]]) -> PrefillJob:
+        """The sessions of `requests` opened (each request's error in its
+        place), their prompts left to compute one pass a `step()`."""
+        return PrefillJob(self, requests)
 
     def append_tokens(self, session_id: str, tokens: Sequence[int], computed: int = 0) -> int:
         """Append to the context without a forward pass (the next extend

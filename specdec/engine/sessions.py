@@ -33,6 +33,17 @@ class Session:
         return len(self.tokens)
 
 
+@dataclass
+class EngineSession(Session):
+    """A session of the model engine: its context, and the KV slot that
+    holds the keys/values of a prefix of it."""
+
+    # The session's slot in the KV store.
+    slot: int = -1
+    # Positions [0, cached) of the slot hold valid keys/values.
+    cached: int = 0
+
+
 S = TypeVar("S", bound=Session)
 
 

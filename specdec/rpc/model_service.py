@@ -55,19 +55,11 @@ class EngineBackend:
         session.meta = meta
         return session.id, session.length, self.engine.slot_bytes
 
-    def open_many(self, requests) -> list:
-        """`open` for each (prompt, meta, max_new_tokens), the prompts
-        prefilled in shared forward passes (ModelEngine.open_sessions); each
-        request's result, or its own error, in its place."""
-        sessions = self.engine.open_sessions([(prompt, max_new) for prompt, _, max_new in requests])
-        out = []
-        for session, (_, meta, _) in zip(sessions, requests):
-            if isinstance(session, Exception):
-                out.append(session)
-                continue
-            session.meta = meta
-            out.append((session.id, session.length, self.engine.slot_bytes))
-        return out
+    def start_opening(self, requests) -> EngineOpening:
+        """`open` for each (prompt, meta, max_new_tokens) at once, the
+        prompts prefilled together one pass a `step()` (specdec/engine/prefill.py)."""
+        return EngineOpening(self.engine.start_opening([(prompt, max_new) for prompt, _, max_new in requests]),
+                             [meta for _, meta, _ in requests], self.engine.slot_bytes)
 
     def rollback(self, session_id: str, length: int) -> int:
         return self.engine.rollback(session_id, length)
@@ -81,6 +73,31 @@ class EngineBackend:
     def usage(self) -> tuple[int, int]:
         """(open sessions, reserved KV bytes); safe from any thread."""
         return self.engine.num_sessions, self.engine.kv_bytes_reserved
+
+
+class EngineOpening:
+    """Sessions opening together (a PrefillJob), with each request's
+    result as `open` gives it: (session id, length, KV bytes), or its error."""
+
+    def __init__(self, job, metas: list, slot_bytes: int):
+        self.job, self.metas, self.slot_bytes = job, metas, slot_bytes
+
+    @property
+    def done(self) -> bool:
+        return self.job.done
+
+    def step(self) -> None:
+        self.job.step()
+
+    def results(self) -> list:
+        out = []
+        for session, meta in zip(self.job.results(), self.metas):
+            if isinstance(session, Exception):
+                out.append(session)
+                continue
+            session.meta = meta
+            out.append((session.id, session.length, self.slot_bytes))
+        return out
 
 
 def caller_gone(context) -> bool:

@@ -8,15 +8,19 @@ n opens waited for n forward passes. Here an open joins the open job that is
 queued on the engine thread, as long as that job has not started: when it
 starts, the job takes the opens waiting at that moment, up to `max_tokens`
 prompt tokens (at least one open), and prefills their prompts together (the
-backend's `open_many`; `ModelEngine.open_sessions` packs them into passes of
-`prefill_chunk` tokens). What it leaves, and opens arriving while it runs,
-go in the next job.
+backend's `start_opening`: a PrefillJob, specdec/engine/prefill.py, packs
+them into passes of `prefill_chunk` tokens). What it leaves, and opens
+arriving while it runs, go in the next job.
+
+Each prefill pass is an engine-thread job of its own: what queued behind the
+open (the open sessions' rounds, a draft step, the next opens) runs between
+two passes, so a long prompt or a burst of them holds the engine for one
+pass at a time, not for its whole prefill. The opens are answered when their
+job's last pass is done.
 
 There is no waiting window: a lone open's job starts as soon as the engine
-thread is free, as before. An open that joins a queued job runs ahead of
-jobs queued after that one (a round's verify, a draft step): `max_tokens`
-bounds how far. Each open gets its own session or its own error, whatever
-else shared its job.
+thread is free, as before. Each open gets its own session or its own error,
+whatever else shared its job.
 """
 from __future__ import annotations
 
@@ -30,7 +34,8 @@ from specdec.errors import Unavailable
 log = logging.getLogger(__name__)
 
 # Prompt tokens one open job takes at most: four of the engine's default
-# prefill passes (512 tokens each).
+# prefill passes (512 tokens each). Its opens are answered after its last
+# pass, so this bounds how long a short prompt waits on the others of its job.
 MAX_JOB_TOKENS = 2048
 
 
@@ -41,7 +46,7 @@ class OpenBatcher:
         self.max_tokens = max_tokens
         self._lock = threading.Lock()  # the waiting list is taken on the engine thread
         self._waiting: list[tuple[tuple, asyncio.Future]] = []
-        self._queued = False  # a job is queued on the engine thread and has not taken its opens yet
+        self._busy = False  # an open job is queued or running: at most one at a time
         self.jobs = 0  # open jobs run (for tests)
         self.opens = 0  # opens they served
 
@@ -52,8 +57,8 @@ class OpenBatcher:
         future = asyncio.get_running_loop().create_future()
         with self._lock:
             self._waiting.append(((prompt, meta, max_new_tokens), future))
-            queue_a_job = not self._queued  # else the job queued already takes this one too
-            self._queued = True
+            queue_a_job = not self._busy  # else the job queued takes it, or the next one will
+            self._busy = True
         if queue_a_job:
             asyncio.ensure_future(self._job())
         try:
@@ -74,17 +79,17 @@ class OpenBatcher:
     async def _job(self) -> None:
         taken: list[tuple[tuple, asyncio.Future]] = []
         try:
-            results = await self.worker.run(self._take_and_open, taken)
+            opening, results = await self.worker.run(self._take_and_start, taken)
+            # One prefill pass an engine-thread job: what queued meanwhile (the
+            # open sessions' rounds, the next opens) runs between two passes.
+            while results is None:
+                results = await self.worker.run(_advance, opening)
         except BaseException as exc:  # noqa: BLE001 - every open it holds gets an error, none waits forever
             if not taken:  # it never started (the service is stopping): what it would have taken
                 with self._lock:
-                    taken, self._waiting, self._queued = self._waiting, [], False
+                    taken, self._waiting = self._waiting, []
             results = [exc if isinstance(exc, Exception) else Unavailable("the service is stopping")] * len(taken)
-        with self._lock:  # opens it left behind for want of room get a job of their own
-            queue_a_job = bool(self._waiting) and not self._queued
-            self._queued = self._queued or queue_a_job
-        if queue_a_job:
-            asyncio.ensure_future(self._job())
+        self._next_job()
         for (_, future), result in zip(taken, results):
             if future.done():  # its caller went away: a session it opened is nobody's
                 if not isinstance(result, BaseException):
@@ -94,9 +99,20 @@ class OpenBatcher:
             else:
                 future.set_result((*result, len(taken)))
 
-    def _take_and_open(self, taken: list) -> list:
+    def _next_job(self) -> None:
+        """A job ended: the opens that came meanwhile, or that it left for want
+        of room, get the next one. One job at a time keeps one prefill pass at
+        most queued ahead of the open sessions' rounds."""
+        with self._lock:
+            self._busy = bool(self._waiting)
+        if self._busy:
+            asyncio.ensure_future(self._job())
+
+    def _take_and_start(self, taken: list):
         """On the engine thread: take the opens waiting now (up to
-        `max_tokens` prompt tokens, one at least), and open them."""
+        `max_tokens` prompt tokens, one at least), open their sessions and
+        run the first prefill pass: (the opening, with `done`, `step()` and
+        `results()`; its results once done, else None)."""
         with self._lock:
             tokens, n = 0, 0
             for (prompt, _, _), _ in self._waiting:
@@ -106,18 +122,25 @@ class OpenBatcher:
                 n += 1
             taken.extend(self._waiting[:n])
             del self._waiting[:n]
-            self._queued = False
         self.jobs += 1
         self.opens += len(taken)
         backend = self.backend()
         requests = [args for args, _ in taken]
-        open_many = getattr(backend, "open_many", None)
-        if open_many is not None:
-            return open_many(requests)
-        out = []
-        for args in requests:  # a backend without a model (prompt lookup): nothing to share
-            try:
-                out.append(backend.open(*args))
-            except Exception as exc:  # noqa: BLE001 - this open's problem only
-                out.append(exc)
-        return out
+        start_opening = getattr(backend, "start_opening", None)
+        if start_opening is None:  # a backend without a model (prompt lookup): nothing to share
+            return None, [_open_one(backend, args) for args in requests]
+        opening = start_opening(requests)
+        return opening, _advance(opening)
+
+
+def _advance(opening) -> list | None:
+    """On the engine thread: one prefill pass; each open's result once the last is done, else None."""
+    opening.step()
+    return opening.results() if opening.done else None
+
+
+def _open_one(backend, args):
+    try:
+        return backend.open(*args)
+    except Exception as exc:  # noqa: BLE001 - this open's problem only
+        return exc
