@@ -123,15 +123,15 @@ def test_a_failed_pass_gives_its_error_to_its_own_request_only():
 class _Opening:
     """A fake opening: `passes` steps, each noted in `log`, then its results."""
 
-    def __init__(self, results, passes, log):
-        self._results, self.left, self.log = results, passes, log
+    def __init__(self, results, passes, log, label):
+        self._results, self.left, self.log, self.label = results, passes, log, label
 
     @property
     def done(self):
         return self.left == 0
 
     def step(self):
-        self.log.append(("pass", self.left))
+        self.log.append((self.label, self.left))
         self.left -= 1
 
     def results(self):
@@ -150,7 +150,8 @@ class _Backend:
     def start_opening(self, requests):
         self.calls.append([r[0] for r in requests])
         results = [InvalidArgument("prompt [0]") if r[0] == [0] else (f"s{r[0][0]}", len(r[0]), 1) for r in requests]
-        return _Opening(results, max(1, -(-sum(len(r[0]) for r in requests) // 512)), self.log)
+        return _Opening(results, max(1, -(-sum(len(r[0]) for r in requests) // 512)), self.log,
+                        f"s{requests[0][0][0]}")
 
     def close(self, session_id):
         self.closed.append(session_id)
@@ -226,22 +227,22 @@ def test_a_job_takes_at_most_its_tokens_and_leaves_the_rest_to_the_next():
     assert backend.calls == [[[1, 1], [2, 2]], [[3, 3]], [[4] * 9], [[5]]]
 
 
-def test_what_queues_behind_an_open_runs_between_its_passes():
+def test_what_queues_behind_an_open_runs_between_its_passes_and_the_next_opens_wait():
     backend = _Backend()
-    first_pass_runs, release = threading.Event(), threading.Event()
+    pass_runs, release = threading.Event(), threading.Event()
     real_start = backend.start_opening
 
     def start_opening(requests):
         opening = real_start(requests)
         step = opening.step
 
-        def first_step_waits():
-            first_pass_runs.set()
-            release.wait(10)
-            opening.step = step
+        def second_pass_waits():
+            if opening.left == 2:  # the first open's second pass: hold it
+                pass_runs.set()
+                release.wait(10)
             step()
 
-        opening.step = first_step_waits
+        opening.step = second_pass_waits
         return opening
 
     backend.start_opening = start_opening
@@ -250,16 +251,20 @@ def test_what_queues_behind_an_open_runs_between_its_passes():
         worker = EngineWorker()
         batcher = OpenBatcher(worker, lambda: backend)
         opening = asyncio.ensure_future(batcher.open([1] * 1100, None, 0))  # three passes of 512
-        await asyncio.get_running_loop().run_in_executor(None, first_pass_runs.wait, 10)
+        await asyncio.get_running_loop().run_in_executor(None, pass_runs.wait, 10)
         rounds = asyncio.ensure_future(worker.run(lambda: backend.log.append("a round")))
+        later = asyncio.ensure_future(batcher.open([2] * 10, None, 0))  # an open arriving meanwhile
+        await asyncio.sleep(0.05)
         release.set()
         await rounds
-        result = await opening
+        results = await asyncio.gather(opening, later)
         worker.shutdown()
-        return result
+        return results
 
-    assert asyncio.run(main())[::3] == ("s1", 1)
-    assert backend.log == [("pass", 3), "a round", ("pass", 2), ("pass", 1)]
+    assert [r[::3] for r in asyncio.run(main())] == [("s1", 1), ("s2", 1)]
+    # A round queued during a pass runs before the next pass. One open job at a time:
+    # the later open's job waits for the first's last pass, not queued between its passes.
+    assert backend.log == [("s1", 3), ("s1", 2), "a round", ("s1", 1), ("s2", 1)]
 
 
 def test_a_lone_open_runs_at_once_and_an_abandoned_one_is_closed():
