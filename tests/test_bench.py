@@ -413,6 +413,9 @@ def test_bench_end_to_end_on_a_tiny_pair(tiny_pair_dirs, tmp_path, capsys):
     assert heads["target-only"] == (None, True, None) and heads["hf"] == (None, None, None)
     assert all(r["errors"] == 0 for r in runs)
     assert all(r["machine"]["cores"] and r["models"]["target"] == target for r in runs)
+    # what else the machine ran meanwhile, where /proc tells it
+    assert all(r["machine"]["other_load"].startswith("Other work on this machine") for r in runs) or \
+        not os.path.exists("/proc/stat")
     by = {(r["config"], r["temperature"], r["concurrency"], r["network"]): r for r in runs}
     for c in service:  # greedy specdec equals target-only, token for token
         ident = by[(c, 0.0, 1, nets[0])]["identical_to_target_only"]

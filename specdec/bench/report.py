@@ -178,6 +178,8 @@ def summary_markdown(runs: list[dict], *, meta: dict) -> str:
     if meta.get("interrupted"):
         lines += ["**Interrupted**: the figures below cover only what finished.", ""]
     lines += ["## Machine", "", f"- {machine_line(meta['machine'])}"]
+    if meta["machine"].get("other_load"):
+        lines.append(f"- {meta['machine']['other_load']}")
     for key, value in (meta.get("models") or {}).items():
         lines.append(f"- {key}: {value}")
     lines += ["", "## Command", "", "```", meta["command"], "```", ""]

@@ -160,9 +160,16 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args, o: dict, prompts: list, out_dir: Path, started: float) -> int:
     from specdec.bench.machine import describe_machine
+    from specdec.bench.machine_load import LoadWatch
 
     machine, command = describe_machine(), _command_line(args)
+    watch = LoadWatch().start()
     runner, interrupted, rc = _measure(args, o, _plan(o, prompts), out_dir)
+    load = watch.stop()
+    if load is not None:  # what else the machine ran meanwhile, beside the machine's description
+        machine["other_load"] = load.line()
+        if load.busy:
+            _log(f"specd bench: {load.line()}")
     if runner is None or not runner.records:
         _log(f"specd bench: no results; logs in {out_dir}")
         return rc or 1

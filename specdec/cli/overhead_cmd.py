@@ -81,6 +81,17 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from specdec.bench.machine_load import LoadWatch
+
+    watch = LoadWatch().start()
+    rc = _run(args)
+    load = watch.stop()
+    if rc == 0 and load is not None:  # figures taken beside other work are not a quiet run's
+        print("\n" + load.line())
+    return rc
+
+
+def _run(args: argparse.Namespace) -> int:
     import torch
 
     from specdec import cpu_latency, eventloop
