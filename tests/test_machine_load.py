@@ -61,13 +61,13 @@ def test_others_are_what_the_cpus_did_beyond_the_benchmarks_tree(proc):
 def test_a_service_stopped_during_the_run_counts_whole_through_its_parent(proc):
     proc.cpu(user=0, system=0, idle=1000)
     proc.process(10, 1, 0, 0)
-    proc.process(11, 10, 40, 0)  # a service running before the watch starts: 40 ticks not this run's
+    proc.process(11, 10, 40, 0, cutime=20)  # running before the watch: 40 + 20 (a helper it reaped) not this run's
     proc.process(20, 1, 0, 0)  # someone else
     watch = LoadWatch(root=10).start()
     proc.process(12, 10, 50, 0)  # a service started during the run...
-    proc.exit(11)  # ...and both stopped and reaped by the benchmark: 40 + 60 and 50 ticks in its children's
+    proc.exit(11)  # ...and both stopped and reaped by the benchmark: 40 + 20 + 60 and 50 ticks in its children's
     proc.exit(12)
-    proc.process(10, 1, 10, 0, cutime=150)
+    proc.process(10, 1, 10, 0, cutime=170)
     proc.process(20, 1, 40, 0)
     proc.cpu(user=160, system=0, idle=1840)  # the tree's 10 + 60 + 50 ticks, and the other's 40
     share = watch.stop()

@@ -75,6 +75,11 @@ def test_a_failed_shared_pass_opens_each_session_alone():
     with pytest.raises(RuntimeError, match="every pass"):
         engine.open_session(PROMPTS[0])
     assert engine.num_sessions == len(PROMPTS)  # nothing held by the failed open
+    opening = engine.start_opening([(PROMPTS[0], 0)])
+    with pytest.raises(RuntimeError, match="every pass"):
+        opening.step()
+    (result,) = opening.results()  # asked again: its error, not the session it closed
+    assert isinstance(result, RuntimeError) and engine.num_sessions == len(PROMPTS)
 
 
 def test_an_opening_runs_one_pass_a_step_and_other_sessions_run_between():
@@ -98,15 +103,18 @@ def test_an_opening_runs_one_pass_a_step_and_other_sessions_run_between():
         torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5)
 
 
-def test_a_session_between_its_passes_is_not_taken_as_idle():
+def test_a_session_being_opened_is_never_taken_as_idle():
     engine = tiny_engine(prefill_chunk=8)
     opening = engine.start_opening([(tokens(30, 5), 0)])
-    time.sleep(0.1)
     while not opening.done:
+        time.sleep(0.06)  # the engine busy elsewhere between two passes, past the idle limit
+        assert engine.expire_idle(0.05) == []
         opening.step()
-        assert engine.expire_idle(0.05) == []  # each pass marks the opening's sessions used
     (session,) = opening.results()
+    assert engine.expire_idle(0.05) == []  # opened just now
     assert engine.session(session.id).length == 30
+    time.sleep(0.06)
+    assert engine.expire_idle(0.05) == [session.id]  # idle once open
 
 
 def test_a_failed_pass_gives_its_error_to_its_own_request_only():
@@ -275,9 +283,13 @@ def test_a_lone_open_runs_at_once_and_an_abandoned_one_is_closed():
         batcher = OpenBatcher(worker, lambda: backend)
         assert await batcher.open([5], None, 0) == ("s5", 1, 1, 1)
         assert batcher.jobs == 1 and backend.calls == [[[5]]]
+        opening, release = threading.Event(), threading.Event()
+        real_start = backend.start_opening
+        backend.start_opening = lambda requests: opening.set() or release.wait(10) and real_start(requests)
         waiting = asyncio.ensure_future(batcher.open([6], None, 0))
-        await asyncio.sleep(0)
-        waiting.cancel()  # its caller went away before the job answered
+        await asyncio.get_running_loop().run_in_executor(None, opening.wait, 10)
+        waiting.cancel()  # its caller went away while its job ran: the job opens it all the same
+        release.set()
         for _ in range(100):
             if backend.closed:
                 break
@@ -319,6 +331,29 @@ def test_an_open_cancelled_after_its_job_answered_closes_its_session():
     assert backend.calls == [[[7]]] and backend.closed == ["s7"]
 
 
+def test_an_open_abandoned_before_its_job_took_it_is_not_opened():
+    backend = _Backend()
+
+    async def main():
+        worker = EngineWorker()
+        batcher = OpenBatcher(worker, lambda: backend)
+        blocker, busy, release = _blocked(worker)
+        await asyncio.get_running_loop().run_in_executor(None, busy.wait, 10)
+        gone = asyncio.ensure_future(batcher.open([8], None, 0))
+        await asyncio.sleep(0.02)
+        gone.cancel()  # its caller went away while the open waited for the engine
+        staying = asyncio.ensure_future(batcher.open([9], None, 0))
+        await asyncio.sleep(0.02)
+        release.set()
+        result = await staying
+        await blocker
+        worker.shutdown()
+        return result
+
+    assert asyncio.run(main())[::3] == ("s9", 1)
+    assert backend.calls == [[[9]]] and backend.closed == []
+
+
 def test_opens_whose_job_cannot_run_get_an_error_and_no_one_waits():
     def loading():
         raise Unavailable("the model is still loading")
@@ -328,7 +363,7 @@ def test_opens_whose_job_cannot_run_get_an_error_and_no_one_waits():
         batcher = OpenBatcher(worker, loading)
         results = await _opens_behind_a_busy_engine(batcher, [[1], [2]])
         worker.shutdown()  # a job that cannot even be queued: the service is stopping
-        with pytest.raises(RuntimeError, match="shutdown"):
+        with pytest.raises(Unavailable, match="stopping"):
             await asyncio.wait_for(batcher.open([3], None, 0), 5)
         return results
 

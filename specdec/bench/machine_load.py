@@ -48,8 +48,10 @@ class LoadShare:
 def _cpu_ticks() -> tuple[int, int, int]:
     """(busy, steal, total) clock ticks of all CPUs since boot (/proc/stat).
     Busy is time in processes (user, nice, system); interrupt time is left
-    out, as no process is charged with it (the benchmark's own loopback
-    traffic is mostly softirq time)."""
+    out, as /proc/[pid]/stat charges it to no process where the kernel
+    accounts it apart (the benchmark's own loopback traffic is mostly softirq
+    time). Where it does not, softirq time lands in whichever process ran,
+    and "others" may read a little low."""
     with open(f"{PROC}/stat") as f:
         fields = [int(v) for v in f.readline().split()[1:9]]
     user, nice, system, _idle, _iowait, _irq, _softirq, steal = fields
@@ -91,9 +93,10 @@ def _tree(processes: dict[int, tuple[int, int, int]], root: int) -> dict[int, tu
 def _tree_ticks_since(first: dict[int, tuple[int, int]], now: dict[int, tuple[int, int]]) -> int:
     """What the tree used between two readings: each live process's own and
     reaped ticks since the first reading (0 for those born since), less what
-    a process reaped since had used before the first reading."""
+    a process that exited since had used before the first reading, with its
+    own reaped children (its parent's reaped ticks now hold all of it)."""
     used = sum(own + reaped - sum(first.get(pid, (0, 0))) for pid, (own, reaped) in now.items())
-    return used - sum(own for pid, (own, _) in first.items() if pid not in now)
+    return used - sum(own + reaped for pid, (own, reaped) in first.items() if pid not in now)
 
 
 class LoadWatch:

@@ -10,7 +10,9 @@ time instead of for its whole prefill.
 
 Each request gets its own session or its own error (a prompt refused, no
 room). If a shared pass fails, every session of the job is closed and opened
-again alone, so that one request's problem never fails another's.
+again alone, so that one request's problem never fails another's (those
+prefills run whole, within the failed step). A session being opened is never
+idle: the reaper (`expire_idle`) does not take it between two passes.
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ class PrefillJob:
                 engine._sessions.check_room()
                 # The last prompt token is left to the first extend, which needs its logits anyway.
                 self._out.append(engine._sessions.add(EngineSession(id=new_session_id(), tokens=prompt[:-1],
-                                                                    slot=engine.store.allocate())))
+                                                                    slot=engine.store.allocate(), opening=True)))
             except Exception as exc:  # noqa: BLE001 - this request's problem only
                 self._out.append(exc)
         self._fresh = [s for s in self._out if isinstance(s, EngineSession)]
@@ -66,9 +68,6 @@ class PrefillJob:
         except BaseException as exc:
             self._fail(exc)
             return
-        now = time.monotonic()
-        for session in self._fresh:  # opening is use: the reaper must not take a session between passes
-            session.last_used = now
         self._waiting = [s for s in self._waiting if s.cached < len(s.tokens)]
 
     def results(self) -> list[EngineSession | Exception]:
@@ -76,9 +75,11 @@ class PrefillJob:
         while not self.done:
             self.step()
         if not self._finished:
+            now = time.monotonic()
             for session, (prompt, _) in zip(self._out, self.requests):
                 if isinstance(session, EngineSession):
                     session.tokens = prompt
+                    session.opening, session.last_used = False, now  # idle from now on, for the reaper
             self._finished = True
         return self._out
 
@@ -90,6 +91,7 @@ class PrefillJob:
             self.engine.close(session.id)
         self._finished = True
         if len(self.requests) == 1 or not isinstance(exc, Exception):
+            self._out = [exc if isinstance(s, EngineSession) else s for s in self._out]
             raise exc
         if len(self._fresh) == 1:  # its own pass failed: its own error
             self._out = [exc if isinstance(s, EngineSession) else s for s in self._out]

@@ -27,6 +27,8 @@ class Session:
     last_used: float = field(default_factory=time.monotonic)
     # The service's own per-session state (sampling parameters, seed, ...).
     meta: object = None
+    # Still being opened (its prompt prefilled pass by pass): in use, never idle.
+    opening: bool = False
 
     @property
     def length(self) -> int:
@@ -107,7 +109,7 @@ class SessionTable(Generic[S]):
     def idle(self, ttl_s: float) -> list[S]:
         """Sessions unused for more than ttl_s seconds (not removed)."""
         now = time.monotonic()
-        return [s for s in self._sessions.values() if now - s.last_used > ttl_s]
+        return [s for s in self._sessions.values() if now - s.last_used > ttl_s and not s.opening]
 
 
 class ContextRules:

@@ -19,8 +19,9 @@ pass at a time, not for its whole prefill. The opens are answered when their
 job's last pass is done.
 
 There is no waiting window: a lone open's job starts as soon as the engine
-thread is free, as before. Each open gets its own session or its own error,
-whatever else shared its job.
+thread is free and no other open job runs. Each open gets its own session or
+its own error, whatever else shared its job; an open whose caller went away
+before its job took it is dropped, not opened.
 """
 from __future__ import annotations
 
@@ -64,6 +65,8 @@ class OpenBatcher:
         try:
             return await future
         except asyncio.CancelledError:
+            with self._lock:  # not taken by a job yet: nothing to open
+                self._waiting = [entry for entry in self._waiting if entry[1] is not future]
             # Cancelled after its job had answered, before this task woke: the
             # session is open and its caller will never learn of it.
             if future.done() and not future.cancelled() and future.exception() is None:
@@ -85,11 +88,13 @@ class OpenBatcher:
             while results is None:
                 results = await self.worker.run(_advance, opening)
         except BaseException as exc:  # noqa: BLE001 - every open it holds gets an error, none waits forever
-            if not taken:  # it never started (the service is stopping): what it would have taken
-                with self._lock:
+            with self._lock:  # (the engine thread takes under the lock too)
+                started = bool(taken)
+                if not started:  # it never ran (the service is stopping): what it would have taken
                     taken, self._waiting = self._waiting, []
-            results = [exc if isinstance(exc, Exception) else Unavailable("the service is stopping")] * len(taken)
-        self._next_job()
+            if not started or not isinstance(exc, Exception):
+                exc = Unavailable("the service is stopping")
+            results = [exc] * len(taken)
         for (_, future), result in zip(taken, results):
             if future.done():  # its caller went away: a session it opened is nobody's
                 if not isinstance(result, BaseException):
@@ -98,6 +103,7 @@ class OpenBatcher:
                 future.set_exception(result)
             else:
                 future.set_result((*result, len(taken)))
+        self._next_job()  # after the orphans' closes are queued: the next job may need their slots
 
     def _next_job(self) -> None:
         """A job ended: the opens that came meanwhile, or that it left for want
