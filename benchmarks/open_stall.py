@@ -6,11 +6,13 @@ An in-process target service over a random-weight Qwen2 (6 layers, 512 wide,
 float32, one torch thread: a 512-token prefill pass costs ~0.2 s on a 2-core
 VM). One session decodes a token at a time (Decode, cut back to its prompt
 each call) while `--prompts` other clients open sessions of `--prompt-tokens`
-tokens at once. Prints one JSON line per rep: the burst's wall time and the
-opens' median, the decodes' median when nothing opens, and how many decodes
-ran during the burst with their median and longest wait. A decode waits for
-the engine-thread jobs queued ahead of it: since opens run one prefill pass
-per job (specdec/rpc/open_batcher.py), at most one pass.
+tokens at once, and 0.3 s later one more client a prompt of 16 tokens. Prints
+one JSON line per rep: the burst's wall time and the opens' median (the
+short one's included), the short open's time, the decodes' median when
+nothing opens, and how many decodes ran during the burst with their median
+and longest wait. A decode waits for the engine-thread jobs queued ahead of
+it: since opens run one prefill pass per job (specdec/rpc/open_batcher.py),
+at most one pass; the short open joins the running job's next pass.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from tests.harness import running_target
 
 DEADLINE_S = 120.0
 RUNNING_PROMPT = 64
+SHORT_TOKENS, SHORT_AFTER_S = 16, 0.3  # the short open: its prompt, and when it comes after the long ones
 
 
 def build_engine() -> ModelEngine:
@@ -63,7 +66,16 @@ def one_burst(stub, running: str, prompts: int, prompt_tokens: int) -> dict:
         reply = stub.OpenSession(common_pb2.OpenSessionRequest(prompt_token_ids=prompt), timeout=DEADLINE_S)
         opened.append((time.perf_counter() - start, reply.session_id))
 
+    def short_open():  # a short prompt arriving while the long ones are prefilled
+        time.sleep(SHORT_AFTER_S)
+        sent = time.perf_counter()
+        reply = stub.OpenSession(common_pb2.OpenSessionRequest(prompt_token_ids=[4] * SHORT_TOKENS), timeout=DEADLINE_S)
+        short.append(time.perf_counter() - sent)
+        opened.append((time.perf_counter() - start, reply.session_id))
+
+    short: list[float] = []
     clients = [threading.Thread(target=open_one, args=(i,)) for i in range(prompts)]
+    clients.append(threading.Thread(target=short_open))
     for client in clients:
         client.start()
     for client in clients:
@@ -77,6 +89,7 @@ def one_burst(stub, running: str, prompts: int, prompt_tokens: int) -> dict:
     quiet = [w for sent, w in waits if sent < start]
     during = [w for sent, w in waits if start <= sent < end]
     return {"burst_s": round(end - start, 3), "opens_median_s": round(statistics.median(t for t, _ in opened), 3),
+            "short_open_ms": round(1e3 * short[0], 1),
             "quiet_decode_median_ms": round(1e3 * statistics.median(quiet), 2), "decodes_during": len(during),
             "during_median_ms": round(1e3 * statistics.median(during), 2) if during else None,
             "during_max_ms": round(1e3 * max(during), 2) if during else None}

@@ -40,8 +40,9 @@ def test_prompts_opened_together_give_what_each_opened_alone_gives(chunk):
     assert [s.tokens for s in together] == PROMPTS
     assert [s.length for s in together] == [len(p) for p in PROMPTS]
     # 4 + 0 + 22 + 8 tokens to compute (each prompt less its last): one pass of 512; or five
-    # of 8, the first shared by the first and the third prompt, the fourth by the third and the last
-    assert passes == ([3] if chunk == 512 else [2, 1, 1, 2, 1])
+    # of 8, the oldest waiting prompt taking half of each and the shortest others the rest:
+    # the first and the last prompt, then the third and the last, then the third alone
+    assert passes == ([3] if chunk == 512 else [2, 2, 1, 1, 1])
     a = _next_logits(engine, [s.id for s in alone])
     b = _next_logits(engine, [s.id for s in together])
     for x, y in zip(a, b):
@@ -76,10 +77,9 @@ def test_a_failed_shared_pass_opens_each_session_alone():
         engine.open_session(PROMPTS[0])
     assert engine.num_sessions == len(PROMPTS)  # nothing held by the failed open
     opening = engine.start_opening([(PROMPTS[0], 0)])
-    with pytest.raises(RuntimeError, match="every pass"):
-        opening.step()
-    (result,) = opening.results()  # asked again: its error, not the session it closed
-    assert isinstance(result, RuntimeError) and engine.num_sessions == len(PROMPTS)
+    opening.step()
+    assert opening.done and isinstance(opening.results()[0], RuntimeError)  # its error, its session closed
+    assert engine.num_sessions == len(PROMPTS)
 
 
 def test_an_opening_runs_one_pass_a_step_and_other_sessions_run_between():
@@ -100,6 +100,29 @@ def test_an_opening_runs_one_pass_a_step_and_other_sessions_run_between():
     together = opening.results()
     assert [s.tokens for s in together] == PROMPTS
     for x, y in zip(_next_logits(engine, [s.id for s in alone]), _next_logits(engine, [s.id for s in together])):
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5)
+
+
+def test_a_short_prompt_joins_a_long_ones_prefill_and_is_ready_after_one_pass():
+    engine = tiny_engine(prefill_chunk=8)
+    long, short = tokens(31, 6), tokens(4, 7)
+    alone = [engine.open_session(p) for p in (long, short)]
+    opening = engine.start_opening([(long, 0)])
+    opening.step()
+    assert opening.take_ready() == [] and opening.pending_tokens == 30 - 8
+    assert opening.add([(short, 0), ([], 0)]) == [1, 2]
+    assert [(i, type(r)) for i, r in opening.take_ready()] == [(2, InvalidArgument)]  # refused at once
+    opening.step()  # half the pass for the long prompt, the rest for the short one: all of it
+    ((index, session),) = opening.take_ready()
+    assert index == 1 and session.tokens == short and not session.opening
+    passes = 0
+    while not opening.done:
+        opening.step()
+        passes += 1
+    assert passes == 3  # the long prompt's 22 - 5 tokens left (the pass's last token was its), 8 a pass
+    ((_, long_session),) = opening.take_ready()
+    assert long_session.tokens == long
+    for x, y in zip(_next_logits(engine, [s.id for s in alone]), _next_logits(engine, [long_session.id, session.id])):
         torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5)
 
 
@@ -129,21 +152,36 @@ def test_a_failed_pass_gives_its_error_to_its_own_request_only():
 
 
 class _Opening:
-    """A fake opening: `passes` steps, each noted in `log`, then its results."""
+    """A fake opening: one pass per 512 prompt tokens (at least one), each
+    noted in `log`; every open ready when the last pass is done."""
 
-    def __init__(self, results, passes, log, label):
-        self._results, self.left, self.log, self.label = results, passes, log, label
+    def __init__(self, backend, label):
+        self.backend, self.label, self.left, self.results, self.given = backend, label, 0, [], 0
+
+    def add(self, requests):
+        self.backend.calls.append([r[0] for r in requests])
+        self.results += [InvalidArgument("prompt [0]") if r[0] == [0] else (f"s{r[0][0]}", len(r[0]), 1)
+                         for r in requests]
+        self.left += max(1, -(-sum(len(r[0]) for r in requests) // 512))
 
     @property
     def done(self):
         return self.left == 0
 
+    @property
+    def pending_tokens(self):
+        return 512 * self.left
+
     def step(self):
-        self.log.append((self.label, self.left))
+        self.backend.log.append((self.label, self.left))
         self.left -= 1
 
-    def results(self):
-        return self._results
+    def take_ready(self):
+        if not self.done:
+            return []
+        ready = list(enumerate(self.results))[self.given:]
+        self.given = len(self.results)
+        return ready
 
 
 class _Backend:
@@ -156,10 +194,9 @@ class _Backend:
         self.log = []
 
     def start_opening(self, requests):
-        self.calls.append([r[0] for r in requests])
-        results = [InvalidArgument("prompt [0]") if r[0] == [0] else (f"s{r[0][0]}", len(r[0]), 1) for r in requests]
-        return _Opening(results, max(1, -(-sum(len(r[0]) for r in requests) // 512)), self.log,
-                        f"s{requests[0][0][0]}")
+        opening = _Opening(self, f"s{requests[0][0][0]}")
+        opening.add(requests)
+        return opening
 
     def close(self, session_id):
         self.closed.append(session_id)
@@ -235,7 +272,7 @@ def test_a_job_takes_at_most_its_tokens_and_leaves_the_rest_to_the_next():
     assert backend.calls == [[[1, 1], [2, 2]], [[3, 3]], [[4] * 9], [[5]]]
 
 
-def test_what_queues_behind_an_open_runs_between_its_passes_and_the_next_opens_wait():
+def test_what_queues_behind_an_open_runs_between_its_passes_and_new_opens_join_it():
     backend = _Backend()
     pass_runs, release = threading.Event(), threading.Event()
     real_start = backend.start_opening
@@ -269,10 +306,12 @@ def test_what_queues_behind_an_open_runs_between_its_passes_and_the_next_opens_w
         worker.shutdown()
         return results
 
-    assert [r[::3] for r in asyncio.run(main())] == [("s1", 1), ("s2", 1)]
-    # A round queued during a pass runs before the next pass. One open job at a time:
-    # the later open's job waits for the first's last pass, not queued between its passes.
-    assert backend.log == [("s1", 3), ("s1", 2), "a round", ("s1", 1), ("s2", 1)]
+    results = asyncio.run(main())
+    # A round queued during a pass runs before the next pass; the open that arrived joins
+    # the running job (one more pass to go), which answers both: one open job, never two.
+    assert [r[::3] for r in results] == [("s1", 2), ("s2", 2)]
+    assert backend.calls == [[[1] * 1100], [[2] * 10]]
+    assert backend.log == [("s1", 3), ("s1", 2), "a round", ("s1", 2), ("s1", 1)]
 
 
 def test_a_lone_open_runs_at_once_and_an_abandoned_one_is_closed():

@@ -8,11 +8,20 @@ what queued meanwhile (the running sessions' rounds) run between two passes.
 A long prompt, or a burst of them, then holds the engine for one pass at a
 time instead of for its whole prefill.
 
+Requests may join a job between two passes (`add`), and each session is
+ready as soon as its own prompt is computed (`take_ready`), not when the
+whole job is: a short prompt that arrives while a long one is prefilled
+shares the long one's next pass and is answered after it. A pass gives the
+oldest waiting session at least half of its tokens and the rest to the
+others, shortest first, so short prompts go through quickly and a stream of
+them cannot starve a long one.
+
 Each request gets its own session or its own error (a prompt refused, no
-room). If a shared pass fails, every session of the job is closed and opened
-again alone, so that one request's problem never fails another's (those
-prefills run whole, within the failed step). A session being opened is never
-idle: the reaper (`expire_idle`) does not take it between two passes.
+room). If a shared pass fails, every session of the job that is not ready yet
+is closed and opened again alone, so that one request's problem never fails
+another's (those prefills run whole, within the failed step). A session being
+opened is never idle: the reaper (`expire_idle`) does not take it between two
+passes.
 """
 from __future__ import annotations
 
@@ -23,81 +32,121 @@ from specdec.engine.sessions import EngineSession, new_session_id
 
 
 class PrefillJob:
-    """Open a session for each (prompt, max_new_tokens) at once; compute
-    their prompts one pass a `step()`, then take each request's result with
-    `results()`. Runs on the engine's thread, like every engine call."""
+    """Open a session for each (prompt, max_new_tokens); compute their
+    prompts one pass a `step()`, taking each request's result with
+    `take_ready()` as it is ready (or all of them with `results()`). Runs on
+    the engine's thread, like every engine call."""
 
-    def __init__(self, engine, requests: Sequence[tuple[Sequence[int], int]]):
+    def __init__(self, engine, requests: Sequence[tuple[Sequence[int], int]] = ()):
         """`engine`: the ModelEngine whose sessions these are."""
         self.engine = engine
-        self.requests = [(list(prompt), max_new_tokens) for prompt, max_new_tokens in requests]
-        self._out: list[EngineSession | Exception] = []
-        for prompt, max_new_tokens in self.requests:
+        self.requests: list[tuple[list[int], int]] = []
+        self._out: list[EngineSession | Exception | None] = []  # None: not ready yet
+        self._sessions: dict[int, EngineSession] = {}  # request index -> its session, until it is ready
+        self._order: list[int] = []  # the waiting requests' indexes, oldest first
+        self._handed: set[int] = set()  # the requests take_ready has given
+        self.add(requests)
+
+    def add(self, requests: Sequence[tuple[Sequence[int], int]]) -> list[int]:
+        """Open a session for each (prompt, max_new_tokens) now, its prompt
+        to be computed by the next passes; their request indexes. A refused
+        request is ready at once, with its error."""
+        added = []
+        for prompt, max_new_tokens in requests:
+            prompt, index = list(prompt), len(self.requests)
+            self.requests.append((prompt, max_new_tokens))
+            added.append(index)
             try:
-                engine.rules.check_open(prompt, max_new_tokens)
-                engine._sessions.check_room()
+                self.engine.rules.check_open(prompt, max_new_tokens)
+                self.engine._sessions.check_room()
                 # The last prompt token is left to the first extend, which needs its logits anyway.
-                self._out.append(engine._sessions.add(EngineSession(id=new_session_id(), tokens=prompt[:-1],
-                                                                    slot=engine.store.allocate(), opening=True)))
+                session = self.engine._sessions.add(EngineSession(id=new_session_id(), tokens=prompt[:-1],
+                                                                  slot=self.engine.store.allocate(), opening=True))
             except Exception as exc:  # noqa: BLE001 - this request's problem only
                 self._out.append(exc)
-        self._fresh = [s for s in self._out if isinstance(s, EngineSession)]
-        self._waiting = [s for s in self._fresh if s.cached < len(s.tokens)]
-        self._finished = False
+                continue
+            self._out.append(None)
+            self._sessions[index] = session
+            self._order.append(index)
+            self._ready_if_computed(index)
+        return added
 
     @property
     def done(self) -> bool:
-        """Every prompt is computed (or the job failed and settled each request)."""
-        return self._finished or not self._waiting
+        """Every prompt added so far is computed (or its request has its error)."""
+        return not self._order
+
+    @property
+    def pending_tokens(self) -> int:
+        """Prompt tokens still to compute."""
+        return sum(len(s.tokens) - s.cached for s in self._sessions.values())
 
     def step(self) -> None:
-        """One forward pass of up to `prefill_chunk` tokens, taking the
-        waiting sessions in order, as much of each as fits."""
+        """One forward pass of up to `prefill_chunk` tokens: at least half of
+        them (or all it has left) to the oldest waiting session, then to the
+        others, shortest first, as much of each as fits."""
         if self.done:
             return
-        room, batch, stops = self.engine.cfg.prefill_chunk, [], []
-        for session in self._waiting:
-            take = min(room, len(session.tokens) - session.cached)
-            batch.append(session)
-            stops.append(session.cached + take)
-            room -= take
+        chunk = self.engine.cfg.prefill_chunk
+        left = {i: len(self._sessions[i].tokens) - self._sessions[i].cached for i in self._order}
+        oldest = self._order[0]
+        share = {oldest: min(left[oldest], max(1, chunk // 2))}
+        room = chunk - share[oldest]
+        for i in sorted(self._order[1:], key=lambda i: (left[i], i)):
             if not room:
                 break
+            share[i] = min(room, left[i])
+            room -= share[i]
+        if room:
+            extra = min(room, left[oldest] - share[oldest])
+            share[oldest] += extra
+        batch = [self._sessions[i] for i in share]
+        stops = [self._sessions[i].cached + n for i, n in share.items()]
         try:
             self.engine._run(batch, stops, [0] * len(batch))
         except BaseException as exc:
             self._fail(exc)
             return
-        self._waiting = [s for s in self._waiting if s.cached < len(s.tokens)]
+        for i in list(share):
+            self._ready_if_computed(i)
+
+    def take_ready(self) -> list[tuple[int, EngineSession | Exception]]:
+        """The requests ready since the last call: (index, its session or its error)."""
+        out = [(i, r) for i, r in enumerate(self._out) if r is not None and i not in self._handed]
+        self._handed.update(i for i, _ in out)
+        return out
 
     def results(self) -> list[EngineSession | Exception]:
-        """Each request's session (its whole prompt as its context) or its error, in order."""
+        """Every request's session (its whole prompt as its context) or its
+        error, in order, after computing what is left."""
         while not self.done:
             self.step()
-        if not self._finished:
-            now = time.monotonic()
-            for session, (prompt, _) in zip(self._out, self.requests):
-                if isinstance(session, EngineSession):
-                    session.tokens = prompt
-                    session.opening, session.last_used = False, now  # idle from now on, for the reaper
-            self._finished = True
-        return self._out
+        return list(self._out)
+
+    def _ready_if_computed(self, index: int) -> None:
+        session = self._sessions[index]
+        if session.cached < len(session.tokens):
+            return
+        session.tokens = self.requests[index][0]
+        session.opening, session.last_used = False, time.monotonic()  # idle from now on, for the reaper
+        self._out[index] = session
+        del self._sessions[index]
+        self._order.remove(index)
 
     def _fail(self, exc: BaseException) -> None:
-        """A pass failed: close every session of the job; a lone request (or
-        an interrupt) raises, a fresh session that ran alone gets the error,
-        and the others are opened again, each alone."""
-        for session in self._fresh:
-            self.engine.close(session.id)
-        self._finished = True
-        if len(self.requests) == 1 or not isinstance(exc, Exception):
-            self._out = [exc if isinstance(s, EngineSession) else s for s in self._out]
+        """A pass failed: close every session not ready yet. An interrupt
+        raises; a lone such session gets the error; several are opened
+        again, each alone."""
+        failed = list(self._order)
+        for i in failed:
+            self.engine.close(self._sessions.pop(i).id)
+        self._order = []
+        if not isinstance(exc, Exception):
+            for i in failed:
+                self._out[i] = RuntimeError(f"interrupted: {exc!r}")
             raise exc
-        if len(self._fresh) == 1:  # its own pass failed: its own error
-            self._out = [exc if isinstance(s, EngineSession) else s for s in self._out]
-            return
-        self._out = [self._open_alone(prompt, n) if isinstance(s, EngineSession) else s
-                     for s, (prompt, n) in zip(self._out, self.requests)]
+        for i in failed:
+            self._out[i] = exc if len(failed) == 1 else self._open_alone(*self.requests[i])
 
     def _open_alone(self, prompt: list[int], max_new_tokens: int) -> EngineSession | Exception:
         try:

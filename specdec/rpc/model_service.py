@@ -57,9 +57,12 @@ class EngineBackend:
 
     def start_opening(self, requests) -> EngineOpening:
         """`open` for each (prompt, meta, max_new_tokens) at once, the
-        prompts prefilled together one pass a `step()` (specdec/engine/prefill.py)."""
-        return EngineOpening(self.engine.start_opening([(prompt, max_new) for prompt, _, max_new in requests]),
-                             [meta for _, meta, _ in requests], self.engine.slot_bytes)
+        prompts prefilled together one pass a `step()`; more may join
+        between passes (`add`), and each is ready as soon as its prompt is
+        computed (`take_ready`; specdec/engine/prefill.py)."""
+        opening = EngineOpening(self.engine.start_opening([]), self.engine.slot_bytes)
+        opening.add(requests)
+        return opening
 
     def rollback(self, session_id: str, length: int) -> int:
         return self.engine.rollback(session_id, length)
@@ -76,27 +79,37 @@ class EngineBackend:
 
 
 class EngineOpening:
-    """Sessions opening together (a PrefillJob), with each request's
-    result as `open` gives it: (session id, length, KV bytes), or its error."""
+    """Sessions opening together (a PrefillJob), each request's result as
+    `open` gives it: (session id, length, KV bytes), or its error."""
 
-    def __init__(self, job, metas: list, slot_bytes: int):
-        self.job, self.metas, self.slot_bytes = job, metas, slot_bytes
+    def __init__(self, job, slot_bytes: int):
+        self.job, self.slot_bytes = job, slot_bytes
+        self.metas: list = []  # by request index, as the job numbers them
+
+    def add(self, requests) -> list[int]:
+        """(prompt, meta, max_new_tokens) each: opened, to prefill in the next passes."""
+        self.metas.extend(meta for _, meta, _ in requests)
+        return self.job.add([(prompt, max_new) for prompt, _, max_new in requests])
 
     @property
     def done(self) -> bool:
         return self.job.done
 
+    @property
+    def pending_tokens(self) -> int:
+        return self.job.pending_tokens
+
     def step(self) -> None:
         self.job.step()
 
-    def results(self) -> list:
+    def take_ready(self) -> list[tuple[int, object]]:
         out = []
-        for session, meta in zip(self.job.results(), self.metas):
+        for index, session in self.job.take_ready():
             if isinstance(session, Exception):
-                out.append(session)
+                out.append((index, session))
                 continue
-            session.meta = meta
-            out.append((session.id, session.length, self.slot_bytes))
+            session.meta = self.metas[index]
+            out.append((index, (session.id, session.length, self.slot_bytes)))
         return out
 
 

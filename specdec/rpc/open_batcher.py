@@ -9,19 +9,23 @@ queued on the engine thread, as long as that job has not started: when it
 starts, the job takes the opens waiting at that moment, up to `max_tokens`
 prompt tokens (at least one open), and prefills their prompts together (the
 backend's `start_opening`: a PrefillJob, specdec/engine/prefill.py, packs
-them into passes of `prefill_chunk` tokens). What it leaves, and opens
-arriving while it runs, go in the next job.
+them into passes of `prefill_chunk` tokens).
 
 Each prefill pass is an engine-thread job of its own: what queued behind the
-open (the open sessions' rounds, a draft step, the next opens) runs between
-two passes, so a long prompt or a burst of them holds the engine for one
-pass at a time, not for its whole prefill. The opens are answered when their
-job's last pass is done.
+open (the open sessions' rounds, a draft step) runs between two passes, so a
+long prompt or a burst of them holds the engine for one pass at a time, not
+for its whole prefill. One open job runs at a time, and the opens that
+arrive while it runs join it between two passes, as long as its prompt
+tokens still to compute stay within `max_tokens` (in order of arrival: a
+long prompt is not passed over). Each open is answered as soon as its own
+prompt is computed: a pass gives the oldest prompt half of its tokens and
+the shortest others the rest, so a short prompt that arrives during a long
+one's prefill is answered after one pass (specdec/engine/prefill.py).
 
-There is no waiting window: a lone open's job starts as soon as the engine
-thread is free and no other open job runs. Each open gets its own session or
-its own error, whatever else shared its job; an open whose caller went away
-before its job took it is dropped, not opened.
+What a job cannot take goes in the next one. There is no waiting window: a
+lone open's job starts as soon as the engine thread is free. Each open gets its own session or its own error, whatever
+else shared its job; an open whose caller went away before its job took it
+is dropped, not opened.
 """
 from __future__ import annotations
 
@@ -34,9 +38,9 @@ from specdec.errors import Unavailable
 
 log = logging.getLogger(__name__)
 
-# Prompt tokens one open job takes at most: four of the engine's default
-# prefill passes (512 tokens each). Its opens are answered after its last
-# pass, so this bounds how long a short prompt waits on the others of its job.
+# Prompt tokens still to compute that one open job holds at most: four of the
+# engine's default prefill passes (512 tokens each). A job takes at least one
+# open, whatever its length; later opens join it only within this budget.
 MAX_JOB_TOKENS = 2048
 
 
@@ -80,13 +84,16 @@ class OpenBatcher:
         asyncio.ensure_future(self.worker.run_quick(self.backend().close, session_id))
 
     async def _job(self) -> None:
-        taken: list[tuple[tuple, asyncio.Future]] = []
+        taken: list[tuple[tuple, asyncio.Future]] = []  # by request index in the opening
+        answered: set[int] = set()
         try:
-            opening, results = await self.worker.run(self._take_and_start, taken)
+            opening, ready = await self.worker.run(self._take_and_start, taken)
+            self._answer(taken, ready, answered)
             # One prefill pass an engine-thread job: what queued meanwhile (the
-            # open sessions' rounds, the next opens) runs between two passes.
-            while results is None:
-                results = await self.worker.run(_advance, opening)
+            # open sessions' rounds) runs between two passes, and the opens that
+            # arrived join the job's next pass.
+            while opening is not None and not opening.done:
+                self._answer(taken, await self.worker.run(self._admit_and_step, opening, taken), answered)
         except BaseException as exc:  # noqa: BLE001 - every open it holds gets an error, none waits forever
             with self._lock:  # (the engine thread takes under the lock too)
                 started = bool(taken)
@@ -94,8 +101,14 @@ class OpenBatcher:
                     taken, self._waiting = self._waiting, []
             if not started or not isinstance(exc, Exception):
                 exc = Unavailable("the service is stopping")
-            results = [exc] * len(taken)
-        for (_, future), result in zip(taken, results):
+            self._answer(taken, [(i, exc) for i in range(len(taken)) if i not in answered], answered)
+        self._next_job()  # after the orphans' closes are queued: the next job may need their slots
+
+    def _answer(self, taken: list, ready: list, answered: set) -> None:
+        """Give each ready open its result; close the session of one whose caller went away."""
+        for index, result in ready:
+            answered.add(index)
+            future = taken[index][1]
             if future.done():  # its caller went away: a session it opened is nobody's
                 if not isinstance(result, BaseException):
                     self.close_orphan(result[0])
@@ -103,46 +116,57 @@ class OpenBatcher:
                 future.set_exception(result)
             else:
                 future.set_result((*result, len(taken)))
-        self._next_job()  # after the orphans' closes are queued: the next job may need their slots
 
     def _next_job(self) -> None:
-        """A job ended: the opens that came meanwhile, or that it left for want
-        of room, get the next one. One job at a time keeps one prefill pass at
-        most queued ahead of the open sessions' rounds."""
+        """A job ended: the opens it could not take get the next one. One job
+        at a time keeps one prefill pass at most queued ahead of the open
+        sessions' rounds."""
         with self._lock:
             self._busy = bool(self._waiting)
         if self._busy:
             asyncio.ensure_future(self._job())
 
+    def _take(self, taken: list, budget: int, at_least_one: bool) -> list:
+        """Under the lock: the waiting opens, oldest first, while their
+        prompts fit in `budget` tokens; moved to `taken`."""
+        tokens, n = 0, 0
+        for (prompt, _, _), _ in self._waiting:
+            tokens += len(prompt)
+            if tokens > budget and not (at_least_one and n == 0):
+                break  # in order: a long prompt is not passed over by the ones behind it
+            n += 1
+        new = self._waiting[:n]
+        del self._waiting[:n]
+        taken.extend(new)
+        self.opens += n
+        return [args for args, _ in new]
+
     def _take_and_start(self, taken: list):
         """On the engine thread: take the opens waiting now (up to
         `max_tokens` prompt tokens, one at least), open their sessions and
-        run the first prefill pass: (the opening, with `done`, `step()` and
-        `results()`; its results once done, else None)."""
+        run the first prefill pass: (the opening, or None for a backend that
+        opens each at once; the opens ready, as (index, result))."""
         with self._lock:
-            tokens, n = 0, 0
-            for (prompt, _, _), _ in self._waiting:
-                tokens += len(prompt)
-                if n and tokens > self.max_tokens:
-                    break
-                n += 1
-            taken.extend(self._waiting[:n])
-            del self._waiting[:n]
+            requests = self._take(taken, self.max_tokens, at_least_one=True)
         self.jobs += 1
-        self.opens += len(taken)
         backend = self.backend()
-        requests = [args for args, _ in taken]
         start_opening = getattr(backend, "start_opening", None)
         if start_opening is None:  # a backend without a model (prompt lookup): nothing to share
-            return None, [_open_one(backend, args) for args in requests]
+            return None, [(i, _open_one(backend, args)) for i, args in enumerate(requests)]
         opening = start_opening(requests)
-        return opening, _advance(opening)
+        opening.step()
+        return opening, opening.take_ready()
 
-
-def _advance(opening) -> list | None:
-    """On the engine thread: one prefill pass; each open's result once the last is done, else None."""
-    opening.step()
-    return opening.results() if opening.done else None
+    def _admit_and_step(self, opening, taken: list) -> list:
+        """On the engine thread: the opens that arrived join the job, as many
+        as keep its prompt tokens still to compute within `max_tokens`; then
+        one prefill pass. The opens ready now."""
+        with self._lock:
+            requests = self._take(taken, self.max_tokens - opening.pending_tokens, at_least_one=False)
+        if requests:
+            opening.add(requests)
+        opening.step()
+        return opening.take_ready()
 
 
 def _open_one(backend, args):
