@@ -126,6 +126,17 @@ def test_a_short_prompt_joins_a_long_ones_prefill_and_is_ready_after_one_pass():
         torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5)
 
 
+def test_an_abandoned_opening_closes_what_is_not_ready():
+    engine = tiny_engine(prefill_chunk=8)
+    opening = engine.start_opening([(tokens(3, 8), 0), (tokens(30, 9), 0)])
+    opening.step()  # the short one is ready, the long one is not
+    ((index, ready),) = opening.take_ready()
+    assert index == 0
+    opening.abandon()
+    assert opening.done and engine.num_sessions == 1 and engine.session(ready.id) is ready
+    assert isinstance(opening.results()[1], RuntimeError)
+
+
 def test_a_session_being_opened_is_never_taken_as_idle():
     engine = tiny_engine(prefill_chunk=8)
     opening = engine.start_opening([(tokens(30, 5), 0)])
@@ -175,6 +186,10 @@ class _Opening:
     def step(self):
         self.backend.log.append((self.label, self.left))
         self.left -= 1
+
+    def abandon(self):
+        self.backend.log.append((self.label, "abandoned"))
+        self.left = 0
 
     def take_ready(self):
         if not self.done:
@@ -312,6 +327,21 @@ def test_what_queues_behind_an_open_runs_between_its_passes_and_new_opens_join_i
     assert [r[::3] for r in results] == [("s1", 2), ("s2", 2)]
     assert backend.calls == [[[1] * 1100], [[2] * 10]]
     assert backend.log == [("s1", 3), ("s1", 2), "a round", ("s1", 2), ("s1", 1)]
+
+
+def test_a_job_takes_at_most_its_opens_and_the_rest_come_in_the_next():
+    backend = _Backend()
+
+    async def main():
+        worker = EngineWorker()
+        batcher = OpenBatcher(worker, lambda: backend, max_opens=3)
+        results = await _opens_behind_a_busy_engine(batcher, [[i] for i in range(1, 8)])
+        worker.shutdown()
+        return results
+
+    results = asyncio.run(main())
+    assert [r[0] for r in results] == [f"s{i}" for i in range(1, 8)]
+    assert backend.calls == [[[1], [2], [3]], [[4], [5], [6]], [[7]]]
 
 
 def test_a_lone_open_runs_at_once_and_an_abandoned_one_is_closed():

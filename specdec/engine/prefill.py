@@ -19,7 +19,8 @@ them cannot starve a long one.
 Each request gets its own session or its own error (a prompt refused, no
 room). If a shared pass fails, every session of the job that is not ready yet
 is closed and opened again alone, so that one request's problem never fails
-another's (those prefills run whole, within the failed step). A session being
+another's (those prefills run whole, within the failed step); when only one
+was not ready, it gets the pass's error. A session being
 opened is never idle: the reaper (`expire_idle`) does not take it between two
 passes.
 """
@@ -122,6 +123,13 @@ class PrefillJob:
         while not self.done:
             self.step()
         return list(self._out)
+
+    def abandon(self) -> None:
+        """Close the sessions not ready yet (their opens will not be answered)."""
+        for i in self._order:
+            self.engine.close(self._sessions.pop(i).id)
+            self._out[i] = RuntimeError("the open job was abandoned")
+        self._order = []
 
     def _ready_if_computed(self, index: int) -> None:
         session = self._sessions[index]

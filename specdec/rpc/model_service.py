@@ -102,6 +102,9 @@ class EngineOpening:
     def step(self) -> None:
         self.job.step()
 
+    def abandon(self) -> None:
+        self.job.abandon()
+
     def take_ready(self) -> list[tuple[int, object]]:
         out = []
         for index, session in self.job.take_ready():

@@ -5,27 +5,28 @@ A burst of requests (a client's wave of streams, a soak's start, the
 sessions of a failed replica re-opened here) opens its sessions at once, and
 each open is a prefill. One after another on the engine thread, the last of
 n opens waited for n forward passes. Here an open joins the open job that is
-queued on the engine thread, as long as that job has not started: when it
-starts, the job takes the opens waiting at that moment, up to `max_tokens`
-prompt tokens (at least one open), and prefills their prompts together (the
-backend's `start_opening`: a PrefillJob, specdec/engine/prefill.py, packs
-them into passes of `prefill_chunk` tokens).
+queued on the engine thread: when it starts, the job takes the opens waiting
+at that moment, up to `max_tokens` prompt tokens (at least one open), and
+prefills their prompts together (the backend's `start_opening`: a
+PrefillJob, specdec/engine/prefill.py, packs them into passes of
+`prefill_chunk` tokens).
 
 Each prefill pass is an engine-thread job of its own: what queued behind the
 open (the open sessions' rounds, a draft step) runs between two passes, so a
 long prompt or a burst of them holds the engine for one pass at a time, not
 for its whole prefill. One open job runs at a time, and the opens that
 arrive while it runs join it between two passes, as long as its prompt
-tokens still to compute stay within `max_tokens` (in order of arrival: a
-long prompt is not passed over). Each open is answered as soon as its own
-prompt is computed: a pass gives the oldest prompt half of its tokens and
-the shortest others the rest, so a short prompt that arrives during a long
-one's prefill is answered after one pass (specdec/engine/prefill.py).
+tokens still to compute stay within `max_tokens` and it has taken fewer than
+`max_opens` (in order of arrival: a long prompt is not passed over). Each
+open is answered as soon as its own prompt is computed: a pass gives the
+oldest prompt at least half of its tokens and the shortest others the rest,
+so a short prompt that can join a long one's prefill is answered after its
+next pass (specdec/engine/prefill.py).
 
 What a job cannot take goes in the next one. There is no waiting window: a
-lone open's job starts as soon as the engine thread is free. Each open gets its own session or its own error, whatever
-else shared its job; an open whose caller went away before its job took it
-is dropped, not opened.
+lone open's job starts as soon as the engine thread is free. Each open gets
+its own session or its own error, whatever else shared its job; an open whose
+caller went away before its job took it is dropped, not opened.
 """
 from __future__ import annotations
 
@@ -42,13 +43,18 @@ log = logging.getLogger(__name__)
 # engine's default prefill passes (512 tokens each). A job takes at least one
 # open, whatever its length; later opens join it only within this budget.
 MAX_JOB_TOKENS = 2048
+# Opens one job takes in all: then it admits no more, drains and ends, so that
+# a steady stream of opens still comes in jobs of bounded size.
+MAX_JOB_OPENS = 64
 
 
 class OpenBatcher:
-    def __init__(self, worker, backend: Callable[[], object], max_tokens: int = MAX_JOB_TOKENS):
+    def __init__(self, worker, backend: Callable[[], object], max_tokens: int = MAX_JOB_TOKENS,
+                 max_opens: int = MAX_JOB_OPENS):
         self.worker = worker
         self.backend = backend  # the service's backend when the job runs (it attaches once loaded)
         self.max_tokens = max_tokens
+        self.max_opens = max_opens
         self._lock = threading.Lock()  # the waiting list is taken on the engine thread
         self._waiting: list[tuple[tuple, asyncio.Future]] = []
         self._busy = False  # an open job is queued or running: at most one at a time
@@ -57,8 +63,8 @@ class OpenBatcher:
 
     async def open(self, prompt: list[int], meta, max_new_tokens: int) -> tuple[str, int, int, int]:
         """`backend.open(prompt, meta, max_new_tokens)`, in a job shared with
-        the opens waiting beside it; with the number of opens its job took
-        (the prefill span's `specdec.batch.sessions`)."""
+        the opens waiting beside it; with the number of opens its job had
+        taken when it was answered (the prefill span's `specdec.batch.sessions`)."""
         future = asyncio.get_running_loop().create_future()
         with self._lock:
             self._waiting.append(((prompt, meta, max_new_tokens), future))
@@ -86,6 +92,7 @@ class OpenBatcher:
     async def _job(self) -> None:
         taken: list[tuple[tuple, asyncio.Future]] = []  # by request index in the opening
         answered: set[int] = set()
+        opening = None
         try:
             opening, ready = await self.worker.run(self._take_and_start, taken)
             self._answer(taken, ready, answered)
@@ -102,7 +109,15 @@ class OpenBatcher:
             if not started or not isinstance(exc, Exception):
                 exc = Unavailable("the service is stopping")
             self._answer(taken, [(i, exc) for i in range(len(taken)) if i not in answered], answered)
+            if opening is not None and not opening.done:  # its sessions still opening are nobody's
+                asyncio.ensure_future(self._abandon(opening))
         self._next_job()  # after the orphans' closes are queued: the next job may need their slots
+
+    async def _abandon(self, opening) -> None:
+        try:
+            await self.worker.run_quick(opening.abandon)
+        except Exception:  # noqa: BLE001 - the service is stopping: its engine goes with it
+            log.debug("could not close the sessions of an abandoned open job", exc_info=True)
 
     def _answer(self, taken: list, ready: list, answered: set) -> None:
         """Give each ready open its result; close the session of one whose caller went away."""
@@ -128,11 +143,12 @@ class OpenBatcher:
 
     def _take(self, taken: list, budget: int, at_least_one: bool) -> list:
         """Under the lock: the waiting opens, oldest first, while their
-        prompts fit in `budget` tokens; moved to `taken`."""
+        prompts fit in `budget` tokens and the job's opens in `max_opens`;
+        moved to `taken`."""
         tokens, n = 0, 0
         for (prompt, _, _), _ in self._waiting:
             tokens += len(prompt)
-            if tokens > budget and not (at_least_one and n == 0):
+            if (tokens > budget or len(taken) + n >= self.max_opens) and not (at_least_one and n == 0):
                 break  # in order: a long prompt is not passed over by the ones behind it
             n += 1
         new = self._waiting[:n]
