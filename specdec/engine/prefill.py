@@ -45,7 +45,7 @@ class PrefillJob:
         self._out: list[EngineSession | Exception | None] = []  # None: not ready yet
         self._sessions: dict[int, EngineSession] = {}  # request index -> its session, until it is ready
         self._order: list[int] = []  # the waiting requests' indexes, oldest first
-        self._handed: set[int] = set()  # the requests take_ready has given
+        self._ready: list[int] = []  # settled since take_ready last ran
         self.add(requests)
 
     def add(self, requests: Sequence[tuple[Sequence[int], int]]) -> list[int]:
@@ -56,6 +56,7 @@ class PrefillJob:
         for prompt, max_new_tokens in requests:
             prompt, index = list(prompt), len(self.requests)
             self.requests.append((prompt, max_new_tokens))
+            self._out.append(None)
             added.append(index)
             try:
                 self.engine.rules.check_open(prompt, max_new_tokens)
@@ -64,9 +65,8 @@ class PrefillJob:
                 session = self.engine._sessions.add(EngineSession(id=new_session_id(), tokens=prompt[:-1],
                                                                   slot=self.engine.store.allocate(), opening=True))
             except Exception as exc:  # noqa: BLE001 - this request's problem only
-                self._out.append(exc)
+                self._settle(index, exc)
                 continue
-            self._out.append(None)
             self._sessions[index] = session
             self._order.append(index)
             self._ready_if_computed(index)
@@ -113,8 +113,7 @@ class PrefillJob:
 
     def take_ready(self) -> list[tuple[int, EngineSession | Exception]]:
         """The requests ready since the last call: (index, its session or its error)."""
-        out = [(i, r) for i, r in enumerate(self._out) if r is not None and i not in self._handed]
-        self._handed.update(i for i, _ in out)
+        out, self._ready = [(i, self._out[i]) for i in self._ready], []
         return out
 
     def results(self) -> list[EngineSession | Exception]:
@@ -128,7 +127,7 @@ class PrefillJob:
         """Close the sessions not ready yet (their opens will not be answered)."""
         for i in self._order:
             self.engine.close(self._sessions.pop(i).id)
-            self._out[i] = RuntimeError("the open job was abandoned")
+            self._settle(i, RuntimeError("the open job was abandoned"))
         self._order = []
 
     def _ready_if_computed(self, index: int) -> None:
@@ -137,9 +136,13 @@ class PrefillJob:
             return
         session.tokens = self.requests[index][0]
         session.opening, session.last_used = False, time.monotonic()  # idle from now on, for the reaper
-        self._out[index] = session
+        self._settle(index, session)
         del self._sessions[index]
         self._order.remove(index)
+
+    def _settle(self, index: int, result: EngineSession | Exception) -> None:
+        self._out[index] = result
+        self._ready.append(index)
 
     def _fail(self, exc: BaseException) -> None:
         """A pass failed: close every session not ready yet. An interrupt
@@ -151,10 +154,10 @@ class PrefillJob:
         self._order = []
         if not isinstance(exc, Exception):
             for i in failed:
-                self._out[i] = RuntimeError(f"interrupted: {exc!r}")
+                self._settle(i, RuntimeError(f"interrupted: {exc!r}"))
             raise exc
         for i in failed:
-            self._out[i] = exc if len(failed) == 1 else self._open_alone(*self.requests[i])
+            self._settle(i, exc if len(failed) == 1 else self._open_alone(*self.requests[i]))
 
     def _open_alone(self, prompt: list[int], max_new_tokens: int) -> EngineSession | Exception:
         try:
