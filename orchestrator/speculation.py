@@ -313,8 +313,9 @@ class SpeculativeRequest:
         ids = [d.token_id for d in drafts]
         if self.spec.greedy:
             return accept_greedy(ids, list(result.argmax_token_ids))
-        outcome = VerifyOutcome(target_probs=list(result.target_probs),
-                                recovery_ids=list(result.recovery_token_ids), bonus_id=result.bonus_token_id)
+        # The reply's repeated fields as they are: the accept test reads a few of their entries.
+        outcome = VerifyOutcome(target_probs=result.target_probs, recovery_ids=result.recovery_token_ids,
+                                bonus_id=result.bonus_token_id)
         q_of_x = [q_wire.prob_of(d.q, d.token_id) for d in drafts]
         return accept_sampled(ids, q_of_x, outcome, self.spec.seed, first_position=len(self.history))
 

@@ -55,6 +55,26 @@ def test_packed_entries_read_back_exactly():
             assert q_wire.prob_of(msg, x) == q_wire.prob_of(lists, x) == prob_of(ids, probs, x)
 
 
+def test_q_of_x_read_in_place_finds_only_whole_ids_among_the_ids():
+    # Ids whose bytes, side by side, spell another id straddling them; an id
+    # whose bytes are a probability's; and ids out of int32's range.
+    straddled = int.from_bytes(bytes([0x02, 0x00, 0x00, 0x01]), "little")  # 0x01000002
+    ids = [0x00020000 + 0x100, 0x00000100, 7]  # little-endian 00 01 02 00 | 00 01 00 00 | 07 ...
+    spelled = int.from_bytes(packed(ids, [0.5, 0.25, 0.25])[1:5], "little")
+    probs = [0.5, 0.25, 0.25]
+    data = packed(ids, probs)
+    as_prob = int.from_bytes(data[12:16], "little")  # the first probability's bytes, read as an id
+    for x in (*ids, spelled, straddled, as_prob, -1, 2**31, 2**40):
+        assert q_wire.packed_prob_of(data, x) == prob_of(ids, probs, x), x
+    assert q_wire.packed_prob_of(data, spelled) == 0.0 and q_wire.packed_prob_of(data, as_prob) == 0.0
+    rng = random.Random(1)
+    for _ in range(200):
+        ids, probs = random_q(rng, rng.randrange(1, 40))
+        data = packed(ids, probs)
+        for x in (rng.choice(ids), rng.randrange(VOCAB)):
+            assert q_wire.packed_prob_of(data, x) == prob_of(ids, probs, x)
+
+
 def test_writing_a_dist_fills_one_encoding():
     ids, probs = random_q(random.Random(1), 5)
     dist = SparseDist(torch.tensor(ids), torch.tensor(probs, dtype=torch.float32))

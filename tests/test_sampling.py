@@ -31,6 +31,7 @@ from specdec.sampling import (
     uniforms,
     validate_sparse,
 )
+from specdec.sampling.rng import keyed_uniform, seed_key
 
 LAST_U = 1.0 - 2.0**-53  # the largest uniform the rng can return
 
@@ -246,6 +247,9 @@ def test_uniforms_matches_uniform():
         uniform(9, p, Stream.ACCEPT) for p in positions
     ]
     assert uniforms(9, [], Stream.ACCEPT) == []
+    key = seed_key(9)
+    for stream in Stream:
+        assert [keyed_uniform(key, p, stream) for p in positions] == uniforms(9, positions, stream)
 
 
 @pytest.mark.parametrize("bad_seed", [-1, 2**64])
@@ -466,6 +470,16 @@ def test_accept_sampled_always_accepts_when_p_covers_q_and_never_when_p_is_zero(
     for seed in range(50):
         assert accept_sampled([1, 2], [0.5, 0.3], sure, seed, 0).emitted_ids == [1, 2, 9]
         assert accept_sampled([1, 2], [0.5, 0.3], never, seed, 0).emitted_ids == [7]
+
+
+def test_accept_sampled_refuses_a_round_whose_parts_disagree_in_length_or_a_q_of_zero():
+    outcome = VerifyOutcome(target_probs=[0.5, 0.9], recovery_ids=[7, 8], bonus_id=9)
+    with pytest.raises(ValueError, match="2 drafts"):
+        accept_sampled([1, 2], [0.5], outcome, 0, 0)
+    with pytest.raises(ValueError, match="3 drafts"):
+        accept_sampled([1, 2, 3], [0.5, 0.3, 0.2], outcome, 0, 0)
+    with pytest.raises(ValueError, match="q\\(x\\) = 0.0"):
+        accept_sampled([1, 2], [0.0, 0.3], outcome, 0, 0)
 
 
 def test_draw_draft_uses_its_own_stream():

@@ -56,7 +56,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from specdec.sampling.rng import Stream, uniforms
+from specdec.sampling.rng import Stream, keyed_uniform, seed_key
 
 
 @dataclass
@@ -64,12 +64,12 @@ class VerifyOutcome:
     """What the target returns for one session's round of k drafts."""
 
     # Greedy only: argmax of p at each of the k+1 positions; [k+1]. Empty if sampled.
-    argmax_ids: list[int] = field(default_factory=list)
+    argmax_ids: Sequence[int] = field(default_factory=list)
     # Sampled only: p_i(x_i) as float32 values (exact through a proto float); [k].
-    target_probs: list[float] = field(default_factory=list)
+    target_probs: Sequence[float] = field(default_factory=list)
     # Sampled only: r_i from norm(max(0, p_i - q_i)), emitted if x_i is the first
     # rejected draft; [k].
-    recovery_ids: list[int] = field(default_factory=list)
+    recovery_ids: Sequence[int] = field(default_factory=list)
     # Sampled: drawn from p_{k+1}. Greedy: argmax_ids[k].
     bonus_id: int = -1
 
@@ -103,14 +103,19 @@ def accept_sampled(
 
     draft_q_of_x [k]: q_i(x_i), normalized as `SparseDist.prob` gives it. x_i is
     accepted iff the ACCEPT uniform at its position is < p_i(x_i) / q_i(x_i), which
-    happens with probability min(1, p_i(x_i) / q_i(x_i)).
+    happens with probability min(1, p_i(x_i) / q_i(x_i)). Each uniform is drawn
+    when its test comes: none after the first rejection.
     """
     k = len(draft_ids)
-    assert len(draft_q_of_x) == k, (len(draft_q_of_x), k)
-    assert len(outcome.target_probs) == k and len(outcome.recovery_ids) == k, outcome
-    assert all(q > 0 for q in draft_q_of_x), draft_q_of_x
-    us = uniforms(seed, range(first_position, first_position + k), Stream.ACCEPT)
+    p_of_x = outcome.target_probs
+    if len(draft_q_of_x) != k or len(p_of_x) != k or len(outcome.recovery_ids) != k:
+        raise ValueError(f"a round of {k} drafts needs {k} q_i(x_i), p_i(x_i) and recovered tokens, got "
+                         f"{len(draft_q_of_x)}, {len(p_of_x)} and {len(outcome.recovery_ids)}")
+    key = seed_key(seed)
     for i in range(k):
-        if not us[i] < outcome.target_probs[i] / draft_q_of_x[i]:
+        q = draft_q_of_x[i]
+        if not q > 0:
+            raise ValueError(f"draft {i} has q(x) = {q}: a draft proposes only tokens its own q gives mass")
+        if not keyed_uniform(key, first_position + i, Stream.ACCEPT) < p_of_x[i] / q:
             return RoundResult(i, [*draft_ids[:i], outcome.recovery_ids[i]])
     return RoundResult(k, [*draft_ids, outcome.bonus_id])

@@ -61,17 +61,26 @@ def uniforms(seed: int, positions: Sequence[int], stream: Stream) -> list[float]
     Pure Python integers: a round needs a handful, for which this beats any array
     library, and the arithmetic is the same on every machine.
     """
+    key = seed_key(seed)
+    return [keyed_uniform(key, position, stream) for position in positions]
+
+
+def seed_key(seed: int) -> int:
+    """The generator's key for `seed` (`keyed_uniform`): made once, for a
+    caller that draws its uniforms one at a time, as it needs them."""
     if not 0 <= seed <= _MASK:
         raise ValueError(f"seed must be an unsigned 64-bit integer, got {seed}")
-    assert stream in Stream.__members__.values(), stream
-    key = _mix64(seed ^ _SEED_SALT)
-    out = []
-    for position in positions:
-        assert 0 <= position < _MAX_POSITION, position
-        counter = position * _NUM_STREAMS + stream
-        bits = _mix64((key + (counter + 1) * _GOLDEN_GAMMA) & _MASK)
-        out.append((bits >> 11) * 2.0**-53)
-    return out
+    return _mix64(seed ^ _SEED_SALT)
+
+
+def keyed_uniform(key: int, position: int, stream: Stream) -> float:
+    """`uniform(seed, position, stream)` for key = `seed_key(seed)`."""
+    assert 0 <= position < _MAX_POSITION, position
+    assert 0 <= stream < _NUM_STREAMS, stream
+    z = (key + (position * _NUM_STREAMS + stream + 1) * _GOLDEN_GAMMA) & _MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK  # _mix64, inline: one call fewer a uniform
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    return ((z ^ (z >> 31)) >> 11) * 2.0**-53
 
 
 def uniform(seed: int, position: int, stream: Stream) -> float:
