@@ -41,6 +41,13 @@ class Backends:
     vocab_size: int
     recovery: RecoverySettings = RecoverySettings()
 
+    def on_gpus(self) -> bool:
+        """Whether every service replica connected so far said its models run
+        on a GPU (ModelInfo.device), as the busy-poll default asks of them."""
+        pools = [self.targets] + ([self.drafts] if self.drafts is not None else [])
+        infos = [replica.client.info for pool in pools for replica in pool.replicas.values()]
+        return bool(infos) and all(info is not None and info.device.startswith("cuda") for info in infos)
+
 
 class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
     def __init__(self, cfg: OrchestratorConfig, backends: Backends, telemetry: Telemetry = NOOP):

@@ -17,8 +17,13 @@ zero timeout (asyncio's and uvloop's alike) and so never blocks; every turn
 still reads whatever I/O is ready and runs every other callback, so nothing
 on the loop is delayed by it. A turn costs a few microseconds of CPU.
 
-Polling costs a CPU while it lasts, so it is off unless asked for
-(`--busy-poll-us`), bounded, and, where the wait's length can be told from
+Polling costs a CPU while it lasts, so it is bounded and, by default
+(`--busy-poll-us -1`, `AUTO`), on only where CPUs are to spare: a role whose
+models run on a GPU (for the orchestrator: both its services' do) in a
+process that may use at least AUTO_MIN_CPUS CPUs (`usable_cpus`: its
+affinity and its cgroup's CPU quota). Where the models compute on the CPUs,
+or the CPUs are few, a polling role takes CPU from one that computes. Where
+the wait's length can be told from
 the waits before it, only its end is polled (hybrid polling, as the kernel's
 NVMe driver does it): the loop sleeps until LEAD_S before the shortest of
 the last few such waits (`Expected`), then polls.
@@ -38,6 +43,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import os
 import time
 import weakref
 
@@ -45,20 +51,83 @@ log = logging.getLogger(__name__)
 
 LEAD_S = 0.0005  # polling starts this long before a wait is expected to end
 HISTORY = 8  # the waits `Expected` remembers
+AUTO = -1  # --busy-poll-us's default: `resolve` decides
+# AUTO's choices. On the H200 host (16 cores, 2026-11-28) every role polling
+# up to 50 ms a wait took a greedy round's overhead from 1.01-1.17 ms to 0.89
+# (docs/benchmarks.md); with 4 CPUs a polling role still leaves its process's
+# other threads (the engine's, grpc's, the span exporter's) CPUs to run on.
+AUTO_US = 50_000
+AUTO_MIN_CPUS = 4
 
 _max_s = 0.0  # this process's setting (`configure`)
 _pollers: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Poller]" = weakref.WeakKeyDictionary()
 
 
-def configure(max_us: float) -> None:
-    """How long, in microseconds, a wait may be polled (0 or less: never)."""
+def resolve(setting: int, models_on_gpu: bool) -> int:
+    """The microseconds a wait may be polled for a --busy-poll-us `setting`:
+    itself, or for AUTO (any negative setting), AUTO_US where the role's
+    models run on a GPU and this process may use AUTO_MIN_CPUS CPUs, else 0."""
+    if setting >= 0:
+        return setting
+    return AUTO_US if models_on_gpu and usable_cpus() >= AUTO_MIN_CPUS else 0
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on: its affinity, capped by its cgroup's
+    CPU quota (a container's `resources.limits.cpu`), rounded down."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    quota = _cgroup_quota()
+    return max(1, min(cpus, int(quota))) if quota is not None else cpus
+
+
+def _cgroup_quota(root: str = "/sys/fs/cgroup") -> float | None:
+    """The CPU quota of this process's cgroup in CPUs (cgroup v2's cpu.max,
+    else v1's cfs quota over its period); None where there is none."""
+    try:
+        with open(os.path.join(root, "cpu.max")) as f:
+            quota, period = f.read().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:
+        with open(os.path.join(root, "cpu", "cpu.cfs_quota_us")) as f:
+            quota = int(f.read())
+        with open(os.path.join(root, "cpu", "cpu.cfs_period_us")) as f:
+            period = int(f.read())
+        return None if quota <= 0 or period <= 0 else quota / period
+    except (OSError, ValueError):
+        return None
+
+
+def configure(max_us: float, why: str = "") -> None:
+    """How long, in microseconds, a wait may be polled (0 or less: never);
+    `why`: how that was chosen, for the log."""
     global _max_s
     _max_s = max(0.0, max_us / 1e6)
     if _max_s:
-        log.info("busy polling: the end of each wait for a reply is polled, up to %d us a wait", max_us)
+        log.info("busy polling: the end of each wait for a reply is polled, up to %d us a wait%s",
+                 max_us, f" ({why})" if why else "")
     else:
+        if why:
+            log.info("busy polling off (%s)", why)
         for poller in list(_pollers.values()):
             poller.stop()
+
+
+def configure_auto(setting: int, models_on_gpu: bool) -> int:
+    """`configure` with `resolve(setting, models_on_gpu)`, saying why; the microseconds."""
+    max_us = resolve(setting, models_on_gpu)
+    if setting < 0:
+        cpus = usable_cpus()
+        why = (f"--busy-poll-us -1 (auto): models on {'a GPU' if models_on_gpu else 'the CPU'}, "
+               f"{cpus} usable CPU{'s' if cpus != 1 else ''}")
+    else:
+        why = ""
+    configure(max_us, why)
+    return max_us
 
 
 def enabled() -> bool:

@@ -202,3 +202,66 @@ def test_rounds_with_every_role_polling_give_the_target_only_greedy_tokens(polli
             assert result.stats.rounds > 1
             for loop in (system.loop, system.draft_loop, system.target_loop):
                 assert busy_poll._pollers[loop.loop].turns > 0  # the orchestrator waited, each service lingered
+
+
+def test_auto_polls_only_with_the_models_on_a_gpu_and_cpus_to_spare(monkeypatch):
+    monkeypatch.setattr(busy_poll, "usable_cpus", lambda: busy_poll.AUTO_MIN_CPUS)
+    assert busy_poll.resolve(busy_poll.AUTO, models_on_gpu=True) == busy_poll.AUTO_US
+    assert busy_poll.resolve(busy_poll.AUTO, models_on_gpu=False) == 0  # the models compute on these CPUs
+    assert busy_poll.resolve(0, models_on_gpu=True) == 0  # asked: off
+    assert busy_poll.resolve(3000, models_on_gpu=False) == 3000  # asked: on
+    monkeypatch.setattr(busy_poll, "usable_cpus", lambda: busy_poll.AUTO_MIN_CPUS - 1)
+    assert busy_poll.resolve(busy_poll.AUTO, models_on_gpu=True) == 0
+    try:
+        assert busy_poll.configure_auto(busy_poll.AUTO, models_on_gpu=True) == 0 and not busy_poll.enabled()
+        monkeypatch.setattr(busy_poll, "usable_cpus", lambda: 16)
+        assert busy_poll.configure_auto(busy_poll.AUTO, models_on_gpu=True) == busy_poll.AUTO_US
+        assert busy_poll.enabled()
+    finally:
+        busy_poll.configure(0)
+
+
+@pytest.mark.parametrize("files, quota", [
+    ({"cpu.max": "max 100000\n"}, None),
+    ({"cpu.max": "250000 100000\n"}, 2.5),
+    ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),
+    ({"cpu/cpu.cfs_quota_us": "300000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 3.0),
+    ({}, None),
+])
+def test_a_cgroups_cpu_quota_is_read_in_either_version(tmp_path, files, quota):
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert busy_poll._cgroup_quota(str(tmp_path)) == quota
+
+
+def test_usable_cpus_are_the_affinity_capped_by_the_quota(monkeypatch):
+    monkeypatch.setattr(busy_poll.os, "sched_getaffinity", lambda pid: set(range(16)))
+    monkeypatch.setattr(busy_poll, "_cgroup_quota", lambda: None)
+    assert busy_poll.usable_cpus() == 16
+    monkeypatch.setattr(busy_poll, "_cgroup_quota", lambda: 2.5)  # a pod limited to 2.5 CPUs
+    assert busy_poll.usable_cpus() == 2
+    monkeypatch.setattr(busy_poll, "_cgroup_quota", lambda: 0.5)
+    assert busy_poll.usable_cpus() == 1
+
+
+def test_the_orchestrator_counts_its_models_on_a_gpu_only_when_every_replica_says_so():
+    from types import SimpleNamespace
+
+    from orchestrator.servicer import Backends
+    from specdec.v1 import common_pb2
+
+    def pool(*devices):
+        return SimpleNamespace(replicas={f"r{i}": SimpleNamespace(client=SimpleNamespace(
+            info=common_pb2.ModelInfo(device=d) if d is not None else None)) for i, d in enumerate(devices)})
+
+    def backends(targets, drafts):
+        return Backends(targets=targets, drafts=drafts, tokenizer=None, settings=None, eos_ids=frozenset(),
+                        vocab_size=0)
+
+    assert backends(pool("cuda:0", "cuda:1"), pool("cuda")).on_gpus()
+    assert backends(pool("cuda:0"), None).on_gpus()  # no draft: the target alone
+    assert not backends(pool("cuda:0"), pool("cpu")).on_gpus()
+    assert not backends(pool("cuda:0", "cpu"), pool("cuda:0")).on_gpus()
+    assert not backends(pool("cuda:0", None), pool("cuda:0")).on_gpus()  # a replica not yet described
+    assert not backends(pool(), None).on_gpus()

@@ -10,7 +10,7 @@ two whole systems with tracing on and off, and spans per generated token
 (specdec/bench/tracing_cost.py).
 
     specd overhead --reps 200 --num-draft-tokens 4 [--tls] [--orchestrator-requests 20]
-    specd overhead --hops [--orchestrator-requests 6] [--busy-poll-us 50000 --busy-poll-roles orchestrator]
+    specd overhead --hops [--orchestrator-requests 6] [--busy-poll-us 0 | 50000 --busy-poll-roles orchestrator]
     specd overhead --wire [--target qwen2.5-coder-1.5b-instruct]
     specd overhead --end-to-end [--requests 30 --tokens 64] [--random-pair]
     specd overhead --end-to-end --draft qwen2.5-coder-0.5b-instruct --target qwen2.5-coder-1.5b-instruct \
@@ -41,10 +41,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cpu-wake-latency-us", type=int, default=-1, metavar="US",
                    help="hold the machine's CPU wake-up latency at US microseconds while measuring (0: idle CPUs "
                    "poll; specdec/cpu_latency.py, needs write access to /dev/cpu_dma_latency); default: leave it")
-    p.add_argument("--busy-poll-us", type=int, default=0, metavar="US",
+    p.add_argument("--busy-poll-us", type=int, default=-1, metavar="US",
                    help="the roles of --busy-poll-roles poll their event loops instead of sleeping through the end "
                    "of a wait for a reply, up to US microseconds a wait (the roles' --busy-poll-us, "
-                   "specdec/busy_poll.py); default 0: off")
+                   "specdec/busy_poll.py); 0: off; default -1: as the roles' default would on this machine with "
+                   "their models on a GPU (on where this process may use 4 CPUs or more: the tiny models here "
+                   "stand in for a GPU deployment's)")
     p.add_argument("--busy-poll-roles", nargs="+", choices=ROLES, default=list(ROLES), metavar="ROLE",
                    help="which roles poll with --busy-poll-us: orchestrator (this process's clients too), draft, "
                    "target (default: all three; with --in-process the services share this process's setting)")
@@ -115,9 +117,14 @@ def _run(args: argparse.Namespace) -> int:
         print("specd: error: --orchestrator-requests must be at least 1", file=sys.stderr)
         return 1
     torch.set_num_threads(args.threads or 1)
-    if args.busy_poll_us < 0:
-        print("specd: error: --busy-poll-us must be 0 (off) or more", file=sys.stderr)
+    if args.busy_poll_us < -1:
+        print("specd: error: --busy-poll-us must be -1 (auto), 0 (off) or more", file=sys.stderr)
         return 1
+    from specdec import busy_poll
+
+    asked = args.busy_poll_us
+    args.busy_poll_us = busy_poll.resolve(asked, models_on_gpu=True)
+    args.busy_poll_auto = asked < 0
     polls = _busy_poll(args.busy_poll_us, args.busy_poll_roles)
     if args.hops:
         if args.tls or args.in_process or args.cpu_wake_latency_us >= 0:
@@ -135,8 +142,7 @@ def _run(args: argparse.Namespace) -> int:
     print(report(figures, args.reps))
     if not args.in_process:  # the orchestrator's own round: deployed, as clients call it
         print("\n" + "\n".join(orchestrator_round.report_lines(_orchestrator_rounds(args, polls=polls))))
-    if args.busy_poll_us:
-        print(_busy_poll_note(args.busy_poll_us, args.busy_poll_roles))
+    print(_busy_poll_note(args))
     if held:
         print(f"\nThe CPU wake-up latency was held at <= {args.cpu_wake_latency_us} us ({cpu_latency.DEVICE}) "
               "throughout, for every process of the run.")
@@ -169,8 +175,7 @@ def _hops(args: argparse.Namespace, polls: dict[str, int]) -> int:
         kinds = hops_report.rounds(hops_report.read_events(Path(hops_dir)), skip_first_request=True)
     print("\n".join(orchestrator_round.report_lines(rounds)))
     print("\n" + "\n".join(hops_report.report_lines(kinds)))
-    if args.busy_poll_us:
-        print(_busy_poll_note(args.busy_poll_us, args.busy_poll_roles))
+    print(_busy_poll_note(args))
     return 0
 
 
@@ -184,8 +189,22 @@ def _busy_poll(max_us: int, roles: list[str]) -> dict[str, int]:
     return polls
 
 
-def _busy_poll_note(max_us: int, roles: list[str]) -> str:
-    return (f"\nBusy polling (--busy-poll-us {max_us}): {', '.join(roles)} polled the end of each wait for a reply "
+def _busy_poll_note(args: argparse.Namespace) -> str:
+    """What the run's busy polling was, and why (printed under its tables)."""
+    from specdec import busy_poll
+
+    cpus = busy_poll.usable_cpus()
+    if args.busy_poll_auto:
+        chosen = (f"--busy-poll-us -1 (auto), as the roles' default with their models on a GPU: {cpus} usable "
+                  f"CPU{'s' if cpus != 1 else ''} here, so ")
+        if not args.busy_poll_us:
+            return f"\nBusy polling: off ({chosen}off; at least {busy_poll.AUTO_MIN_CPUS} turn it on)."
+        chosen += f"{args.busy_poll_us} us"
+    else:
+        chosen = f"--busy-poll-us {args.busy_poll_us}"
+        if not args.busy_poll_us:
+            return "\nBusy polling: off (--busy-poll-us 0)."
+    return (f"\nBusy polling ({chosen}): {', '.join(args.busy_poll_roles)} polled the end of each wait for a reply "
             "instead of sleeping through it.")
 
 

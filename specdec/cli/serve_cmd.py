@@ -94,7 +94,8 @@ def _serve_draft(args: argparse.Namespace) -> int:
             service = await start_draft_service(
                 server_cfg, limits, lambda: build_drafter(engine_cfg, drafter_cfg, limits),
                 backend_kind=drafter_cfg.drafter, telemetry=telemetry, tls=tls)
-            await _serve_forever(service.running, server_cfg, "draft", engine_cfg.model)
+            await _serve_forever(service.running, server_cfg, "draft", engine_cfg.model,
+                                 models_on_gpu=engine_cfg.device != "cpu")
             service.servicer.stop_reaper()
             service.worker.shutdown()
 
@@ -115,7 +116,8 @@ def _serve_target(args: argparse.Namespace) -> int:
         with role_telemetry("target", server_cfg) as telemetry:
             service = await start_target_service(server_cfg, limits, lambda: build_verifier(engine_cfg, limits),
                                                  telemetry=telemetry, tls=tls)
-            await _serve_forever(service.running, server_cfg, "target", engine_cfg.model)
+            await _serve_forever(service.running, server_cfg, "target", engine_cfg.model,
+                                 models_on_gpu=engine_cfg.device != "cpu")
             service.servicer.stop_reaper()
             service.worker.shutdown()
 
@@ -135,7 +137,8 @@ def _serve_orchestrator(args: argparse.Namespace) -> int:
             orch = await start_orchestrator(server_cfg, cfg, telemetry=telemetry, http=http_cfg, tls=tls)
             http = f", HTTP on {orch.http.host}:{orch.http.port}" if orch.http else ""
             # Draining the orchestrator drains both front doors.
-            await _serve_forever(orch, server_cfg, "orchestrator", f"draft={cfg.draft} target={cfg.target}{http}")
+            await _serve_forever(orch, server_cfg, "orchestrator", f"draft={cfg.draft} target={cfg.target}{http}",
+                                 models_on_gpu=orch.backends.on_gpus())
             await orch.close_channels()
 
     return _run(main())
@@ -162,10 +165,10 @@ def role_telemetry(role: str, server_cfg: ServerConfig):
         telemetry.shutdown()
 
 
-async def _serve_forever(running, server_cfg: ServerConfig, role: str, what: str) -> None:
+async def _serve_forever(running, server_cfg: ServerConfig, role: str, what: str, models_on_gpu: bool) -> None:
     log.info("%s SERVING on %s:%d (%s)", role, server_cfg.host, running.port, what)
     cpu_latency.hold(server_cfg.cpu_wake_latency_us)
-    busy_poll.configure(server_cfg.busy_poll_us)
+    busy_poll.configure_auto(server_cfg.busy_poll_us, models_on_gpu)
     heap.settle()
     install_drain_on_signals(running, server_cfg.drain_grace_s)
     await running.wait()

@@ -46,10 +46,11 @@ class ServerConfig:
     cpu_wake_latency_us: int = opt(-1, "hold every CPU's wake-up latency at most this many microseconds while "
                                        "serving (0: idle CPUs poll; costs power; needs write access to "
                                        "/dev/cpu_dma_latency; specdec/cpu_latency.py); -1: leave the machine's")
-    busy_poll_us: int = opt(0, "poll the event loop instead of sleeping while a reply is due: the orchestrator "
-                               "while it waits for a service's reply, up to this many microseconds a wait; a "
-                               "service for this long after each reply it sends; costs up to a CPU each while "
-                               "serving (specdec/busy_poll.py); 0: off")
+    busy_poll_us: int = opt(-1, "poll the event loop instead of sleeping while a reply is due: the orchestrator "
+                                "while it waits for a service's reply, up to this many microseconds a wait; a "
+                                "service for this long after each reply it sends; costs up to a CPU each while "
+                                "serving (specdec/busy_poll.py); 0: off; -1 (auto): 50000 where the models run "
+                                "on a GPU and the process may use 4 CPUs or more, else off")
     lane_port: int = opt(0, "draft, target: the port of the service's lane, the round's one call to it as "
                             "frames on a TCP connection (TLS under --tls-cert), cheaper than over gRPC; "
                             "advertised in ModelInfo (-1: off; 0: pick a free one)")
