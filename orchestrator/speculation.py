@@ -52,6 +52,7 @@ from typing import AsyncIterator
 
 import grpc
 
+from orchestrator.accept_prep import AcceptPrep
 from orchestrator.batcher import VerifyBatcher
 from orchestrator.downstream import DraftClient, TargetClient
 from orchestrator.gamma_policy import GammaPolicy, RoundObservation, acceptance_estimate, round_observation
@@ -62,7 +63,6 @@ from specdec import hops
 from specdec.errors import NotFound, Unavailable
 from specdec.limits import DEFAULT_MAX_DRAFT_TOKENS
 from specdec.sampling.rejection import RoundResult, VerifyOutcome, accept_greedy, accept_sampled
-from specdec.sampling import q_wire
 from specdec.telemetry import (A_ACCEPTED, A_BATCH_ITEMS, A_BATCH_SESSIONS, A_EMITTED, A_FALLBACK, A_K, A_MIN_CONFIDENCE,
                                A_PLAIN, A_RETURNED, A_ROUND, NOOP, SPAN_ACCEPT, SPAN_DRAFT_PROPOSE, SPAN_ROUND, SPAN_TARGET_VERIFY,
                                Telemetry)
@@ -99,6 +99,7 @@ class SpeculativeRequest:
         self._ahead_decision = AheadDecision(settings.pipeline_call_cost_s, settings.pipeline_always)
         self._last_obs: RoundObservation | None = None  # the last speculative round
         self._last_round_end: float | None = None  # when the previous round was observed
+        self._accept_prep: AcceptPrep | None = None  # a sampled round's, made while its Verify is out
         # Whether the replica's speculation gate may have this request decode
         # plainly: only where that cannot change its tokens. A seeded sampled
         # request under fixed or adaptive reproduces its tokens, and which
@@ -296,6 +297,9 @@ class SpeculativeRequest:
             item.draft_q.extend(d.q for d in drafts)
         with self.telemetry.span(SPAN_TARGET_VERIFY, {A_K: len(drafts)}) as span:
             timeout = self.sessions.timeout()  # first: a passed deadline must not leave the verify coroutine unawaited
+            # What the accept test needs from the drafts, made on the loop's next turn: once the Verify is out.
+            self._accept_prep = (AcceptPrep.schedule(drafts, self.spec.seed, len(self.history))
+                                 if drafts and not self.spec.greedy else None)
             try:
                 reply = await self.sessions.batcher.verify(item, timeout)  # DeadlineExceeded past it
             except NotFound as exc:  # the target restarted and forgot the session
@@ -316,8 +320,12 @@ class SpeculativeRequest:
         # The reply's repeated fields as they are: the accept test reads a few of their entries.
         outcome = VerifyOutcome(target_probs=result.target_probs, recovery_ids=result.recovery_token_ids,
                                 bonus_id=result.bonus_token_id)
-        q_of_x = [q_wire.prob_of(d.q, d.token_id) for d in drafts]
-        return accept_sampled(ids, q_of_x, outcome, self.spec.seed, first_position=len(self.history))
+        prep, self._accept_prep = self._accept_prep, None
+        if prep is None or prep.drafts is not drafts or prep.first_position != len(self.history):
+            prep = AcceptPrep(drafts, self.spec.seed, len(self.history))
+        q_of_x, accept_uniforms = prep.values()
+        return accept_sampled(ids, q_of_x, outcome, self.spec.seed, first_position=len(self.history),
+                              accept_uniforms=accept_uniforms)
 
     def _advance_prefixes(self, k: int, accepted: int) -> None:
         # Both services hold history + the k drafts; they share history + the

@@ -480,6 +480,8 @@ def test_accept_sampled_refuses_a_round_whose_parts_disagree_in_length_or_a_q_of
         accept_sampled([1, 2, 3], [0.5, 0.3, 0.2], outcome, 0, 0)
     with pytest.raises(ValueError, match="q\\(x\\) = 0.0"):
         accept_sampled([1, 2], [0.0, 0.3], outcome, 0, 0)
+    with pytest.raises(ValueError, match="2 accept uniforms"):
+        accept_sampled([1, 2], [0.5, 0.3], outcome, 0, 0, accept_uniforms=[0.1])
 
 
 def test_draw_draft_uses_its_own_stream():

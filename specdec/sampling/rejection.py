@@ -98,24 +98,31 @@ def accept_sampled(
     outcome: VerifyOutcome,
     seed: int,
     first_position: int,
+    accept_uniforms: Sequence[float] | None = None,
 ) -> RoundResult:
     """The orchestrator's accept decisions for a sampled round.
 
     draft_q_of_x [k]: q_i(x_i), normalized as `SparseDist.prob` gives it. x_i is
     accepted iff the ACCEPT uniform at its position is < p_i(x_i) / q_i(x_i), which
     happens with probability min(1, p_i(x_i) / q_i(x_i)). Each uniform is drawn
-    when its test comes: none after the first rejection.
+    when its test comes (none after the first rejection), unless the caller
+    drew them before (`accept_uniforms`: `uniforms(seed, positions, Stream.ACCEPT)`
+    of the k drafts' positions, as orchestrator/accept_prep.py makes them while
+    the target computes).
     """
     k = len(draft_ids)
     p_of_x = outcome.target_probs
     if len(draft_q_of_x) != k or len(p_of_x) != k or len(outcome.recovery_ids) != k:
         raise ValueError(f"a round of {k} drafts needs {k} q_i(x_i), p_i(x_i) and recovered tokens, got "
                          f"{len(draft_q_of_x)}, {len(p_of_x)} and {len(outcome.recovery_ids)}")
-    key = seed_key(seed)
+    if accept_uniforms is not None and len(accept_uniforms) != k:
+        raise ValueError(f"a round of {k} drafts needs {k} accept uniforms, got {len(accept_uniforms)}")
+    key = seed_key(seed) if accept_uniforms is None else 0
     for i in range(k):
         q = draft_q_of_x[i]
         if not q > 0:
             raise ValueError(f"draft {i} has q(x) = {q}: a draft proposes only tokens its own q gives mass")
-        if not keyed_uniform(key, first_position + i, Stream.ACCEPT) < p_of_x[i] / q:
+        u = accept_uniforms[i] if accept_uniforms is not None else keyed_uniform(key, first_position + i, Stream.ACCEPT)
+        if not u < p_of_x[i] / q:
             return RoundResult(i, [*draft_ids[:i], outcome.recovery_ids[i]])
     return RoundResult(k, [*draft_ids, outcome.bonus_id])

@@ -1,0 +1,66 @@
+"""What a sampled round's accept test needs, made while the target computes
+(orchestrator/accept_prep.py): on the loop's next turn after the Verify is
+sent, the same values the accept test would make itself, and the same
+decisions."""
+from __future__ import annotations
+
+import asyncio
+import random
+
+import torch
+
+from orchestrator.accept_prep import AcceptPrep
+from specdec.sampling import q_wire
+from specdec.sampling.rejection import VerifyOutcome, accept_sampled
+from specdec.sampling.rng import Stream, uniforms
+from specdec.sampling.sparse import SparseDist
+from specdec.v1 import draft_pb2
+from tests.harness import DEADLINE_S
+
+
+def _drafts(rng: random.Random, k: int, packed: bool) -> list:
+    reply = draft_pb2.ProposeAllResponse()
+    for i in range(k):
+        ids = rng.sample(range(5000), 8)
+        weights = torch.tensor([rng.random() + 0.01 for _ in ids])
+        dist = SparseDist(torch.tensor(ids), (weights / weights.sum()).float())
+        msg = reply.drafts.add(index=i, token_id=ids[rng.randrange(8)])
+        q_wire.write(msg.q, dist, packed)
+    return list(reply.drafts)
+
+
+def test_made_on_the_next_turn_before_a_reply_and_equal_to_making_them_after():
+    rng = random.Random(0)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        reply = loop.create_future()
+        drafts = _drafts(rng, 4, packed=True)
+        prep = AcceptPrep.schedule(drafts, seed=77, first_position=30)
+        assert prep.q_of_x is None  # not on the caller's path
+        loop.call_soon(lambda: reply.set_result(prep.q_of_x is not None))  # as a reply read on a later turn
+        return prep, await reply
+
+    prep, made_before_the_reply = asyncio.run(asyncio.wait_for(main(), DEADLINE_S))
+    assert made_before_the_reply
+    assert prep.values() == ([q_wire.prob_of(d.q, d.token_id) for d in prep.drafts],
+                             uniforms(77, range(30, 34), Stream.ACCEPT))
+
+
+def test_values_are_made_on_the_spot_where_the_turn_has_not_come():
+    drafts = _drafts(random.Random(1), 3, packed=False)
+    prep = AcceptPrep(drafts, seed=5, first_position=0)
+    assert prep.values() == ([q_wire.prob_of(d.q, d.token_id) for d in drafts], uniforms(5, range(3), Stream.ACCEPT))
+
+
+def test_the_accept_test_decides_the_same_with_uniforms_made_before():
+    rng = random.Random(2)
+    for trial in range(300):
+        k = rng.randrange(1, 6)
+        drafts = _drafts(rng, k, packed=trial % 2 == 0)
+        ids = [d.token_id for d in drafts]
+        outcome = VerifyOutcome(target_probs=[rng.random() * 0.3 for _ in ids],
+                                recovery_ids=[rng.randrange(5000) for _ in ids], bonus_id=9)
+        q_of_x, us = AcceptPrep(drafts, trial, 100).values()
+        made_before = accept_sampled(ids, q_of_x, outcome, trial, 100, accept_uniforms=us)
+        assert made_before == accept_sampled(ids, q_of_x, outcome, trial, 100)
