@@ -37,9 +37,12 @@
 #           (--cpu-wake-latency-us 0: how much is wake-ups)
 #           (deployed: that layout alone, for GPU_CHECK_PHASES)
 #   hops    `specd overhead --hops`: the orchestrator's own round cut into what each process and
-#           each crossing between them took (issue 15: where the many-core host's round goes)
-#   busy    the hops again with every process busy polling while a reply is due (--busy-poll-us
-#           50000): what the wake-ups cost a round where each role has CPUs to spare
+#           each crossing between them took (issue 15: where the many-core host's round goes), with
+#           busy polling as the roles' default would have it with their models on a GPU (on, where
+#           the host has 4 CPUs or more: specdec/busy_poll.py)
+#   nopoll  the hops again with busy polling off (--busy-poll-us 0): what the default's polling saves
+#   busy    the hops again with every process polling up to 50 ms a wait (--busy-poll-us 50000),
+#           whatever the host
 #   tests   the gpu-marked tests: CUDA-graph steps == eager (fp32), batched == alone, the bf16
 #           identity rate, exactness with the orchestrator on the GPU, one host sync per step
 #   static  `specd bench --policies none --baselines hf-static`: HF generate on a static cache,
@@ -203,6 +206,8 @@ for name in "${phases[@]}"; do
       phase deployed 210 "${specd[@]}" overhead --reps 150 --orchestrator-requests 8 ;;
     hops)  # the orchestrator's round, hop by hop
       phase hops 90 "${specd[@]}" overhead --hops --orchestrator-requests 6 ;;
+    nopoll)  # the same with busy polling off
+      phase nopoll 90 "${specd[@]}" overhead --hops --orchestrator-requests 6 --busy-poll-us 0 ;;
     busy)  # the same with every process polling while a reply is due (--busy-poll-us, specdec/busy_poll.py)
       phase busy 90 "${specd[@]}" overhead --hops --orchestrator-requests 6 --busy-poll-us 50000 ;;
     tests)
