@@ -134,6 +134,22 @@ def enabled() -> bool:
     return _max_s > 0
 
 
+@contextlib.contextmanager
+def paused():
+    """No polling in this process within the block (what was configured, after
+    it): for work that runs the models here, whose threads a polling loop
+    would hold the GIL and a CPU from (`specd overhead`'s in-process compute)."""
+    global _max_s
+    before = _max_s
+    _max_s = 0.0
+    for poller in list(_pollers.values()):
+        poller.stop()
+    try:
+        yield
+    finally:
+        _max_s = before
+
+
 class Expected:
     """How long one kind of wait lasts: the last HISTORY of them. The loop
     may sleep until LEAD_S before the shortest (none seen yet: not at all)."""

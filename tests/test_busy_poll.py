@@ -265,3 +265,24 @@ def test_the_orchestrator_counts_its_models_on_a_gpu_only_when_every_replica_say
     assert not backends(pool("cuda:0", "cpu"), pool("cuda:0")).on_gpus()
     assert not backends(pool("cuda:0", None), pool("cuda:0")).on_gpus()  # a replica not yet described
     assert not backends(pool(), None).on_gpus()
+
+
+def test_paused_stops_polling_within_its_block_and_restores_the_setting_after(polling):
+    async def main():
+        loop = asyncio.get_running_loop()
+        reply = loop.create_future()
+        loop.call_later(0.02, reply.set_result, 1)
+        with busy_poll.paused():
+            assert not busy_poll.enabled()
+            with busy_poll.waiting():
+                assert await reply == 1
+            paused_turns = busy_poll.turns()
+        assert busy_poll.enabled()
+        late = loop.create_future()
+        loop.call_later(0.02, late.set_result, 1)
+        with busy_poll.waiting():
+            await late
+        return paused_turns, busy_poll.turns()
+
+    paused_turns, after = _run(main())
+    assert paused_turns == 0 and after > 0

@@ -69,6 +69,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from specdec import busy_poll
 from specdec.rpc import grpc_io
 from specdec.bench import bare_lane
 from specdec.bench.bare_grpc import calls as bare_calls
@@ -314,7 +315,10 @@ async def measure(reps: int, k: int, tls: bool = False, in_process: bool = False
             in_client = {name: call for name, call in calls.items() if runs_models_here(name, in_process)}
             medians |= await interleave(bare | {n: c for n, c in calls.items() if n not in in_client}, reps)
             # (with the bare call again, for the ratio of the round with both services here)
-            medians |= await interleave(in_client | {MODELS_HERE_BARE: bare["bare unary"]}, reps)
+            # (no polling here meanwhile: a polling loop holds the GIL and a CPU from the models'
+            # threads here; on the H200 host the in-process compute read 1.4-1.7x the services')
+            with busy_poll.paused():
+                medians |= await interleave(in_client | {MODELS_HERE_BARE: bare["bare unary"]}, reps)
             for label, (one_round, computed, stack) in cpu_rounds.items():
                 cpu[label] = await round_cpu(one_round, computed, *stack_processes(stack), rounds=2 * reps)
             # What a message costs this process by itself, before any code of ours: back to
