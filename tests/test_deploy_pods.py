@@ -26,6 +26,7 @@ from tests.deploy_manifests import (
     _all_containers,
     _container_port,
     _deployment,
+    _main_container,
     _named,
     _of_kind,
     _pod_labels,
@@ -154,3 +155,16 @@ def test_every_container_has_requests_and_limits(rendered, render):
                 limit = resources.get("limits", {}).get(resource)
                 assert request is not None and limit is not None, f"{where}: {resource} request and limit"
                 assert _quantity(request) <= _quantity(limit), f"{where}: {resource} request > limit"
+
+
+@pytest.mark.parametrize("render", GPU_RENDERS)
+def test_on_gpu_nodes_every_role_may_busy_poll_by_default(rendered, render):
+    # Busy polling's auto default (specdec/busy_poll.py) turns on only in a process that may
+    # use AUTO_MIN_CPUS CPUs: each role's CPU limit (its cgroup quota) must let it.
+    from specdec import busy_poll
+
+    objects = rendered[render]
+    for role in ROLES:
+        assert int(_serve_settings(objects, role)["--busy-poll-us"]) == busy_poll.AUTO, role
+        limit = _main_container(_deployment(objects, role))["resources"]["limits"]["cpu"]
+        assert int(_quantity(limit)) >= busy_poll.AUTO_MIN_CPUS, f"{role}: a CPU limit of {limit} keeps it from polling"
