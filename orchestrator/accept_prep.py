@@ -39,8 +39,17 @@ class AcceptPrep:
     def schedule(cls, drafts: list, seed: int, first_position: int) -> AcceptPrep:
         """A prep made on the loop's next turn (call before awaiting the Verify)."""
         prep = cls(drafts, seed, first_position)
-        asyncio.get_running_loop().call_soon(prep.make)
+        asyncio.get_running_loop().call_soon(prep._make_ahead)
         return prep
+
+    def _make_ahead(self) -> None:
+        # A proposal that cannot be read (a packed q of a length no entries
+        # make) fails the round where the accept test reads it, if the target
+        # has not refused it first: not here, as the loop's error log.
+        try:
+            self.make()
+        except ValueError:
+            self.q_of_x = self.uniforms = None
 
     def make(self) -> None:
         if self.q_of_x is not None:

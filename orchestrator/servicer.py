@@ -43,10 +43,13 @@ class Backends:
 
     def on_gpus(self) -> bool:
         """Whether every service replica connected so far said its models run
-        on a GPU (ModelInfo.device), as the busy-poll default asks of them."""
+        on a GPU (ModelInfo.device; an n-gram drafter has none and does not
+        count), as the busy-poll default asks of them."""
         pools = [self.targets] + ([self.drafts] if self.drafts is not None else [])
         infos = [replica.client.info for pool in pools for replica in pool.replicas.values()]
-        return bool(infos) and all(info is not None and info.device.startswith("cuda") for info in infos)
+        # An n-gram drafter runs no model: its few lookups leave the CPUs to spare.
+        return bool(infos) and all(info is not None and (info.device.startswith("cuda") or info.backend == "ngram")
+                                   for info in infos) and any(info.device.startswith("cuda") for info in infos)
 
 
 class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):

@@ -59,7 +59,9 @@ AUTO = -1  # --busy-poll-us's default: `resolve` decides
 AUTO_US = 50_000
 AUTO_MIN_CPUS = 4
 
-_max_s = 0.0  # this process's setting (`configure`)
+_max_s = 0.0  # how long a wait may be polled now: the setting, or 0 while paused
+_configured_s = 0.0  # this process's setting (`configure`)
+_pauses = 0  # `paused()` blocks open
 _pollers: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Poller]" = weakref.WeakKeyDictionary()
 
 
@@ -104,10 +106,13 @@ def _cgroup_quota(root: str = "/sys/fs/cgroup") -> float | None:
 
 def configure(max_us: float, why: str = "") -> None:
     """How long, in microseconds, a wait may be polled (0 or less: never);
-    `why`: how that was chosen, for the log."""
-    global _max_s
-    _max_s = max(0.0, max_us / 1e6)
-    if _max_s:
+    `why`: how that was chosen, for the log. Within `paused()`, it takes
+    effect when the pause ends."""
+    global _max_s, _configured_s
+    _configured_s = max(0.0, max_us / 1e6)
+    if not _pauses:
+        _max_s = _configured_s
+    if _configured_s:
         log.info("busy polling: the end of each wait for a reply is polled, up to %d us a wait%s",
                  max_us, f" ({why})" if why else "")
     else:
@@ -139,15 +144,17 @@ def paused():
     """No polling in this process within the block (what was configured, after
     it): for work that runs the models here, whose threads a polling loop
     would hold the GIL and a CPU from (`specd overhead`'s in-process compute)."""
-    global _max_s
-    before = _max_s
+    global _max_s, _pauses
+    _pauses += 1
     _max_s = 0.0
     for poller in list(_pollers.values()):
         poller.stop()
     try:
         yield
     finally:
-        _max_s = before
+        _pauses -= 1
+        if not _pauses:
+            _max_s = _configured_s
 
 
 class Expected:

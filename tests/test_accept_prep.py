@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import random
 
+import pytest
 import torch
 
 from orchestrator.accept_prep import AcceptPrep
@@ -64,3 +65,21 @@ def test_the_accept_test_decides_the_same_with_uniforms_made_before():
         q_of_x, us = AcceptPrep(drafts, trial, 100).values()
         made_before = accept_sampled(ids, q_of_x, outcome, trial, 100, accept_uniforms=us)
         assert made_before == accept_sampled(ids, q_of_x, outcome, trial, 100)
+
+
+def test_a_proposal_that_cannot_be_read_fails_the_accept_test_not_the_loop():
+    drafts = _drafts(random.Random(3), 2, packed=True)
+    drafts[1].q.packed = drafts[1].q.packed[:-3]  # no whole number of entries
+    errors = []
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        loop.set_exception_handler(lambda _loop, context: errors.append(context))
+        prep = AcceptPrep.schedule(drafts, seed=1, first_position=0)
+        await asyncio.sleep(0)
+        return prep
+
+    prep = asyncio.run(asyncio.wait_for(main(), DEADLINE_S))
+    assert errors == [] and prep.q_of_x is None
+    with pytest.raises(ValueError, match="8 per entry"):
+        prep.values()

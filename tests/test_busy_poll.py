@@ -265,6 +265,10 @@ def test_the_orchestrator_counts_its_models_on_a_gpu_only_when_every_replica_say
     assert not backends(pool("cuda:0", "cpu"), pool("cuda:0")).on_gpus()
     assert not backends(pool("cuda:0", None), pool("cuda:0")).on_gpus()  # a replica not yet described
     assert not backends(pool(), None).on_gpus()
+    ngram = SimpleNamespace(replicas={"n": SimpleNamespace(client=SimpleNamespace(
+        info=common_pb2.ModelInfo(device="cpu", backend="ngram")))})
+    assert backends(pool("cuda:0"), ngram).on_gpus()  # an n-gram drafter runs no model
+    assert not backends(pool("cpu"), ngram).on_gpus()
 
 
 def test_paused_stops_polling_within_its_block_and_restores_the_setting_after(polling):
@@ -286,3 +290,19 @@ def test_paused_stops_polling_within_its_block_and_restores_the_setting_after(po
 
     paused_turns, after = _run(main())
     assert paused_turns == 0 and after > 0
+
+
+def test_a_setting_made_while_paused_takes_effect_when_the_pause_ends():
+    try:
+        busy_poll.configure(50_000)
+        with busy_poll.paused():
+            busy_poll.configure(0)
+            assert not busy_poll.enabled()
+        assert not busy_poll.enabled()
+        with busy_poll.paused():
+            with busy_poll.paused():
+                busy_poll.configure(20_000)
+            assert not busy_poll.enabled()  # the outer pause still holds
+        assert busy_poll.enabled()
+    finally:
+        busy_poll.configure(0)

@@ -5,6 +5,7 @@ reads it."""
 from __future__ import annotations
 
 import random
+import struct
 
 import pytest
 import torch
@@ -66,6 +67,9 @@ def test_q_of_x_read_in_place_finds_only_whole_ids_among_the_ids():
     as_prob = int.from_bytes(data[12:16], "little")  # the first probability's bytes, read as an id
     for x in (*ids, spelled, straddled, as_prob, -1, 2**31, 2**40):
         assert q_wire.packed_prob_of(data, x) == prob_of(ids, probs, x), x
+    negative = [-1360425750, 5]  # int32 ids, as the wire's are: a foreign writer's q may hold one
+    signed = struct.pack("<2i2f", *negative, 0.75, 0.25)
+    assert q_wire.packed_prob_of(signed, -1360425750) == prob_of(negative, [0.75, 0.25], -1360425750) == 0.75
     assert q_wire.packed_prob_of(data, spelled) == 0.0 and q_wire.packed_prob_of(data, as_prob) == 0.0
     rng = random.Random(1)
     for _ in range(200):
