@@ -149,7 +149,7 @@ export -f setup
 
 echo "# $(date -u +%FT%TZ) mode=$mode device=$device budget=${budget}s commit=$(git describe --always --dirty 2>/dev/null || echo '?')" >> "$out/phases.txt"
 case "$mode" in
-  once|all) phases=(smoke steps bench heads ahead overhead tests hops busy static) ;;
+  once|all) phases=(smoke steps bench heads ahead overhead tests hops nopoll busy static) ;;
   quick) phases=(smoke tests steps) ;;
   bench) phases=(bench static) ;;
   *) echo "unknown mode $mode: once, quick, bench or all" >&2; exit 2 ;;
