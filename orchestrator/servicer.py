@@ -47,9 +47,11 @@ class Backends:
         count), as the busy-poll default asks of them."""
         pools = [self.targets] + ([self.drafts] if self.drafts is not None else [])
         infos = [replica.client.info for pool in pools for replica in pool.replicas.values()]
+        if None in infos:  # a replica not yet described
+            return False
         # An n-gram drafter runs no model: its few lookups leave the CPUs to spare.
-        return bool(infos) and all(info is not None and (info.device.startswith("cuda") or info.backend == "ngram")
-                                   for info in infos) and any(info.device.startswith("cuda") for info in infos)
+        with_models = [info for info in infos if info.backend != "ngram"]
+        return bool(with_models) and all(info.device.startswith("cuda") for info in with_models)
 
 
 class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):

@@ -69,9 +69,17 @@ def resolve(setting: int, models_on_gpu: bool) -> int:
     """The microseconds a wait may be polled for a --busy-poll-us `setting`:
     itself, or for AUTO (any negative setting), AUTO_US where the role's
     models run on a GPU and this process may use AUTO_MIN_CPUS CPUs, else 0."""
+    return choose(setting, models_on_gpu)[0]
+
+
+def choose(setting: int, models_on_gpu: bool) -> tuple[int, str]:
+    """`resolve`'s microseconds, and how they were chosen (for a log or a report)."""
     if setting >= 0:
-        return setting
-    return AUTO_US if models_on_gpu and usable_cpus() >= AUTO_MIN_CPUS else 0
+        return setting, f"--busy-poll-us {setting}"
+    cpus = usable_cpus()
+    max_us = AUTO_US if models_on_gpu and cpus >= AUTO_MIN_CPUS else 0
+    return max_us, (f"--busy-poll-us -1 (auto): models on {'a GPU' if models_on_gpu else 'the CPU'}, "
+                    f"{cpus} usable CPU{'s' if cpus != 1 else ''}")
 
 
 def usable_cpus() -> int:
@@ -123,14 +131,8 @@ def configure(max_us: float, why: str = "") -> None:
 
 
 def configure_auto(setting: int, models_on_gpu: bool) -> int:
-    """`configure` with `resolve(setting, models_on_gpu)`, saying why; the microseconds."""
-    max_us = resolve(setting, models_on_gpu)
-    if setting < 0:
-        cpus = usable_cpus()
-        why = (f"--busy-poll-us -1 (auto): models on {'a GPU' if models_on_gpu else 'the CPU'}, "
-               f"{cpus} usable CPU{'s' if cpus != 1 else ''}")
-    else:
-        why = ""
+    """`configure` with `choose(setting, models_on_gpu)`, saying why; the microseconds."""
+    max_us, why = choose(setting, models_on_gpu)
     configure(max_us, why)
     return max_us
 

@@ -122,9 +122,11 @@ def _run(args: argparse.Namespace) -> int:
         return 1
     from specdec import busy_poll
 
-    asked = args.busy_poll_us
-    args.busy_poll_us = busy_poll.resolve(asked, models_on_gpu=True)
-    args.busy_poll_auto = asked < 0
+    # The tiny models here stand in for a GPU deployment's: auto chooses as the roles would there.
+    auto = args.busy_poll_us < 0
+    args.busy_poll_us, args.busy_poll_why = busy_poll.choose(args.busy_poll_us, models_on_gpu=True)
+    if auto:
+        args.busy_poll_why += ", as for a GPU deployment: the tiny models here stand in for its models"
     polls = _busy_poll(args.busy_poll_us, args.busy_poll_roles)
     if args.hops:
         if args.tls or args.in_process or args.cpu_wake_latency_us >= 0:
@@ -191,21 +193,10 @@ def _busy_poll(max_us: int, roles: list[str]) -> dict[str, int]:
 
 def _busy_poll_note(args: argparse.Namespace) -> str:
     """What the run's busy polling was, and why (printed under its tables)."""
-    from specdec import busy_poll
-
-    cpus = busy_poll.usable_cpus()
-    if args.busy_poll_auto:
-        chosen = (f"--busy-poll-us -1 (auto), as the roles' default with their models on a GPU: {cpus} usable "
-                  f"CPU{'s' if cpus != 1 else ''} here, so ")
-        if not args.busy_poll_us:
-            return f"\nBusy polling: off ({chosen}off; at least {busy_poll.AUTO_MIN_CPUS} turn it on)."
-        chosen += f"{args.busy_poll_us} us"
-    else:
-        chosen = f"--busy-poll-us {args.busy_poll_us}"
-        if not args.busy_poll_us:
-            return "\nBusy polling: off (--busy-poll-us 0)."
-    return (f"\nBusy polling ({chosen}): {', '.join(args.busy_poll_roles)} polled the end of each wait for a reply "
-            "instead of sleeping through it.")
+    if not args.busy_poll_us:
+        return f"\nBusy polling: off ({args.busy_poll_why})."
+    return (f"\nBusy polling ({args.busy_poll_why}: up to {args.busy_poll_us} us a wait): "
+            f"{', '.join(args.busy_poll_roles)} polled the end of each wait for a reply instead of sleeping through it.")
 
 
 def _end_to_end(args: argparse.Namespace) -> int:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from specdec.engine.engine import EngineInfo
+from specdec.engine.prefill import PrefillJob
 from specdec.errors import DeadlineExceeded, InvalidArgument, Unavailable
 from specdec.rpc import grpc_errors
 from specdec.rpc.call_stream import ServedStreams
@@ -60,7 +61,7 @@ class EngineBackend:
         prompts prefilled together one pass a `step()`; more may join
         between passes (`add`), and each is ready as soon as its prompt is
         computed (`take_ready`; specdec/engine/prefill.py)."""
-        opening = EngineOpening(self.engine.start_opening([]), self.engine.slot_bytes)
+        opening = EngineOpening(self.engine)
         opening.add(requests)
         return opening
 
@@ -78,41 +79,28 @@ class EngineBackend:
         return self.engine.num_sessions, self.engine.kv_bytes_reserved
 
 
-class EngineOpening:
-    """Sessions opening together (a PrefillJob), each request's result as
-    `open` gives it: (session id, length, KV bytes), or its error."""
+class EngineOpening(PrefillJob):
+    """Sessions opening together, as the service opens them: each request a
+    (prompt, meta, max_new_tokens), each result as `open` gives it, (session
+    id, length, KV bytes), or its error."""
 
-    def __init__(self, job, slot_bytes: int):
-        self.job, self.slot_bytes = job, slot_bytes
+    def __init__(self, engine):
         self.metas: list = []  # by request index, as the job numbers them
+        super().__init__(engine)
 
     def add(self, requests) -> list[int]:
         """(prompt, meta, max_new_tokens) each: opened, to prefill in the next passes."""
         self.metas.extend(meta for _, meta, _ in requests)
-        return self.job.add([(prompt, max_new) for prompt, _, max_new in requests])
-
-    @property
-    def done(self) -> bool:
-        return self.job.done
-
-    @property
-    def pending_tokens(self) -> int:
-        return self.job.pending_tokens
-
-    def step(self) -> None:
-        self.job.step()
-
-    def abandon(self) -> None:
-        self.job.abandon()
+        return super().add([(prompt, max_new) for prompt, _, max_new in requests])
 
     def take_ready(self) -> list[tuple[int, object]]:
         out = []
-        for index, session in self.job.take_ready():
+        for index, session in super().take_ready():
             if isinstance(session, Exception):
                 out.append((index, session))
                 continue
             session.meta = self.metas[index]
-            out.append((index, (session.id, session.length, self.slot_bytes)))
+            out.append((index, (session.id, session.length, self.engine.slot_bytes)))
         return out
 
 

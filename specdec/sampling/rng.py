@@ -77,10 +77,8 @@ def keyed_uniform(key: int, position: int, stream: Stream) -> float:
     """`uniform(seed, position, stream)` for key = `seed_key(seed)`."""
     assert 0 <= position < _MAX_POSITION, position
     assert 0 <= stream < _NUM_STREAMS, stream
-    z = (key + (position * _NUM_STREAMS + stream + 1) * _GOLDEN_GAMMA) & _MASK
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK  # _mix64, inline: one call fewer a uniform
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
-    return ((z ^ (z >> 31)) >> 11) * 2.0**-53
+    bits = _mix64((key + (position * _NUM_STREAMS + stream + 1) * _GOLDEN_GAMMA) & _MASK)
+    return (bits >> 11) * 2.0**-53
 
 
 def uniform(seed: int, position: int, stream: Stream) -> float:
