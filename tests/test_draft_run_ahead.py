@@ -10,6 +10,7 @@ sampled request gives the same tokens with and without it."""
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 import time
 
 import pytest
@@ -21,7 +22,7 @@ from specdec.errors import NotFound
 from specdec.rpc.model_service import SessionMeta
 from specdec.sampling.params import SamplingParams
 from tests.conftest import tiny_engine, tiny_model
-from tests.harness import running_system
+from tests.harness import DEADLINE_S, running_system
 from tests.test_orchestrator import GREEDY_PROMPTS, greedy_reference, perturbed
 
 PROMPTS = [[5 + (7 * i + j) % 90 for j in range(3 + 2 * i)] for i in range(5)]
@@ -332,8 +333,24 @@ def test_streamed_proposes_run_ahead_get_each_token_and_the_drafts_of_stepping_o
             got = await asyncio.gather(*(consume(st) for st in streams))
             fed = ahead.steps_fed
             dropped = ahead.propose(dropped_sid, None, [], 8)
-            async for _ in batcher.stream(dropped):
-                break  # a wrong guess: the rest is not wanted
+            # The engine thread waits after each of the dropped stream's steps until its
+            # consumer has gone, so how far the job got does not depend on how soon the
+            # loop ran on a loaded machine (CI once saw 6 steps when it did).
+            consumer_gone = threading.Event()
+            chain_steps = ahead.chain_steps
+
+            def gated_chain_steps(streams, more=None, on_step=None):
+                def step_then_wait(results, seconds):
+                    on_step(results, seconds)
+                    if dropped in streams:
+                        consumer_gone.wait(DEADLINE_S)
+                return chain_steps(streams, more, step_then_wait)
+
+            ahead.chain_steps = gated_chain_steps
+            tokens = batcher.stream(dropped)
+            await tokens.__anext__()
+            await tokens.aclose()  # a wrong guess: the rest is not wanted (pipelining cancels its call)
+            consumer_gone.set()
             await asyncio.sleep(0.2)
             return got, fed, dropped.produced
         finally:
