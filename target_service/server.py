@@ -1,6 +1,8 @@
 """`specd serve target`: the target service process."""
 from __future__ import annotations
 
+import dataclasses
+
 from specdec.engine.config import EngineConfig
 from specdec.engine.engine import ModelEngine
 from specdec.engine.quantize import refuse_for_target
@@ -19,7 +21,8 @@ SERVICE_NAME = "specdec.v1.TargetService"
 def build_verifier(engine_cfg: EngineConfig, limits: SessionLimits, engine: ModelEngine | None = None) -> Verifier:
     refuse_for_target(engine_cfg.quantize if engine is None else engine.quantized)
     if engine is None:
-        engine = ModelEngine.load(engine_cfg)
+        # auto (a setting shared with the draft, say) never quantizes a target
+        engine = ModelEngine.load(dataclasses.replace(engine_cfg, quantize="none"))
         engine.warmup()
     return Verifier(engine, max_draft_tokens=limits.max_draft_tokens, max_verify_batch=limits.max_verify_batch)
 

@@ -434,6 +434,7 @@ def test_bench_end_to_end_on_a_tiny_pair(tiny_pair_dirs, tmp_path, capsys):
                     "## T=0.7 (sampled), one stream", "## Concurrency (aggregate tok/s)", "## Analytic bound",
                     "## Projected speedup (greedy, draft head full)", "## Projected speedup (T = 0.7, draft head v64)"):
         assert heading in summary
+    assert "float32 (auto: " in summary  # the draft's weights as --draft-quantize auto chose them, and why
     assert summary.count("(projected) |") == 2 * 2 * 3 * 2  # 2 heads x 2 temperatures x 3 acceptances x 2 layouts
     pngs = ["speedup_vs_k.png", "acceptance_per_position.png", "tokens_per_s_vs_concurrency.png",
             "projected_speedup.png", "tokens_per_s_per_config.png"]
@@ -452,7 +453,8 @@ def test_bench_end_to_end_on_a_tiny_pair(tiny_pair_dirs, tmp_path, capsys):
     routes = [f"orchestrator-{head}{batch}{gate}" for head in ("full", "v64") for batch in ("", "-nobatch")
               for gate in ("", "-nogate")]
     assert set(by_role) == {"target", "draft", "draft-v64", "orchestrator", *routes[1:]}
-    assert "--draft-vocab" not in by_role["draft"] and by_role["draft-v64"][-2:] == ["--draft-vocab", "64"]
+    assert "--draft-vocab" not in by_role["draft"] and by_role["draft-v64"][-4:-2] == ["--draft-vocab", "64"]
+    assert by_role["draft"][-2:] == ["--quantize", "none"]  # auto, resolved as the service would for tiny drafts
     assert sorted(r for r, cmd in by_role.items() if "--no-batching" in cmd) == sorted(r for r in routes
                                                                                        if "nobatch" in r)
     assert sorted(r for r, cmd in by_role.items() if "--no-speculation-gate" in cmd) == sorted(r for r in routes

@@ -177,3 +177,60 @@ def test_int8_is_cpu_only(capsys):
         EngineConfig(device="cuda", quantize="int8").validate()
     with pytest.raises(ValueError, match="none or int8"):
         EngineConfig(quantize="int4").validate()
+
+
+def test_auto_quantizes_a_draft_only_where_int8_pays(monkeypatch):
+    """`--quantize auto`: int8 for a draft on a CPU with VNNI and fbgemm whose hidden size is at least
+    AUTO_MIN_HIDDEN; its dtype elsewhere; an explicit setting as asked."""
+    from specdec.engine import quantize
+
+    monkeypatch.setattr(quantize, "_cpu_has_vnni", lambda: True)
+    wide = quantize.AUTO_MIN_HIDDEN
+    assert quantize.choose("auto", "cpu", wide)[0] == "int8"
+    assert quantize.choose("auto", "cpu", 896) == ("int8", "auto: a CPU with VNNI, hidden size 896")
+    for device, hidden, why in (("cuda", 896, "runs on cuda"), ("cpu", wide - 1, "below 512"),
+                                ("cpu", None, "below 512")):
+        kind, reason = quantize.choose("auto", device, hidden)
+        assert kind == "none" and why in reason
+    assert quantize.choose("none", "cpu", 896)[0] == "none" and quantize.choose("int8", "cpu", 64)[0] == "int8"
+    monkeypatch.setattr(quantize, "_cpu_has_vnni", lambda: False)
+    assert quantize.choose("auto", "cpu", 896) == ("none", "auto: this CPU has no VNNI, where int8 was not "
+                                                           "measured to pay")
+
+
+def test_auto_loads_a_wide_draft_at_int8_and_never_a_target(monkeypatch, tmp_path):
+    """A model of hidden size 512 loaded with quantize=auto: the draft's engine runs it at int8, the
+    target's builder at its dtype, and the tests' tiny models (hidden 64) stay as they are."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from draft_service.server import build_drafter
+    from draft_service.config import DrafterConfig
+    from specdec.engine import quantize
+    from specdec.engine.engine import ModelEngine
+    from target_service.server import build_verifier
+
+    monkeypatch.setattr(quantize, "_cpu_has_vnni", lambda: True)
+    config = Qwen2Config(hidden_size=512, intermediate_size=512, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=TINY_VOCAB, max_position_embeddings=256,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "wide")
+    cfg = EngineConfig(model=str(tmp_path / "wide"), dtype="float32", quantize="auto", max_context=64,
+                       max_sessions=2)
+    assert is_quantized(ModelEngine.load(cfg).model)
+    assert not is_quantized(build_verifier(cfg, SessionLimits()).engine.model)
+    drafter = build_drafter(cfg, DrafterConfig(), SessionLimits())
+    assert is_quantized(drafter.engine.model)
+    tiny = tiny_model()
+    tiny.save_pretrained(tmp_path / "tiny")
+    assert not is_quantized(ModelEngine.load(EngineConfig(model=str(tmp_path / "tiny"), quantize="auto")).model)
+
+
+def test_the_draft_service_defaults_to_auto_and_the_target_to_none():
+    import argparse
+
+    from specdec.cli.serve_cmd import register
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    assert parser.parse_args(["serve", "draft"]).quantize == "auto"
+    assert parser.parse_args(["serve", "target"]).quantize == "none"

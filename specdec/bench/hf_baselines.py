@@ -108,7 +108,7 @@ class HFBaselines:
             if rows[0] != rows[1]:
                 match_rows(self.draft, rows[1])
                 self.draft_rows = rows
-        if self.draft is not None and getattr(draft_cfg, "quantize", "none") != "none":
+        if self.draft is not None and self._draft_int8(draft_cfg):
             from specdec.engine.quantize import quantize_linears
 
             quantize_linears(self.draft)  # the same int8 draft as the draft service's (engine/quantize.py)
@@ -118,6 +118,14 @@ class HFBaselines:
         self.pad_id = pad if pad is not None else (self.eos_ids[0] if self.eos_ids else 0)
         self.device = self.target.device
         self.dtype = str(self.target.dtype).removeprefix("torch.")
+
+    def _draft_int8(self, draft_cfg) -> bool:
+        """The draft's linears as int8: as asked, or (auto) as the draft
+        service would choose for this draft (engine/quantize.py)."""
+        from specdec.engine.quantize import choose
+
+        setting = getattr(draft_cfg, "quantize", "none")
+        return choose(setting, self.draft.device.type, getattr(self.draft.config, "hidden_size", None))[0] == "int8"
 
     def _pack(self, setting: str) -> bool:
         """`specd bench --hf-packed-linears auto`: the baselines' bf16 linears

@@ -77,7 +77,8 @@ class ServiceOptions:
     max_context: int = 4096
     # One draft service per head: its output head over the N most frequent ids (0: all).
     draft_vocabs: tuple[int, ...] = (0,)
-    # Every draft service's linear layers as int8 ("int8", CPU) or as loaded ("none").
+    # Every draft service's linear layers as int8 ("int8", CPU), as loaded
+    # ("none"), or as the service chooses ("auto", engine/quantize.py).
     draft_quantize: str = "none"
     # Both services' bf16 linears pre-packed for oneDNN: auto, on or off (engine/packed_linear.py).
     packed_linears: str = "auto"
@@ -125,8 +126,7 @@ class ServiceSet:
                                          self.log_dir, self.env)
         for i, vocab in enumerate(o.draft_vocabs):
             head = ["--draft-vocab", str(vocab)] if vocab else []
-            if o.draft_quantize != "none":
-                head += ["--quantize", o.draft_quantize]
+            head += ["--quantize", o.draft_quantize]
             name = draft_name(vocab, i == 0)
             self.services[name] = spawn_role("draft", ["--model", o.draft, "--device", o.draft_device, *common,
                                                        *head], self.log_dir, self.env, name=name)

@@ -54,9 +54,11 @@ def register(sub) -> None:
                    help="each round's drafting ends once the product of the draft's probabilities of its drafts "
                         "is below P (a per-request option; 0: never). Several values: every specdec config runs "
                         "with each, named NAME/cP (default: the orchestrator's default)")
-    g.add_argument("--draft-quantize", default="none", choices=QUANTIZE_CHOICES,
+    g.add_argument("--draft-quantize", default="auto", choices=QUANTIZE_CHOICES,
                    help="the draft's linear layers as int8 (CPU only; engine/quantize.py), in the draft "
-                        "service and in HF assisted generation alike, so both speculate with the same draft")
+                        "service and in HF assisted generation alike, so both speculate with the same draft; "
+                        "auto: int8 for a draft on a CPU with VNNI whose hidden size is >= 512, as the draft "
+                        "service chooses (default auto)")
     g.add_argument("--packed-linears", default="auto", choices=AUTO_ON_OFF,
                    help="the model services' bf16 linears with weights pre-packed for oneDNN (CPU; "
                         "engine/packed_linear.py; the same products, bit for bit). The HF baselines run "
@@ -233,7 +235,7 @@ def _service_set(args, o: dict, out_dir: Path):
     return ServiceSet(ServiceOptions(draft=o["draft_dir"], target=o["target_dir"], draft_device=o["draft_device"],
                                      target_device=o["target_device"], dtype=args.dtype, threads=args.threads,
                                      tokenizer=o["target_dir"], startup_timeout_s=args.startup_timeout,
-                                     draft_vocabs=tuple(o["draft_vocabs"]), draft_quantize=args.draft_quantize,
+                                     draft_vocabs=tuple(o["draft_vocabs"]), draft_quantize=o["draft_quantize"],
                                      packed_linears=args.packed_linears),
                       out_dir / "logs")
 
@@ -297,7 +299,7 @@ def _load_hf_baselines(args, o: dict):
     _log("specd bench: loading the HF baselines in this process...")
     target_cfg = EngineConfig(model=o["target_dir"], device=o["target_device"], dtype=args.dtype, threads=args.threads)
     draft_cfg = (EngineConfig(model=o["draft_dir"], device=o["draft_device"], dtype=args.dtype, threads=args.threads,
-                              quantize=args.draft_quantize)
+                              quantize=o["draft_quantize"])
                  if HF_ASSISTED in hf_kinds else None)
     return HFBaselines(target_cfg, draft_cfg, packed_linears=args.hf_packed_linears)
 

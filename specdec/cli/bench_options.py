@@ -65,8 +65,9 @@ def resolve(args: argparse.Namespace) -> dict:
             raise UsageError(f"--{name.replace('_', '-')} must be cpu, cuda or cuda:N, not {dev!r}")
     o["draft_device"] = args.draft_device or args.device
     o["target_device"] = args.target_device or args.device
-    if getattr(args, "draft_quantize", "none") != "none" and o["draft_device"] != "cpu":
-        raise UsageError(f"--draft-quantize {args.draft_quantize} runs on the CPU only: use --draft-device cpu")
+    o["draft_quantize_setting"] = getattr(args, "draft_quantize", "none")
+    if o["draft_quantize_setting"] == "int8" and o["draft_device"] != "cpu":
+        raise UsageError("--draft-quantize int8 runs on the CPU only: use --draft-device cpu")
     if any(d.startswith("cuda") for d in (o["draft_device"], o["target_device"])):
         import torch
 
@@ -158,8 +159,21 @@ def resolve(args: argparse.Namespace) -> dict:
         except ImportError as exc:
             raise UsageError(f"network conditions need specdec.latency_proxy, which cannot be imported: {exc}") from None
     if "draft_dir" in o:  # the tiny pair's models are made later, and are tiny
-        _check_memory(getattr(args, "dtype", "auto"), getattr(args, "draft_quantize", "none"), o)
+        _choose_draft_weights(o)
+        _check_memory(getattr(args, "dtype", "auto"), o["draft_quantize"], o)
     return o
+
+
+def _choose_draft_weights(o: dict) -> None:
+    """--draft-quantize as the draft service would resolve it for this draft
+    (engine/quantize.py): the services and HF assisted get the outcome, so
+    both speculate with the same draft, and the summary names it."""
+    from specdec.engine.quantize import choose
+    from specdec.models.skeleton import model_config
+
+    config = model_config(o["draft_dir"])
+    o["draft_quantize"], o["draft_quantize_why"] = choose(o["draft_quantize_setting"], o["draft_device"],
+                                                          getattr(config, "hidden_size", None))
 
 
 def _check_memory(dtype: str, quantize: str, o: dict) -> None:
@@ -253,6 +267,7 @@ def use_tiny_pair(o: dict) -> None:
     draft_dir, target_dir = ensure_tiny_pair()
     o["draft"] = o["draft_dir"] = str(draft_dir)
     o["target"] = o["target_dir"] = str(target_dir)
+    _choose_draft_weights(o)
 
 
 def build_prompts(o: dict, pair: str, seed: int) -> list:

@@ -27,7 +27,7 @@ def write_results(args, o: dict, prompts: list, runner, interrupted: bool, machi
     dtypes = _dtypes(args, o)
     extra = {"machine": machine, "command": command, "models": {"draft": o["draft"], "target": o["target"],
              "draft_device": o["draft_device"], "target_device": o["target_device"], "dtype": dtypes,
-             "draft_vocabs": o["draft_vocabs"], "draft_quantize": args.draft_quantize,
+             "draft_vocabs": o["draft_vocabs"], "draft_quantize": o["draft_quantize"],
              "packed_linears": args.packed_linears, "hf_packed_linears": args.hf_packed_linears,
              "threads": args.threads}, "started_utc": dt.datetime.fromtimestamp(started, dt.timezone.utc).isoformat()}
     runs = build_runs(records, extra)
@@ -65,7 +65,7 @@ def _settings(args, o: dict, prompts: list) -> dict:
 
 def _models(args, o: dict, dtypes: dict) -> dict:
     return {"draft": f"{o['draft']} on {o['draft_device']}, {dtypes['draft']}",
-            "draft heads": _heads_label(o["draft_vocabs"]), "draft weights": _draft_weights(args, dtypes),
+            "draft heads": _heads_label(o["draft_vocabs"]), "draft weights": _draft_weights(o, dtypes),
             "verify batcher": _on_off_label(o["batching"], "batcher-off"),
             "speculation gate": _on_off_label(o["gates"], "gate-off"),
             "draft min confidence": " ".join(f"{v:g}" for v in args.draft_min_confidence) or "the server's default",
@@ -74,8 +74,9 @@ def _models(args, o: dict, dtypes: dict) -> dict:
             "threads per service": args.threads or "torch default"}
 
 
-def _draft_weights(args, dtypes: dict) -> str:
-    return "int8 linear layers (fbgemm)" if args.draft_quantize == "int8" else dtypes["draft"]
+def _draft_weights(o: dict, dtypes: dict) -> str:
+    weights = "int8 linear layers (fbgemm)" if o["draft_quantize"] == "int8" else dtypes["draft"]
+    return weights if o["draft_quantize_setting"] != "auto" else f"{weights} ({o['draft_quantize_why']})"
 
 
 def _heads_label(heads: list[int]) -> str:

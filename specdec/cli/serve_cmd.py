@@ -37,7 +37,7 @@ def register(sub) -> None:
 
     draft = roles.add_parser("draft", help="the draft model service")
     add_arguments(draft, ServerConfig, defaults={"port": DRAFT_PORT})
-    add_arguments(draft, EngineConfig, defaults={"model": DEFAULT_PAIR.draft})
+    add_arguments(draft, EngineConfig, defaults={"model": DEFAULT_PAIR.draft, "quantize": "auto"})
     add_arguments(draft, SessionLimits, skip=("max_verify_batch",))
     add_arguments(draft, DrafterConfig)
     add_arguments(draft, TlsConfig)

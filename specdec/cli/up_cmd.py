@@ -40,8 +40,9 @@ def register(sub) -> None:
     add_role_devices(p)
     add_dtype(p)
     add_threads(p, applies_to="per model service")
-    p.add_argument("--draft-quantize", default="none", choices=QUANTIZE_CHOICES,
-                   help="the draft's linear layers as int8 (CPU only; see docs/benchmarks.md \"An int8 draft\")")
+    p.add_argument("--draft-quantize", default="auto", choices=QUANTIZE_CHOICES,
+                   help="the draft's linear layers as int8 (CPU only; see docs/benchmarks.md \"An int8 draft\"); "
+                        "auto: int8 for a draft on a CPU with VNNI whose hidden size is >= 512 (default auto)")
     p.add_argument("--port", type=int, default=50051, help="orchestrator port")
     p.add_argument("--http-port", type=int, default=8000,
                    help="the orchestrator's OpenAI-compatible HTTP API (/v1) port (-1: off)")

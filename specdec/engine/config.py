@@ -7,7 +7,7 @@ from specdec.config import opt
 from specdec.limits import DEFAULT_MAX_DRAFT_TOKENS
 
 AUTO_ON_OFF = ("auto", "on", "off")
-QUANTIZE_CHOICES = ("none", "int8")
+QUANTIZE_CHOICES = ("auto", "none", "int8")
 
 
 @dataclass
@@ -52,9 +52,11 @@ class EngineConfig:
     # ranking `specd models rank-vocab` stores with the model); 0: all ids.
     draft_vocab: int = opt(0, "draft: output head over the N most frequent token ids (0: all)")
     # Weights of the model's linear layers (engine/quantize.py): "int8" runs
-    # them as fbgemm int8 (CPU only; the draft only: the target refuses it).
-    quantize: str = opt("none", "draft on CPU: int8 weights and activations for the linear layers",
-                        choices=QUANTIZE_CHOICES)
+    # them as fbgemm int8 (CPU only; the draft only: the target refuses it);
+    # "auto" (the draft service's default) int8 for a draft on a CPU with
+    # VNNI whose hidden size is >= 512, else none; a target takes auto as none.
+    quantize: str = opt("none", "draft on CPU: int8 weights and activations for the linear layers "
+                        "(auto: where int8 pays, see engine/quantize.py)", choices=QUANTIZE_CHOICES)
     # bf16 linear layers on the CPU with weights blocked once for oneDNN
     # (engine/packed_linear.py): the same products, bit for bit, read faster.
     # "auto" packs where a start-up check shows them identical to F.linear's.
@@ -80,7 +82,7 @@ class EngineConfig:
             raise ValueError(f"device must be cpu, cuda or cuda:N, not {self.device!r}")
         if self.packed_linears == "on" and self.device != "cpu":
             raise ValueError("--packed-linears on runs on the CPU only; use auto or off")
-        if self.quantize != "none" and self.device != "cpu":
+        if self.quantize == "int8" and self.device != "cpu":
             raise ValueError(f"--quantize {self.quantize} runs on the CPU only (fbgemm has no CUDA kernel); "
                              "use --device cpu or --quantize none")
         if self.cuda_graphs == "on" and not self.device.startswith("cuda"):

@@ -38,6 +38,7 @@ from specdec.engine.fused_decoder import FusedDecoder
 from specdec.engine.model_facts import (cache_kwarg, choose_kernel, context_limit, eos_ids, probe_kv_shape,
                                        wants_fused, wants_graphs)
 from specdec.engine.packed_linear import wants_packing
+from specdec.engine.quantize import choose as choose_quantize
 from specdec.engine.prefill import PrefillJob
 from specdec.engine.sessions import ContextRules, EngineSession, SessionTable
 from specdec.engine.static_steps import CaptureReport, StaticSteps
@@ -133,8 +134,11 @@ class ModelEngine(WeightForms):
         engine = cls(loaded.model, cfg, tokenizer=loaded.tokenizer, name=loaded.name, id_space=loaded.id_space)
         if cfg.draft_vocab:
             engine.restrict_output(ranked_subset(cfg.model, engine.info, cfg.draft_vocab))
-        if cfg.quantize != "none":
-            engine.quantize_weights(cfg.quantize)
+        kind, why = choose_quantize(cfg.quantize, engine.device.type, getattr(engine.model.config, "hidden_size", None))
+        if cfg.quantize == "auto":
+            log.info("linear layers: %s (%s)", "int8" if kind == "int8" else "as loaded", why)
+        if kind != "none":
+            engine.quantize_weights(kind)
         if wants_packing(cfg.packed_linears, engine.device, engine.dtype):
             engine.pack_weights()
         return engine
