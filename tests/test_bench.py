@@ -477,3 +477,29 @@ def test_bench_on_a_synthetic_pair_projects_speedups(tmp_path, capsys):
     assert "synth:tiny" in summary and "## Projected speedup (greedy)" in summary
     assert "| 0.6 | one-gpu | 2 |" in summary and "| 0.9 | two-gpus-pipelined | 2 |" in summary
     assert (out / "projected_speedup.png").read_bytes().startswith(PNG_MAGIC)
+
+
+def test_draft_quantize_auto_is_resolved_once_for_the_run_or_left_to_each_loader(monkeypatch):
+    """--draft-quantize auto: resolved from the draft's config for the services and HF assisted alike;
+    a draft without a config to read here (a .gguf) leaves it to each loader; an unknown synth name is
+    a usage error, not a traceback."""
+    from specdec.cli import bench_options
+    from specdec.engine import quantize
+    from specdec.models import skeleton
+
+    monkeypatch.setattr(quantize, "_cpu_has_vnni", lambda: True)
+    o = {"draft_dir": "synth:qwen2.5-0.5b", "draft_quantize_setting": "auto", "draft_device": "cpu"}
+    bench_options._choose_draft_weights(o)
+    assert (o["draft_quantize"], o["draft_quantize_why"]) == ("int8", "auto: a CPU with VNNI, hidden size 896")
+    tiny = dict(o, draft_dir="synth:tiny")  # hidden 64: its dtype
+    bench_options._choose_draft_weights(tiny)
+    assert tiny["draft_quantize"] == "none" and "below 512" in tiny["draft_quantize_why"]
+    with pytest.raises(bench_options.UsageError):
+        bench_options._choose_draft_weights(dict(o, draft_dir="synth:no-such-model"))
+    monkeypatch.setattr(skeleton, "model_config", lambda model: None)
+    gguf = dict(o, draft_dir="/models/draft.gguf")
+    bench_options._choose_draft_weights(gguf)
+    assert gguf["draft_quantize"] == "auto"
+    pinned = dict(gguf, draft_quantize_setting="none")
+    bench_options._choose_draft_weights(pinned)
+    assert pinned["draft_quantize"] == "none"

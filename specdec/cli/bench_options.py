@@ -171,7 +171,17 @@ def _choose_draft_weights(o: dict) -> None:
     from specdec.engine.quantize import choose
     from specdec.models.skeleton import model_config
 
-    config = model_config(o["draft_dir"])
+    from specdec.models.cache import ModelNotFoundError
+
+    try:
+        config = model_config(o["draft_dir"])
+    except ModelNotFoundError as exc:
+        raise UsageError(str(exc)) from None
+    if config is None and o["draft_quantize_setting"] == "auto":
+        # No config to read here (a .gguf, say): the draft service and HF
+        # assisted each choose from the model they load, by the same rule.
+        o["draft_quantize"], o["draft_quantize_why"] = "auto", "auto: chosen as each loads the draft"
+        return
     o["draft_quantize"], o["draft_quantize_why"] = choose(o["draft_quantize_setting"], o["draft_device"],
                                                           getattr(config, "hidden_size", None))
 

@@ -31,7 +31,9 @@ def register(sub) -> None:
     add_threads(p, default=1, applies_to="per model service")
     p.add_argument("--request-timeout-s", type=float, default=120.0,
                    help="deadline of every request not in the short-deadline fraction (default 120)")
-    p.add_argument("--draft-model", default="", help="draft model (default: the tiny random pair's)")
+    p.add_argument("--draft-model", default="", help="draft model (default: the tiny random pair's), served with "
+                   "the draft service's defaults: its linears int8 where that pays (--quantize auto; "
+                   "--env SPECD_QUANTIZE=none keeps its dtype)")
     p.add_argument("--target-model", default="", help="target model (default: the tiny random pair's)")
     p.add_argument("--kill", action="append", default=[], metavar="ROLE@SECONDS",
                    help="kill -9 a role (draft, target0, target1, ...) this far into the load; repeatable")

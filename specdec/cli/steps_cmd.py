@@ -39,7 +39,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--draft-vocab", type=int, nargs="+", default=[0],
                    help="output head sizes to measure (0: full; needs `specd models rank-vocab`, "
                         "except a synth: model, whose head keeps the lowest ids: costs only)")
-    p.add_argument("--quantize", nargs="+", default=["none"], choices=QUANTIZE_CHOICES,
+    p.add_argument("--quantize", nargs="+", default=["none"], choices=[c for c in QUANTIZE_CHOICES if c != "auto"],
                    help="weights to measure: none (the dtype's) and/or int8 (CPU; engine/quantize.py), "
                    "interleaved per step shape when several are given")
     p.add_argument("--packed-linears", nargs="+", default=["auto"], choices=AUTO_ON_OFF,

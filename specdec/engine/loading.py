@@ -58,7 +58,7 @@ def load_model(cfg: EngineConfig) -> LoadedModel:
         raise ResourceExhausted(
             f"model {cfg.model!r} does not fit in the memory of {cfg.device} ({free:.1f} GiB free now): "
             f"{str(exc).splitlines()[0]} Give it a device with more memory, a smaller --dtype, "
-            f"--quantize int8, or a smaller model.") from None
+            f"or a smaller model.") from None
 
 
 def _load(cfg: EngineConfig) -> LoadedModel:

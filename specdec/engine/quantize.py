@@ -64,7 +64,9 @@ def choose(setting: str, device: str, hidden_size: int | None) -> tuple[str, str
         return "none", "auto: this CPU has no VNNI, where int8 was not measured to pay"
     if "fbgemm" not in torch.backends.quantized.supported_engines:
         return "none", "auto: this torch has no fbgemm"
-    if not hidden_size or hidden_size < AUTO_MIN_HIDDEN:
+    if not hidden_size:
+        return "none", "auto: the model's hidden size is unknown"
+    if hidden_size < AUTO_MIN_HIDDEN:
         return "none", f"auto: hidden size {hidden_size} is below {AUTO_MIN_HIDDEN}, where int8 products cost no less"
     return "int8", f"auto: a CPU with VNNI, hidden size {hidden_size}"
 
