@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from specdec.sampling import q_wire
 from specdec.sampling.draft_picks import DraftRow, NoMass, pick_drafts
 from specdec.sampling.params import SamplingParams
 from specdec.sampling.scoring import NoTargetMass, ScoreJob, draw_draft, score_drafts, score_many
@@ -49,6 +50,10 @@ def test_every_row_picks_what_the_one_row_path_picks(max_q):
         else:
             assert torch.equal(pick.q.token_ids, q.token_ids) and torch.equal(pick.q.probs, q.probs)
             assert token in pick.q.token_ids.tolist() and token < 200
+            # packed for the wire as it was made: the bytes the tensors pack to, read back as the entries
+            assert pick.q.packed == q_wire.pack(q) and q.packed is None
+            ids, probs = q_wire.unpack(pick.q.packed)
+            assert ids.tolist() == q.token_ids.tolist() and probs.tolist() == q.probs.tolist()
 
 
 @pytest.mark.parametrize("params", PARAMS, ids=lambda p: f"T{p.temperature}-k{p.top_k}-p{p.top_p}")

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.host_copy import to_device
+from specdec.sampling import q_wire
 from specdec.sampling.params import SamplingParams
 from specdec.sampling.rng import Stream, uniform
 from specdec.sampling.sparse import SparseDist, truncate_rows
@@ -117,7 +118,12 @@ class DevicePicks:
                                     "(NaN or inf logits)")
                     continue
                 row = mass[j]
-                dist = SparseDist(torch.from_numpy(ids[j][row]), torch.from_numpy(q[j][row]))
+                row_ids, row_q = ids[j][row], q[j][row]
+                # Packed for the wire while the entries are arrays: from the
+                # tensors later it costs two more conversions a proposal, on
+                # the reply's path (q_wire.pack).
+                dist = SparseDist(torch.from_numpy(row_ids), torch.from_numpy(row_q),
+                                  q_wire.pack_arrays(row_ids, row_q))
                 out[i] = DraftPick(out[i].token_id, dist, out[i].confidence)
         return out
 

@@ -54,8 +54,16 @@ def write(msg, dist, packed: bool) -> None:
 
 
 def pack(dist) -> bytes:
-    """`dist`'s entries in the packed encoding (host tensors)."""
-    return dist.token_ids.numpy().astype(IDS).tobytes() + dist.probs.numpy().astype(PROBS).tobytes()
+    """`dist`'s entries in the packed encoding (host tensors): as its maker
+    packed them (`SparseDist.packed`), else packed now."""
+    if dist.packed is not None:
+        return dist.packed
+    return pack_arrays(dist.token_ids.numpy(), dist.probs.numpy())
+
+
+def pack_arrays(token_ids: np.ndarray, probs: np.ndarray) -> bytes:
+    """Entries given as numpy arrays, in the packed encoding."""
+    return token_ids.astype(IDS).tobytes() + probs.astype(PROBS).tobytes()
 
 
 def unpack(data: bytes) -> tuple[np.ndarray, np.ndarray]:

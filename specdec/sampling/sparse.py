@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -38,6 +38,9 @@ class SparseDist:
 
     token_ids: torch.Tensor  # [n] int64, distinct
     probs: torch.Tensor  # [n] float32, >= 0, summing to ~1 (see module docstring)
+    # The same entries in the wire's packed encoding (q_wire.pack), when the
+    # maker had them at hand as arrays (draft_picks); None: packed on demand.
+    packed: bytes | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         assert self.token_ids.dim() == 1 and self.token_ids.dtype == torch.int64
