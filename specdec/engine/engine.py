@@ -40,7 +40,7 @@ from specdec.engine.model_facts import (cache_kwarg, choose_kernel, context_limi
 from specdec.engine.packed_linear import wants_packing
 from specdec.engine.quantize import choose as choose_quantize
 from specdec.engine.prefill import PrefillJob
-from specdec.engine.sessions import ContextRules, EngineSession, SessionTable
+from specdec.engine.sessions import ContextRules, EngineSession, SessionTable, new_session_id
 from specdec.engine.static_steps import CaptureReport, StaticSteps
 from specdec.engine.weight_forms import WeightForms
 from specdec.errors import InvalidArgument
@@ -208,6 +208,22 @@ class ModelEngine(WeightForms):
         """The sessions of `requests` opened (each request's error in its
         place), their prompts left to compute one pass a `step()`."""
         return PrefillJob(self, requests)
+
+    def reserve_session(self, prompt: list[int], max_new_tokens: int) -> EngineSession:
+        """A new session holding `prompt` but its last token, none of it
+        computed yet, marked as opening (the reaper leaves it alone): the
+        first half of an open, for PrefillJob. Raises what the open would
+        (the context rules, no room)."""
+        self.rules.check_open(prompt, max_new_tokens)
+        self._sessions.check_room()
+        # The last prompt token is left to the first extend, which needs its logits anyway.
+        return self._sessions.add(EngineSession(id=new_session_id(), tokens=prompt[:-1],
+                                                slot=self.store.allocate(), opening=True))
+
+    def compute_up_to(self, sessions: list[EngineSession], stops: list[int]) -> None:
+        """One forward pass over tokens [cached, stop) of each session, no
+        logits kept: a pass of prefill, for PrefillJob."""
+        self._run(sessions, stops, [0] * len(sessions))
 
     def append_tokens(self, session_id: str, tokens: Sequence[int], computed: int = 0) -> int:
         """Append to the context without a forward pass (the next extend

@@ -29,7 +29,7 @@ from __future__ import annotations
 import time
 from typing import Sequence
 
-from specdec.engine.sessions import EngineSession, new_session_id
+from specdec.engine.sessions import EngineSession
 
 
 class PrefillJob:
@@ -59,11 +59,7 @@ class PrefillJob:
             self._out.append(None)
             added.append(index)
             try:
-                self.engine.rules.check_open(prompt, max_new_tokens)
-                self.engine._sessions.check_room()
-                # The last prompt token is left to the first extend, which needs its logits anyway.
-                session = self.engine._sessions.add(EngineSession(id=new_session_id(), tokens=prompt[:-1],
-                                                                  slot=self.engine.store.allocate(), opening=True))
+                session = self.engine.reserve_session(prompt, max_new_tokens)
             except Exception as exc:  # noqa: BLE001 - this request's problem only
                 self._settle(index, exc)
                 continue
@@ -104,7 +100,7 @@ class PrefillJob:
         batch = [self._sessions[i] for i in share]
         stops = [self._sessions[i].cached + n for i, n in share.items()]
         try:
-            self.engine._run(batch, stops, [0] * len(batch))
+            self.engine.compute_up_to(batch, stops)
         except BaseException as exc:
             self._fail(exc)
             return
