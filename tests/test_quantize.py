@@ -207,6 +207,7 @@ def test_auto_loads_a_wide_draft_at_int8_and_never_a_target(monkeypatch, tmp_pat
     from draft_service.config import DrafterConfig
     from specdec.engine import quantize
     from specdec.engine.engine import ModelEngine
+    from specdec.rpc.model_service import info_to_wire
     from target_service.server import build_verifier
 
     monkeypatch.setattr(quantize, "_cpu_has_vnni", lambda: True)
@@ -217,9 +218,13 @@ def test_auto_loads_a_wide_draft_at_int8_and_never_a_target(monkeypatch, tmp_pat
     cfg = EngineConfig(model=str(tmp_path / "wide"), dtype="float32", quantize="auto", max_context=64,
                        max_sessions=2)
     assert is_quantized(ModelEngine.load(cfg).model)
-    assert not is_quantized(build_verifier(cfg, SessionLimits()).engine.model)
+    target = build_verifier(cfg, SessionLimits()).engine
+    assert not is_quantized(target.model)
     drafter = build_drafter(cfg, DrafterConfig(), SessionLimits())
     assert is_quantized(drafter.engine.model)
+    # ModelInfo says how each runs: the choice depends on the machine, so a caller can read it
+    assert info_to_wire(drafter.engine.info, SessionLimits(), "model").weights == "int8"
+    assert info_to_wire(target.info, SessionLimits(), "model").weights == ""
     tiny = tiny_model()
     tiny.save_pretrained(tmp_path / "tiny")
     assert not is_quantized(ModelEngine.load(EngineConfig(model=str(tmp_path / "tiny"), quantize="auto")).model)

@@ -76,6 +76,8 @@ class EngineInfo:
     # Ids [0, usable_vocab_size) are read and emitted; the output rows beyond
     # are padding, masked to -inf (engine/vocab.py). 0: all vocab_size ids.
     usable_vocab_size: int = 0
+    # "int8" once the linear layers run as int8 (quantize.py); "": at dtype.
+    weights: str = ""
 
 
 class ModelEngine(WeightForms):

@@ -5,6 +5,7 @@ linears for oneDNN (packed_linear.py). `ModelEngine` takes these methods
 from `WeightForms`; `ModelEngine.load` applies what the config asks for."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -45,6 +46,7 @@ class WeightForms:
         with torch.inference_mode(False), torch.no_grad():
             replaced = quantize_linears(self.model)
         self.quantized = kind
+        self.info = dataclasses.replace(self.info, weights=kind)
         log.info("%d linear layers quantized to int8 (fbgemm)", replaced)
 
     def pack_weights(self) -> None:

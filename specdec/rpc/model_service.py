@@ -134,6 +134,7 @@ def info_to_wire(info: EngineInfo, limits: SessionLimits, backend: str) -> commo
         backend=backend,
         kv_bytes_per_token=info.kv_bytes_per_token,
         usable_vocab_size=info.usable_vocab_size or info.vocab_size,
+        weights=info.weights,
     )
 
 
