@@ -305,3 +305,50 @@ def test_a_target_restarted_as_a_version_that_reads_no_packed_q_gets_lists(monke
     # the session it lost, before reading a q); every round after the recovery, lists.
     first_list = writes.index(False)
     assert all(writes[:first_list]) and not any(writes[first_list:]), writes
+
+
+def _reference_problem(ids, ps, vocab_size, tol=1e-3, drafted_id=None):
+    """`sparse_problem` as it was written first, an entry at a time: the reference for its faster form."""
+    import math
+
+    if len(ids) != len(ps):
+        return f"sparse distribution has {len(ids)} token ids but {len(ps)} probabilities"
+    if not ids:
+        return "sparse distribution is empty"
+    if min(ids) < 0 or max(ids) >= vocab_size:
+        token = next(t for t in ids if not 0 <= t < vocab_size)
+        return f"sparse distribution has token id {token} outside [0, {vocab_size})"
+    if len(set(ids)) != len(ids):
+        return "sparse distribution has duplicate token ids"
+    if not all(0.0 <= p < math.inf for p in ps):
+        return "sparse distribution has a negative, NaN or infinite probability"
+    total = math.fsum(ps)
+    if abs(total - 1.0) > tol:
+        return f"sparse distribution sums to {total:.6g}, not 1 (tolerance {tol})"
+    if drafted_id is not None:
+        try:
+            if ps[ids.index(drafted_id)] > 0:
+                return None
+        except ValueError:
+            pass
+        return f"drafted token {drafted_id} has probability 0 under its own q"
+    return None
+
+
+def test_the_checks_of_a_qs_probabilities_say_what_an_entry_by_entry_check_says():
+    """NaN, +-inf, negative values and zeros anywhere among valid float32 probabilities (a NaN first
+    or last, where min() does or does not return it; inf beside -inf, which fsum refuses)."""
+    from specdec.sampling.sparse_lists import sparse_problem
+
+    rng = random.Random(5)
+    specials = [float("nan"), float("inf"), float("-inf"), -1e-9, -0.0, 0.0, -3.0, 3.4e38]
+    for case in range(4000):
+        n = rng.randint(1, 12)
+        ps = [struct.unpack("<f", struct.pack("<f", p))[0] for p in (rng.random() for _ in range(n))]
+        total = sum(ps)
+        ps = [struct.unpack("<f", struct.pack("<f", p / total))[0] for p in ps]
+        for _ in range(rng.choice((0, 0, 1, 2, 3))):
+            ps[rng.randrange(n)] = rng.choice(specials)
+        ids = rng.sample(range(50), n)
+        drafted = rng.choice(ids + [99])
+        assert sparse_problem(ids, ps, 50, drafted_id=drafted) == _reference_problem(ids, ps, 50, drafted_id=drafted), ps

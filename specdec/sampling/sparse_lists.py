@@ -42,9 +42,16 @@ def sparse_problem(ids: list[int], ps: list[float], vocab_size: int, tol: float 
         return f"sparse distribution has token id {token} outside [0, {vocab_size})"
     if len(set(ids)) != len(ids):
         return "sparse distribution has duplicate token ids"
-    if not all(0.0 <= p < math.inf for p in ps):  # a NaN fails both comparisons
+    try:
+        total = math.fsum(ps)  # NaN when one is; inf, or ValueError (inf - inf), when one is infinite
+    except ValueError:
+        total = math.nan
+    # Every probability finite and >= 0 exactly when both hold (the wire's
+    # values are float32: a sum of finite ones stays finite). A NaN fails the
+    # first if min() returns it, else makes the sum NaN. One pass of builtins
+    # instead of a comparison per entry in Python.
+    if not (min(ps) >= 0.0 and math.isfinite(total)):
         return "sparse distribution has a negative, NaN or infinite probability"
-    total = math.fsum(ps)
     if abs(total - 1.0) > tol:
         return f"sparse distribution sums to {total:.6g}, not 1 (tolerance {tol})"
     if drafted_id is not None:
