@@ -7,6 +7,8 @@ alone. The target's batched scoring (`scoring.score_many`): each job's
 outcome equals its own `score_drafts`, in any batch."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -54,6 +56,8 @@ def test_every_row_picks_what_the_one_row_path_picks(max_q):
             assert pick.q.packed == q_wire.pack(q) and q.packed is None
             ids, probs = q_wire.unpack(pick.q.packed)
             assert ids.tolist() == q.token_ids.tolist() and probs.tolist() == q.probs.tolist()
+            # other entries made from it are packed afresh, never with its bytes
+            assert dataclasses.replace(pick.q, probs=pick.q.probs * 0.5).packed is None
 
 
 @pytest.mark.parametrize("params", PARAMS, ids=lambda p: f"T{p.temperature}-k{p.top_k}-p{p.top_p}")

@@ -218,12 +218,12 @@ def test_auto_loads_a_wide_draft_at_int8_and_never_a_target(monkeypatch, tmp_pat
     cfg = EngineConfig(model=str(tmp_path / "wide"), dtype="float32", quantize="auto", max_context=64,
                        max_sessions=2)
     assert is_quantized(ModelEngine.load(cfg).model)
-    target = build_verifier(cfg, SessionLimits()).engine
-    assert not is_quantized(target.model)
+    target = build_verifier(cfg, SessionLimits())
+    assert not is_quantized(target.engine.model)
     drafter = build_drafter(cfg, DrafterConfig(), SessionLimits())
     assert is_quantized(drafter.engine.model)
     # ModelInfo says how each runs: the choice depends on the machine, so a caller can read it
-    assert info_to_wire(drafter.engine.info, SessionLimits(), "model").weights == "int8"
+    assert info_to_wire(drafter.info, SessionLimits(), "model").weights == "int8"  # what GetModelInfo serves
     assert info_to_wire(target.info, SessionLimits(), "model").weights == ""
     tiny = tiny_model()
     tiny.save_pretrained(tmp_path / "tiny")

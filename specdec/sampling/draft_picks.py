@@ -122,8 +122,8 @@ class DevicePicks:
                 # Packed for the wire while the entries are arrays: from the
                 # tensors later it costs two more conversions a proposal, on
                 # the reply's path (q_wire.pack).
-                dist = SparseDist(torch.from_numpy(row_ids), torch.from_numpy(row_q),
-                                  q_wire.pack_arrays(row_ids, row_q))
+                dist = SparseDist.with_packed(torch.from_numpy(row_ids), torch.from_numpy(row_q),
+                                              q_wire.pack_arrays(row_ids, row_q))
                 out[i] = DraftPick(out[i].token_id, dist, out[i].confidence)
         return out
 

@@ -39,8 +39,10 @@ class SparseDist:
     token_ids: torch.Tensor  # [n] int64, distinct
     probs: torch.Tensor  # [n] float32, >= 0, summing to ~1 (see module docstring)
     # The same entries in the wire's packed encoding (q_wire.pack), when the
-    # maker had them at hand as arrays (draft_picks); None: packed on demand.
-    packed: bytes | None = field(default=None, compare=False, repr=False)
+    # maker had them at hand as arrays (`with_packed`); None: packed on
+    # demand. Not an init field, so `dataclasses.replace` never carries it
+    # to other entries.
+    packed: bytes | None = field(default=None, init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         assert self.token_ids.dim() == 1 and self.token_ids.dtype == torch.int64
@@ -54,6 +56,13 @@ class SparseDist:
             torch.tensor(list(token_ids), dtype=torch.int64),
             torch.tensor(list(probs), dtype=torch.float32),
         )
+
+    @classmethod
+    def with_packed(cls, token_ids: torch.Tensor, probs: torch.Tensor, packed: bytes) -> SparseDist:
+        """A SparseDist whose entries `packed` holds in the wire's packed encoding already."""
+        dist = cls(token_ids, probs)
+        object.__setattr__(dist, "packed", packed)
+        return dist
 
     @classmethod
     def rows(cls, token_ids: torch.Tensor, probs: torch.Tensor) -> list[SparseDist]:

@@ -44,7 +44,7 @@ def sparse_problem(ids: list[int], ps: list[float], vocab_size: int, tol: float 
         return "sparse distribution has duplicate token ids"
     try:
         total = math.fsum(ps)  # NaN when one is; inf, or ValueError (inf - inf), when one is infinite
-    except ValueError:
+    except (ValueError, OverflowError):  # inf - inf; float64 values past float32's range
         total = math.nan
     # Every probability finite and >= 0 exactly when both hold (the wire's
     # values are float32: a sum of finite ones stays finite). A NaN fails the
