@@ -4,6 +4,7 @@ Verify outcomes, and the orchestrator asks for it only from a target that
 reads it."""
 from __future__ import annotations
 
+import math
 import random
 import struct
 
@@ -307,34 +308,6 @@ def test_a_target_restarted_as_a_version_that_reads_no_packed_q_gets_lists(monke
     assert all(writes[:first_list]) and not any(writes[first_list:]), writes
 
 
-def _reference_problem(ids, ps, vocab_size, tol=1e-3, drafted_id=None):
-    """`sparse_problem` as it was written first, an entry at a time: the reference for its faster form."""
-    import math
-
-    if len(ids) != len(ps):
-        return f"sparse distribution has {len(ids)} token ids but {len(ps)} probabilities"
-    if not ids:
-        return "sparse distribution is empty"
-    if min(ids) < 0 or max(ids) >= vocab_size:
-        token = next(t for t in ids if not 0 <= t < vocab_size)
-        return f"sparse distribution has token id {token} outside [0, {vocab_size})"
-    if len(set(ids)) != len(ids):
-        return "sparse distribution has duplicate token ids"
-    if not all(0.0 <= p < math.inf for p in ps):
-        return "sparse distribution has a negative, NaN or infinite probability"
-    total = math.fsum(ps)
-    if abs(total - 1.0) > tol:
-        return f"sparse distribution sums to {total:.6g}, not 1 (tolerance {tol})"
-    if drafted_id is not None:
-        try:
-            if ps[ids.index(drafted_id)] > 0:
-                return None
-        except ValueError:
-            pass
-        return f"drafted token {drafted_id} has probability 0 under its own q"
-    return None
-
-
 def test_the_checks_of_a_qs_probabilities_say_what_an_entry_by_entry_check_says():
     """NaN, +-inf, negative values and zeros anywhere among valid float32 probabilities (a NaN first
     or last, where min() does or does not return it; inf beside -inf, which fsum refuses)."""
@@ -350,5 +323,8 @@ def test_the_checks_of_a_qs_probabilities_say_what_an_entry_by_entry_check_says(
         for _ in range(rng.choice((0, 0, 1, 2, 3))):
             ps[rng.randrange(n)] = rng.choice(specials)
         ids = rng.sample(range(50), n)
-        drafted = rng.choice(ids + [99])
-        assert sparse_problem(ids, ps, 50, drafted_id=drafted) == _reference_problem(ids, ps, 50, drafted_id=drafted), ps
+        got = sparse_problem(ids, ps, 50, drafted_id=rng.choice(ids + [49]))
+        if not all(0.0 <= p < math.inf for p in ps):  # the check entry by entry, as first written
+            assert got == "sparse distribution has a negative, NaN or infinite probability", ps
+        else:
+            assert got is None or "negative" not in got, ps
