@@ -123,17 +123,17 @@ def _run(args: argparse.Namespace) -> int:
     from specdec import busy_poll
 
     # The tiny models here stand in for a GPU deployment's: auto chooses as the roles would there.
-    auto = args.busy_poll_us < 0
-    args.busy_poll_us, args.busy_poll_why = busy_poll.choose(args.busy_poll_us, models_on_gpu=True)
-    if auto:
-        args.busy_poll_why += ", as for a GPU deployment: the tiny models here stand in for its models"
-    polls = _busy_poll(args.busy_poll_us, args.busy_poll_roles)
+    poll_us, why = busy_poll.choose(args.busy_poll_us, models_on_gpu=True)
+    if args.busy_poll_us < 0:
+        why += ", as for a GPU deployment: the tiny models here stand in for its models"
+    polls = _busy_poll(poll_us, args.busy_poll_roles)
+    note = _busy_poll_note(poll_us, why, args.busy_poll_roles)
     if args.hops:
         if args.tls or args.in_process or args.cpu_wake_latency_us >= 0:
             print("specd: error: --hops measures the deployed orchestrator's round in plaintext: it takes "
                   "neither --tls, --in-process nor --cpu-wake-latency-us", file=sys.stderr)
             return 1
-        return _hops(args, polls)
+        return _hops(args, polls, note)
     held = cpu_latency.hold(args.cpu_wake_latency_us)
     if args.cpu_wake_latency_us >= 0 and not held:
         print(f"specd overhead: cannot hold the CPU wake-up latency at {args.cpu_wake_latency_us} us "
@@ -144,7 +144,7 @@ def _run(args: argparse.Namespace) -> int:
     print(report(figures, args.reps))
     if not args.in_process:  # the orchestrator's own round: deployed, as clients call it
         print("\n" + "\n".join(orchestrator_round.report_lines(_orchestrator_rounds(args, polls=polls))))
-    print(_busy_poll_note(args))
+    print(note)
     if held:
         print(f"\nThe CPU wake-up latency was held at <= {args.cpu_wake_latency_us} us ({cpu_latency.DEVICE}) "
               "throughout, for every process of the run.")
@@ -166,7 +166,7 @@ def _orchestrator_rounds(args: argparse.Namespace, default_requests: int | None 
                                                         Path(log_dir), hops_dir=hops_dir, busy_poll_us=polls))
 
 
-def _hops(args: argparse.Namespace, polls: dict[str, int]) -> int:
+def _hops(args: argparse.Namespace, polls: dict[str, int], note: str) -> int:
     import tempfile
     from pathlib import Path
 
@@ -177,7 +177,7 @@ def _hops(args: argparse.Namespace, polls: dict[str, int]) -> int:
         kinds = hops_report.rounds(hops_report.read_events(Path(hops_dir)), skip_first_request=True)
     print("\n".join(orchestrator_round.report_lines(rounds)))
     print("\n" + "\n".join(hops_report.report_lines(kinds)))
-    print(_busy_poll_note(args))
+    print(note)
     return 0
 
 
@@ -191,12 +191,12 @@ def _busy_poll(max_us: int, roles: list[str]) -> dict[str, int]:
     return polls
 
 
-def _busy_poll_note(args: argparse.Namespace) -> str:
+def _busy_poll_note(poll_us: int, why: str, roles: list[str]) -> str:
     """What the run's busy polling was, and why (printed under its tables)."""
-    if not args.busy_poll_us:
-        return f"\nBusy polling: off ({args.busy_poll_why})."
-    return (f"\nBusy polling ({args.busy_poll_why}: up to {args.busy_poll_us} us a wait): "
-            f"{', '.join(args.busy_poll_roles)} polled the end of each wait for a reply instead of sleeping through it.")
+    if not poll_us:
+        return f"\nBusy polling: off ({why})."
+    return (f"\nBusy polling ({why}: up to {poll_us} us a wait): "
+            f"{', '.join(roles)} polled the end of each wait for a reply instead of sleeping through it.")
 
 
 def _end_to_end(args: argparse.Namespace) -> int:
