@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 
 from specdec.sampling import q_wire
-from specdec.sampling.rng import Stream, keyed_uniform, seed_key
+from specdec.sampling.rng import Stream, uniforms
 
 
 class AcceptPrep:
@@ -54,8 +54,8 @@ class AcceptPrep:
     def make(self) -> None:
         if self.q_of_x is not None:
             return
-        key = seed_key(self.seed)
-        self.uniforms = [keyed_uniform(key, self.first_position + i, Stream.ACCEPT) for i in range(len(self.drafts))]
+        first = self.first_position
+        self.uniforms = uniforms(self.seed, range(first, first + len(self.drafts)), Stream.ACCEPT)
         self.q_of_x = [q_wire.prob_of(d.q, d.token_id) for d in self.drafts]
 
     def values(self) -> tuple[list[float], list[float]]:

@@ -122,10 +122,9 @@ class HFBaselines:
     def _draft_int8(self, draft_cfg) -> bool:
         """The draft's linears as int8: as asked, or (auto) as the draft
         service would choose for this draft (engine/quantize.py)."""
-        from specdec.engine.quantize import choose
+        from specdec.engine.quantize import choose_for
 
-        setting = getattr(draft_cfg, "quantize", "none")
-        return choose(setting, self.draft.device.type, getattr(self.draft.config, "hidden_size", None))[0] == "int8"
+        return choose_for(getattr(draft_cfg, "quantize", "none"), self.draft.device.type, self.draft.config)[0] == "int8"
 
     def _pack(self, setting: str) -> bool:
         """`specd bench --hf-packed-linears auto`: the baselines' bf16 linears

@@ -168,10 +168,9 @@ def _choose_draft_weights(o: dict) -> None:
     """--draft-quantize as the draft service would resolve it for this draft
     (engine/quantize.py): the services and HF assisted get the outcome, so
     both speculate with the same draft, and the summary names it."""
-    from specdec.engine.quantize import choose
-    from specdec.models.skeleton import model_config
-
+    from specdec.engine.quantize import choose_for
     from specdec.models.cache import ModelNotFoundError
+    from specdec.models.skeleton import model_config
 
     try:
         config = model_config(o["draft_dir"])
@@ -182,8 +181,7 @@ def _choose_draft_weights(o: dict) -> None:
         # assisted each choose from the model they load, by the same rule.
         o["draft_quantize"], o["draft_quantize_why"] = "auto", "auto: chosen as each loads the draft"
         return
-    o["draft_quantize"], o["draft_quantize_why"] = choose(o["draft_quantize_setting"], o["draft_device"],
-                                                          getattr(config, "hidden_size", None))
+    o["draft_quantize"], o["draft_quantize_why"] = choose_for(o["draft_quantize_setting"], o["draft_device"], config)
 
 
 def _check_memory(dtype: str, quantize: str, o: dict) -> None:

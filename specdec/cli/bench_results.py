@@ -75,8 +75,8 @@ def _models(args, o: dict, dtypes: dict) -> dict:
 
 
 def _draft_weights(o: dict, dtypes: dict) -> str:
-    weights = {"int8": "int8 linear layers (fbgemm)", "auto": "int8 or " + dtypes["draft"]}.get(o["draft_quantize"],
-                                                                                            dtypes["draft"])
+    weights = {"int8": "int8 linear layers (fbgemm)", "auto": f"int8 or {dtypes['draft']}"}
+    weights = weights.get(o["draft_quantize"], dtypes["draft"])
     return weights if o["draft_quantize_setting"] != "auto" else f"{weights} ({o['draft_quantize_why']})"
 
 

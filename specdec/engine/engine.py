@@ -38,7 +38,7 @@ from specdec.engine.fused_decoder import FusedDecoder
 from specdec.engine.model_facts import (cache_kwarg, choose_kernel, context_limit, eos_ids, probe_kv_shape,
                                        wants_fused, wants_graphs)
 from specdec.engine.packed_linear import wants_packing
-from specdec.engine.quantize import choose as choose_quantize
+from specdec.engine.quantize import choose_for as choose_quantize
 from specdec.engine.prefill import PrefillJob
 from specdec.engine.sessions import ContextRules, EngineSession, SessionTable, new_session_id
 from specdec.engine.static_steps import CaptureReport, StaticSteps
@@ -136,7 +136,7 @@ class ModelEngine(WeightForms):
         engine = cls(loaded.model, cfg, tokenizer=loaded.tokenizer, name=loaded.name, id_space=loaded.id_space)
         if cfg.draft_vocab:
             engine.restrict_output(ranked_subset(cfg.model, engine.info, cfg.draft_vocab))
-        kind, why = choose_quantize(cfg.quantize, engine.device.type, getattr(engine.model.config, "hidden_size", None))
+        kind, why = choose_quantize(cfg.quantize, engine.device.type, engine.model.config)
         if cfg.quantize == "auto":
             log.info("linear layers: %s (%s)", "int8" if kind == "int8" else "as loaded", why)
         if kind != "none":

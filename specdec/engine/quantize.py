@@ -53,6 +53,11 @@ def _cpu_has_vnni() -> bool:
     return has_any("avx512_vnni", "avx_vnni", "amx_int8")
 
 
+def choose_for(setting: str, device: str, config) -> tuple[str, str]:
+    """`choose` for a model of this transformers `config` (None: unknown)."""
+    return choose(setting, device, getattr(config, "hidden_size", None))
+
+
 def choose(setting: str, device: str, hidden_size: int | None) -> tuple[str, str]:
     """What a draft's `--quantize` setting means here: ("none" or "int8",
     why). `auto` quantizes only where int8 was measured to pay."""
