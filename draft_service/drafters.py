@@ -211,7 +211,11 @@ class ModelDrafter(EngineBackend):
         check_min_confidence(min_confidence)
         session = self.engine.session(session_id)
         kept = session.length if keep_length is None else keep_length
-        first = ExtendItem(session_id, keep_length, list(append), num_logits=1)
+        # The cut as a length, also when the call keeps the whole context: a
+        # batched first step that fails is retried stream by stream, and
+        # repeats the cut + append whole (an unset keep_length would append
+        # the tokens a second time).
+        first = ExtendItem(session_id, kept, list(append), num_logits=1)
         self.engine.validate([first])
         if kept + len(append) + k > self.info.max_context:  # refuse now, not after streaming some drafts
             raise OutOfRange(f"drafting {k} tokens would take session {session_id!r} beyond the context "

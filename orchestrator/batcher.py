@@ -35,6 +35,7 @@ from opentelemetry.trace import Link, SpanKind
 
 from orchestrator.downstream import TargetClient, unavailable
 from orchestrator.speculation_gate import GateSettings, SpeculationGate
+from specdec.rpc import grpc_errors
 from specdec.errors import DeadlineExceeded, NotFound, SpecdecError
 from specdec.telemetry import A_BATCH_ITEMS, A_BATCH_SESSIONS, A_PEER, NOOP, SPAN_VERIFY_BATCH, Telemetry
 from specdec.v1 import target_pb2
@@ -214,6 +215,15 @@ def _expire(future: asyncio.Future) -> None:
 
 
 def _item_error(error: target_pb2.ItemError) -> SpecdecError:
-    if error.code == grpc.StatusCode.NOT_FOUND.value[0]:
+    """An item's error as the loop raises it: a lost session is recovered
+    (NotFound); a status the core has an error for keeps it (a replica
+    restarted with a lower --max-draft-tokens refuses a round's k with
+    INVALID_ARGUMENT, and the client is told so); the rest is our failure
+    (INTERNAL, logged)."""
+    code = grpc_errors.status_from_number(error.code)
+    if code is grpc.StatusCode.NOT_FOUND:
         return NotFound(f"target session lost: {error.message}")
-    return SpecdecError(f"target rejected the round: {error.message}")
+    kind = grpc_errors.error_kind(code)
+    if kind is not None:
+        return kind(f"target service: {error.message}")
+    return SpecdecError(f"target rejected the round: {code.name}: {error.message}")

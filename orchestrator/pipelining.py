@@ -191,19 +191,23 @@ class Pipeline:
             await _cancel(ahead)
             return Settled()
         start = time.perf_counter()
-        # Judge the guess as soon as its first token arrives: a wrong guess
-        # drops the rest of the stream instead of waiting for it.
-        await asyncio.wait({self._first, ahead}, return_when=asyncio.FIRST_COMPLETED)
-        if self._first.done() and self._first.result() != bonus:
-            await _cancel(ahead)
-            return Settled()
         try:
+            # Judge the guess as soon as its first token arrives: a wrong guess
+            # drops the rest of the stream instead of waiting for it.
+            await asyncio.wait({self._first, ahead}, return_when=asyncio.FIRST_COMPLETED)
+            if self._first.done() and self._first.result() != bonus:
+                await _cancel(ahead)
+                return Settled()
             drafts, cost = await ahead
         except grpc.aio.AioRpcError as exc:
             # Nothing to repair: the next Propose fails the same way if the
             # draft is down, and the loop falls back then.
             log.info("speculative Propose failed: %s", exc.code().name)
             return Settled()
+        except asyncio.CancelledError:  # the request was cancelled meanwhile: the Propose goes too
+            ahead.cancel()
+            ahead.add_done_callback(_retrieve)
+            raise
         waited = time.perf_counter() - start
         kept = len(drafts) >= 2 and drafts[0].token_id == bonus
         if kept:

@@ -37,6 +37,10 @@ from specdec.errors import DeadlineExceeded, Unavailable
 
 log = logging.getLogger(__name__)
 
+# What a replica answers an open that it will answer again, however long one
+# waits: the history itself cannot be opened there.
+REFUSALS = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE)
+
 # (client, OpenSessionRequest, seconds the caller waits) -> (session id, its cost)
 Opener = Callable[[object, object, float], Awaitable[tuple[str, CallCost]]]
 
@@ -56,6 +60,8 @@ class TargetLease:
         self.settings = settings
         self.replica: Replica = pool.acquire()
         self.replica.batcher.request_started()
+        self._moved_from: Replica | None = None  # the failed replica of the last reopen, until `settle_move`
+        self._give_up = 0.0
 
     @property
     def client(self):
@@ -66,6 +72,9 @@ class TargetLease:
         return self.replica.batcher
 
     async def release(self) -> None:
+        if self._moved_from is not None:  # a request that ended before `settle_move`
+            failed, self._moved_from = self._moved_from, None
+            await self._release_failed(failed)
         self.replica.batcher.request_finished()
         await self.pool.release(self.replica)
 
@@ -78,7 +87,12 @@ class TargetLease:
         ends (then Unavailable). Each open goes through `open_on(client,
         request, wait_s)`, the request's own (`RequestSessions._open_on`): it
         runs to its end, and a session it opens after the request gave up
-        waiting is closed rather than left to expire."""
+        waiting is closed rather than left to expire. A pass in which every
+        replica refused the open itself (INVALID_ARGUMENT, OUT_OF_RANGE: a
+        replica restarted with a smaller context, say) ends the recovery at
+        once: waiting would not change their answer. Returns as soon as the
+        session is open, before anything else is awaited, so that the caller
+        holds it at once; then `settle_move`."""
         failed = self.replica
         log.info("target %s failed (%s); re-opening the session on a live replica", failed.address, cause)
         self.pool.mark_down(failed, str(cause))
@@ -88,6 +102,7 @@ class TargetLease:
         wait = self.settings.retry_initial_s
         last_error = str(cause)
         while True:
+            refused = tried = 0
             for replica in self._candidates(failed):
                 left = give_up - time.monotonic()
                 if left <= 0:
@@ -100,17 +115,20 @@ class TargetLease:
                     last_error = f"{replica.address}: still prefilling when the recovery window ended"
                     break
                 except grpc.aio.AioRpcError as exc:
+                    tried += 1
                     last_error = f"{replica.address}: {exc.code().name}: {exc.details()}"
                     if exc.code() == grpc.StatusCode.UNAVAILABLE:
                         self.pool.mark_down(replica, last_error)
+                    refused += exc.code() in REFUSALS
                     continue
                 self.pool.mark_up(replica)
                 self._move_to(replica)
-                await self._release_failed(failed)
-                await self._reread_info(replica, give_up)
+                self._moved_from, self._give_up = failed, give_up
                 log.info("target session re-opened on %s (%d tokens prefilled)", replica.address,
                          len(open_request.prompt_token_ids))
                 return session_id, cost
+            if tried and refused == tried:
+                raise Unavailable(f"the target service failed and no replica can re-open the session: {last_error}")
             left = give_up - time.monotonic()
             if left <= 0:
                 raise Unavailable(f"the target service failed and no replica could re-open the session "
@@ -118,6 +136,14 @@ class TargetLease:
             await asyncio.sleep(min(wait, left))
             wait = min(wait * 2, self.settings.retry_max_s)
             await self._refresh()
+
+    async def settle_move(self) -> None:
+        """After `reopen`: let the failed replica go (when the session moved
+        off it), and re-read the new replica's ModelInfo."""
+        failed, self._moved_from = self._moved_from, None
+        if failed is not None:
+            await self._release_failed(failed)
+            await self._reread_info(self.replica, self._give_up)
 
     @staticmethod
     async def _reread_info(replica: Replica, give_up: float) -> None:

@@ -109,8 +109,14 @@ class RequestSessions:
     # ------------------------------------------------------------ opening
 
     def _open_request(self) -> object:
+        """An open on the whole history (a re-open, after a failure, or a
+        draft opened late, carries the tokens emitted so far) asking for the
+        tokens the request may still emit: prompt + max_tokens in all, as the
+        first open asked. Asking for the whole `max_tokens` again would be
+        refused near the context limit (history + max_tokens > max_context)."""
+        left = max(1, self.spec.max_tokens - self.stats.completion_tokens)
         return open_request(self.history, self.spec.temperature, self.spec.top_k, self.spec.top_p,
-                            self.spec.seed, self.spec.max_tokens, self.spec.request_id)
+                            self.spec.seed, left, self.spec.request_id)
 
     async def open_target(self) -> None:
         with self.client_span(SPAN_SESSION_OPEN, "target"):
@@ -164,21 +170,26 @@ class RequestSessions:
         or after MAX_TARGET_RECOVERIES."""
         if self.lease is None or self.stats.target_recoveries >= MAX_TARGET_RECOVERIES:
             raise cause
-        old_client, old_session = self.target, self.target_id
-        with self.telemetry.span(SPAN_TARGET_RECOVER, {A_FAILED_REPLICA: self.lease.replica.address}) as span:
+        if self.target_id is not None:
+            # Closed now, whether the re-open succeeds or not: if its replica
+            # still lives (a Verify past its timeout, a broken lane), the
+            # session must not hold its KV slot until it expires.
+            self.close_later(self.target, self.target_id)
             self.target_id = None
+        with self.telemetry.span(SPAN_TARGET_RECOVER, {A_FAILED_REPLICA: self.lease.replica.address}) as span:
             start = time.perf_counter()
             try:
                 session, cost = await self.lease.reopen(self._open_request(), self.spec.deadline, cause, self._open_on)
+                # The new session is the request's before anything else is
+                # awaited: a request cancelled from here on closes it.
+                self.target, self.batcher = self.lease.client, self.lease.batcher
+                self.target_id, self.target_prefix = session, len(self.history)
+                self.account(cost, "target", "OpenSession")
+                self.stats.target_recoveries += 1
+                await self.lease.settle_move()
             finally:
                 self.stats.prefill_time_s += time.perf_counter() - start
             span.set_attribute(A_RECOVERED_ON, self.lease.replica.address)
-        if old_session is not None:  # if its replica still lives, the session must not wait for expiry
-            self.close_later(old_client, old_session)
-        self.target, self.batcher = self.lease.client, self.lease.batcher
-        self.target_id, self.target_prefix = session, len(self.history)
-        self.account(cost, "target", "OpenSession")
-        self.stats.target_recoveries += 1
 
     def draft_failed(self, exc: grpc.aio.AioRpcError) -> None:
         """A draft call failed: close its session and decode with the target

@@ -9,6 +9,7 @@ malformed q, ...) gets its own error and does not fail the others.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -23,6 +24,8 @@ from specdec.sampling.scoring import ScoreJob, sample_token, score_many
 from specdec.sampling import q_checks, q_wire
 from specdec.sampling.sparse import SparseDist
 from specdec.sampling.transform import argmax_tokens, logits_to_probs
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -40,7 +43,7 @@ class VerifyRequestItem:
 class VerifyItemResult:
     outcome: VerifyOutcome | None = None
     length: int = 0
-    error: SpecdecError | None = None
+    error: Exception | None = None  # a SpecdecError; any other (the model's NaN) is INTERNAL
 
 
 @dataclass
@@ -86,8 +89,10 @@ class Verifier(EngineBackend):
             logits = self.engine.extend([extend for _, extend, _ in valid])
             jobs = [self._job(items[i], sessions[i], q, rows) for (i, _, q), rows in zip(valid, logits)]
             for (i, _, _), (job, length), outcome in zip(valid, jobs, score_many([job for job, _ in jobs])):
-                if isinstance(outcome, Exception):
-                    raise outcome  # the model itself failed: not one item's fault
+                if isinstance(outcome, Exception):  # this session's logits (NaN, inf): its item fails alone
+                    log.warning("Verify of session %r: %s", items[i].session_id, outcome)
+                    results[i] = VerifyItemResult(error=outcome, length=length)
+                    continue
                 results[i] = VerifyItemResult(outcome=outcome, length=length)
         return VerifyBatchResult(items=results, batch_size=len(valid))
 

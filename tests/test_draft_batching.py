@@ -60,6 +60,33 @@ def test_a_stream_whose_step_fails_gets_the_error_and_the_others_their_tokens(pe
     assert not isinstance(results[0], Exception) and not isinstance(results[2], Exception)
 
 
+def test_a_batched_first_step_that_fails_is_retried_alone_without_appending_twice(peaked_engine, monkeypatch):
+    """A batched pass that fails after the cuts and appends (out of memory on
+    the batch, say) is retried stream by stream: each stream's first step
+    repeats its cut and append whole, also for a call that kept the whole
+    context (keep_length unset), and drafts what it drafts alone."""
+    meta = SessionMeta(params=SamplingParams(0.0, 0, 1.0), seed=1)
+    alone = ModelDrafter(tiny_engine(model=tiny_model(seed=2, init_range=0.3)))
+    sid = alone.open([5, 6, 7, 8], meta, 16)[0]
+    expected = alone.step_many([alone.propose(sid, None, [20, 21], 2)])[0].token_id
+
+    drafter = ModelDrafter(peaked_engine)
+    a, b = drafter.open([5, 6, 7, 8], meta, 16)[0], drafter.open([9, 10, 11], meta, 16)[0]
+    forward = peaked_engine._forward
+
+    def no_batches(sessions, *args, **kwargs):
+        if len(sessions) > 1:
+            raise RuntimeError("out of memory for the batch (simulated)")
+        return forward(sessions, *args, **kwargs)
+
+    monkeypatch.setattr(peaked_engine, "_forward", no_batches)
+    results = drafter.step_many([drafter.propose(a, None, [20, 21], 2), drafter.propose(b, 3, [30], 2)])
+    assert not any(isinstance(r, Exception) for r in results), results
+    assert results[0].token_id == expected
+    assert peaked_engine.session(a).tokens == [5, 6, 7, 8, 20, 21, expected]
+    assert peaked_engine.session(b).tokens[:4] == [9, 10, 11, 30]
+
+
 def test_concurrent_propose_calls_share_forward_passes(peaked_engine):
     with running_draft(peaked_engine) as (service, stub, _loop):
         sids = [open_session(stub, p, temperature=0).session_id for p in PROMPTS]

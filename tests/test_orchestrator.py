@@ -359,10 +359,10 @@ def test_target_failure_ends_the_request_with_unavailable_once_no_replica_comes_
                            == health_pb2.HealthCheckResponse.NOT_SERVING)
 
 
-def generate_restarting_the_target(s, target_model, prompt, n, **kwargs):
+def generate_restarting_the_target(s, target_model, prompt, n, engine_cfg=None, **kwargs):
     """Generate n tokens; after the second chunk the target service stops, and a
-    new one (a fresh engine over the same model) starts on the same port.
-    Returns (tokens, final stats)."""
+    new one (a fresh engine over the same model, `engine_cfg` its EngineConfig
+    fields) starts on the same port. Returns (tokens, final stats)."""
     port = s.target.port
     stream = s.client.stub.Generate(build_request(prompt, max_tokens=n, **kwargs), timeout=60)
     tokens, stats, restarted = [], None, None
@@ -374,7 +374,8 @@ def generate_restarting_the_target(s, target_model, prompt, n, **kwargs):
             tokens.extend(reply.chunk.token_ids)
             if i == 1:
                 s.target_loop.run(s.target.stop(0))
-                restarted = running_target(tiny_engine(model=target_model), server_cfg=_port(port))
+                restarted = running_target(tiny_engine(model=target_model, **(engine_cfg or {})),
+                                           server_cfg=_port(port))
                 restarted.__enter__()
     finally:
         if restarted is not None:
@@ -388,6 +389,22 @@ def test_target_restarted_mid_request_is_recovered_with_identical_output():
     with running_system(tiny_engine(model=target), tiny_engine(model=perturbed(target, 0.15, 1))) as s:
         tokens, stats = generate_restarting_the_target(s, target, GREEDY_PROMPTS[2], 40, temperature=0,
                                                        num_draft_tokens=2)
+    assert tokens == ref and stats.target_recoveries >= 1
+
+
+def test_a_request_that_fills_the_context_is_recovered_after_a_target_restart():
+    """prompt + max_tokens = max_context: the re-open carries the tokens
+    emitted so far and asks only for those still to come (asking for the
+    whole max_tokens again, it was refused, and the request failed once the
+    recovery window ended)."""
+    target = without_eos(tiny_model(seed=0, init_range=0.3))
+    prompt = GREEDY_PROMPTS[8]
+    n = 64 - len(prompt)
+    ref = greedy_reference(target, prompt, n)
+    with running_system(tiny_engine(model=target, max_context=64),
+                        tiny_engine(model=perturbed(target, 0.15, 1), max_context=64), target_recovery_s=5.0) as s:
+        tokens, stats = generate_restarting_the_target(s, target, prompt, n, engine_cfg={"max_context": 64},
+                                                       temperature=0, num_draft_tokens=2)
     assert tokens == ref and stats.target_recoveries >= 1
 
 

@@ -316,3 +316,41 @@ def test_a_draft_that_stops_while_drafting_ahead_falls_back_exactly():
         with running_draft(draft_engine, server_cfg=_port(s.draft.port)):
             again = s.client.complete(GREEDY_PROMPTS[2], max_tokens=20, temperature=0, num_draft_tokens=2)
         assert again.token_ids == ref[:20]
+
+
+def test_a_request_cancelled_while_it_waits_for_the_drafts_made_ahead_cancels_their_propose():
+    """`Pipeline.settle` waits for the speculative Propose's first token; a
+    request cancelled there takes that Propose with it (asyncio.wait does not
+    cancel what it waits on), instead of leaving it running unowned."""
+    import asyncio
+
+    from orchestrator.pipelining import Pipeline
+
+    class SlowDraft:
+        def __init__(self):
+            self.running = 0
+            self.cancelled = 0
+
+        async def propose(self, session_id, keep, append, k, timeout, first=None, **kwargs):
+            self.running += 1
+            try:
+                await asyncio.sleep(5)
+            except asyncio.CancelledError:
+                self.cancelled += 1
+                raise
+            finally:
+                self.running -= 1
+
+    async def main():
+        draft = SlowDraft()
+        pipeline = Pipeline(draft)
+        pipeline.start("s", 10, 3, 30.0)
+        settling = asyncio.ensure_future(pipeline.settle(2, 2, 42, frozenset()))
+        await asyncio.sleep(0.05)
+        settling.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await settling
+        await asyncio.sleep(0.05)
+        assert draft.running == 0 and draft.cancelled == 1  # before asyncio.run would cancel what is left
+
+    asyncio.run(asyncio.wait_for(main(), 30))

@@ -207,6 +207,30 @@ def test_batched_verify_equals_verifying_each_alone(target):
 # ---------------------------------------------------------------- 3. health
 
 
+def test_a_session_whose_logits_have_no_finite_mass_fails_alone_in_its_verify_batch(monkeypatch):
+    """NaN logits (an fp16 overflow on one context, say) fail that session's
+    item, not the batch: the other sessions of the same Verify get their tokens."""
+    from specdec.rpc.model_service import SessionMeta
+    from target_service.verifier import VerifyRequestItem
+
+    engine = tiny_engine()
+    verifier = Verifier(engine)
+    meta = SessionMeta(params=SamplingParams(0.8, 0, 1.0), seed=3)
+    sids = [verifier.open(prompt, meta, 16)[0] for prompt in ([3, 4, 5], [6, 7, 8, 9])]
+    extend = engine.extend
+
+    def nan_for_the_first(items):
+        logits = extend(items)
+        return [torch.full_like(rows, float("nan")) if i == 0 else rows for i, rows in enumerate(logits)]
+
+    monkeypatch.setattr(engine, "extend", nan_for_the_first)
+    items = [VerifyRequestItem(session_id=sid, keep_length=None, append=[10], drafts=[], draft_q=[]) for sid in sids]
+    batch = verifier.verify(items)
+    assert batch.batch_size == 2
+    assert "no finite mass" in str(batch.items[0].error) and batch.items[0].outcome is None
+    assert batch.items[1].error is None and batch.items[1].outcome.bonus_id >= 0
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

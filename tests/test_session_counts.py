@@ -95,7 +95,8 @@ def test_an_open_that_finishes_after_its_call_ended_is_closed():
 
 
 def test_a_close_whose_caller_gave_up_still_closes():
-    with running_target(tiny_engine()) as (service, stub, loop):
+    # A quota of one session: the close must give it back too, or the caller is locked out for good.
+    with running_target(tiny_engine(), SessionLimits(max_sessions_per_caller=1)) as (service, stub, loop):
         sid = stub.OpenSession(common_pb2.OpenSessionRequest(prompt_token_ids=[3, 4, 5]), timeout=10).session_id
         # The engine thread is busy, so the close waits in its queue past the caller's deadline.
         gate = threading.Event()
@@ -106,3 +107,4 @@ def test_a_close_whose_caller_gave_up_still_closes():
         assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         gate.set()
         assert wait_for(lambda: counts(stub)[0] == 0), counts(stub)
+        assert stub.OpenSession(common_pb2.OpenSessionRequest(prompt_token_ids=[3, 4, 5]), timeout=10).session_id

@@ -179,3 +179,39 @@ def test_a_lone_requests_item_is_sent_from_its_own_task_under_its_deadline():
     assert isinstance(errors[grpc.StatusCode.DEADLINE_EXCEEDED], DeadlineExceeded)
     assert isinstance(errors[grpc.StatusCode.UNAVAILABLE], Unavailable)
     assert isinstance(errors["limit"], Unavailable) and not isinstance(errors["limit"], DeadlineExceeded)
+
+
+def test_an_items_error_keeps_its_status_a_lost_session_is_recovered_and_the_rest_is_internal():
+    """What the loop raises for an item the target refused: NOT_FOUND is a
+    lost session (recovered); a status the core has an error for reaches the
+    client with its code and message (a replica restarted with a lower
+    --max-draft-tokens refuses k); anything else is our failure (INTERNAL)."""
+    import grpc
+
+    from specdec.errors import InvalidArgument, NotFound, ResourceExhausted, SpecdecError
+    from specdec.rpc import grpc_errors
+
+    class Refusing(FakeTarget):
+        async def verify(self, items, timeout):
+            code = {"s1": grpc.StatusCode.NOT_FOUND, "s2": grpc.StatusCode.INVALID_ARGUMENT,
+                    "s3": grpc.StatusCode.RESOURCE_EXHAUSTED, "s4": grpc.StatusCode.INTERNAL}[items[0].session_id]
+            result = target_pb2.VerifyResult(session_id=items[0].session_id)
+            result.error.code, result.error.message = code.value[0], f"refused {items[0].session_id}"
+            return target_pb2.VerifyResponse(results=[result], batch_size=1), 10
+
+    async def main():
+        batcher = VerifyBatcher(Refusing(0.0), max_batch=4, window_s=0.001)
+        batcher.request_started()
+        errors = []
+        for n in range(1, 5):
+            try:
+                await batcher.verify(item(n))
+            except SpecdecError as exc:
+                errors.append(exc)
+        return errors
+
+    errors = run(main())
+    assert [type(e) for e in errors] == [NotFound, InvalidArgument, ResourceExhausted, SpecdecError]
+    assert "refused s2" in str(errors[1])
+    assert grpc_errors.status_for(errors[1])[0] is grpc.StatusCode.INVALID_ARGUMENT
+    assert grpc_errors.status_for(errors[3])[0] is grpc.StatusCode.INTERNAL

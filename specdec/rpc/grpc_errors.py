@@ -104,6 +104,12 @@ def from_rpc_error(exc: grpc.aio.AioRpcError, service: str) -> errors.SpecdecErr
     return kind(f"{service} service: {exc.details()}")
 
 
+def error_kind(code: grpc.StatusCode) -> type | None:
+    """The core's error for a status (None for one no core error stands
+    for: INTERNAL, UNKNOWN, ...)."""
+    return _FROM_CODES.get(code)
+
+
 def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
     """The error a call with this status raises on the client's side."""
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)

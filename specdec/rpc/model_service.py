@@ -249,7 +249,13 @@ class SessionServicer:
             # Shielded: a close the caller stops waiting for (its deadline
             # passed while the engine thread was busy) still happens; dropped
             # from the queue, the session would be held until it expires.
-            closed = await asyncio.shield(asyncio.ensure_future(
-                self.worker.run_quick(self.backend.close, request.session_id)))
-        self.sessions_closed((request.session_id,))
+            # What is kept of the session (its caller's quota) is forgotten
+            # with it, in the same shielded task.
+            closed = await asyncio.shield(asyncio.ensure_future(self._close(request.session_id)))
         return common_pb2.CloseSessionResponse(closed=closed)
+
+    async def _close(self, session_id: str) -> bool:
+        try:
+            return await self.worker.run_quick(self.backend.close, session_id)
+        finally:
+            self.sessions_closed((session_id,))
