@@ -24,6 +24,9 @@ from __future__ import annotations
 REPLACEMENT_CHAR = "\ufffd"
 # Prompt tokens kept as decoding context for the first generated tokens (vLLM's value).
 PROMPT_CONTEXT_TOKENS = 5
+# The most tokens one character is split over: UTF-8 has at most 4 bytes, and
+# a byte-level or byte-fallback token carries at least one.
+MAX_CHAR_TOKENS = 4
 
 
 class IncrementalDetokenizer:
@@ -40,7 +43,8 @@ class IncrementalDetokenizer:
       clean-up rewrites text across token boundaries (" ." -> "."), so the decode of
       a window is not a prefix of the decode of a longer window.
     - Text that legitimately ends in U+FFFD (a model emitting invalid UTF-8) is held
-      back until a later token or ``flush``.
+      back until a later token, ``flush``, or more than MAX_CHAR_TOKENS tokens
+      are held (then all but the last few are emitted, as U+FFFD).
     - If the prompt itself ends inside a multi-byte character, the first generated
       text may be garbled; prompts are whole text in practice.
     """
@@ -70,10 +74,21 @@ class IncrementalDetokenizer:
             return self._emit(prefix_text, new_text, len(self._ids))
         # The last character is incomplete; emit up to the latest token that ends on
         # a whole character, so one partial character does not hold back a chunk.
-        for end in range(len(self._ids) - 1, self._read_offset, -1):
+        # Only the last few ends can be that: a character spans at most
+        # MAX_CHAR_TOKENS tokens.
+        last = len(self._ids)
+        for end in range(last - 1, max(self._read_offset, last - MAX_CHAR_TOKENS), -1):
             new_text = self._decode(self._ids[self._prefix_offset:end])
             if not new_text.endswith(REPLACEMENT_CHAR):
                 return self._emit(prefix_text, new_text, end)
+        if last - self._read_offset > MAX_CHAR_TOKENS:
+            # More tokens held than a character spans, and still no whole one:
+            # the model emitted bytes that are no UTF-8 (each U+FFFD for good).
+            # Emit them as such, holding back only what may yet be a character's
+            # start. Held for good instead, they were decoded again on every
+            # add, and on every end: cubic in their number (800 of them took 3 s).
+            end = last - (MAX_CHAR_TOKENS - 1)
+            return self._emit(prefix_text, self._decode(self._ids[self._prefix_offset:end]), end, final=True)
         return ""
 
     def flush(self) -> str:

@@ -38,6 +38,7 @@ import logging
 import sys
 from typing import AsyncIterator
 
+from specdec.errors import SpecdecError
 from specdec.v1 import orchestrator_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -84,11 +85,16 @@ async def written_behind(replies: AsyncIterator[pb.GenerateResponse]) -> AsyncIt
         if not producer.done():
             producer.cancel()
         [ended] = await asyncio.gather(producer, return_exceptions=True)
-        # An error the source raised while it was being stopped (its cleanup
-        # failed) reaches no caller: the call has ended. Say so in the log.
+        # An error the source raised while it was being stopped reaches no
+        # caller: the call has ended. The request's own ending (its deadline
+        # passing as the client's did, a service gone: the core's errors) is
+        # no news; anything else is a cleanup that failed, and is logged so.
         if (isinstance(ended, Exception) and ended is not sys.exc_info()[1]
                 and not isinstance(ended, asyncio.CancelledError)):
-            log.error("a Generate call ended; its request's cleanup then failed", exc_info=ended)
+            if isinstance(ended, SpecdecError):
+                log.info("a Generate call ended as its request did: %s: %s", type(ended).__name__, ended)
+            else:
+                log.error("a Generate call ended; its request's cleanup then failed", exc_info=ended)
 
 
 def merged(replies: list[pb.GenerateResponse]) -> list[pb.GenerateResponse]:

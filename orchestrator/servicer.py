@@ -5,11 +5,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from jinja2.exceptions import TemplateError
-
 from orchestrator.config import OrchestratorConfig
 from orchestrator.detokenizer import IncrementalDetokenizer
 from orchestrator.gamma_policy import make_policy
+from orchestrator.prompt import max_token_chars, prompt_tokens
 from orchestrator.recovery import RecoverySettings, TargetLease
 from orchestrator.replicas import ReplicaPool
 from orchestrator.reply_relay import written_behind
@@ -60,6 +59,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         self.b = backends
         self.telemetry = telemetry
         self.in_flight = 0  # Generate calls running now (the specdec_requests_in_flight gauge)
+        # What bounds a text's tokens before it is tokenized (orchestrator/prompt.py).
+        self._longest_token = max_token_chars(backends.tokenizer) if backends.tokenizer is not None else 0
         telemetry.metrics.observe_requests_in_flight(lambda: self.in_flight)
 
     @grpc_errors.stream
@@ -87,7 +88,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
 
     async def _generate(self, request: pb.GenerateRequest, span, time_remaining: float | None):
         start = time.perf_counter()
-        prompt = self._prompt_tokens(request)
+        prompt = await prompt_tokens(request, self.b.tokenizer, self.b.vocab_size, self.b.settings.max_context,
+                                     self._longest_token)
         spec, policy, stops = self._parse(request, prompt, time_remaining)
         target = TargetLease(self.b.targets, self.b.recovery)
         draft = self.b.drafts.acquire() if spec.speculate else None
@@ -129,42 +131,6 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         yield pb.GenerateResponse(stats=stats)
 
     # --------------------------------------------------------------- parsing
-
-    def _prompt_tokens(self, request) -> list[int]:
-        which = request.WhichOneof("input")
-        if which == "prompt_token_ids":
-            tokens = list(request.prompt_token_ids.token_ids)
-        elif which in ("prompt", "messages"):
-            if self.b.tokenizer is None:
-                raise InvalidArgument("this server has no tokenizer: send prompt_token_ids")
-            tokens = self._tokenize(request, which)
-        else:
-            raise InvalidArgument("the request has no input: set prompt, messages or prompt_token_ids")
-        if not tokens:
-            raise InvalidArgument("the prompt is empty")
-        bad = [t for t in tokens if not 0 <= t < self.b.vocab_size]
-        if bad:
-            raise InvalidArgument(f"prompt token id {bad[0]} outside the vocabulary [0, {self.b.vocab_size})")
-        return tokens
-
-    def _tokenize(self, request, which: str) -> list[int]:
-        tok = self.b.tokenizer
-        if which == "prompt":
-            return list(tok(request.prompt, add_special_tokens=True)["input_ids"])
-        messages = [{"role": m.role, "content": m.content} for m in request.messages.messages]
-        if not messages:
-            raise InvalidArgument("messages is empty")
-        if any(m["role"] not in ("system", "user", "assistant") for m in messages):
-            raise InvalidArgument("message roles must be system, user or assistant")
-        if not getattr(tok, "chat_template", None):
-            raise InvalidArgument("the target's tokenizer has no chat template: send a plain prompt")
-        try:
-            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        except TemplateError as exc:  # the template's own `raise_exception`: these messages are not its form
-            raise InvalidArgument(f"the model's chat template refuses these messages: {exc}") from None
-        if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
-            ids = ids["input_ids"]
-        return list(ids)
 
     def _parse(self, request, prompt: list[int], time_remaining: float | None):
         cfg = self.cfg

@@ -70,7 +70,13 @@ class TextTokenizer:
         return {"input_ids": self.encode(text, add_special_tokens=add_special_tokens)}
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # As a batch of one: the same ids, and the batch call releases the GIL
+        # while it runs (a long prompt tokenized on a worker thread leaves the
+        # event loop free; a plain `encode` holds the GIL throughout).
+        return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    def get_vocab(self) -> dict[str, int]:
+        return self._backend.get_vocab(with_added_tokens=True)
 
     def decode(self, ids, skip_special_tokens: bool = False, clean_up_tokenization_spaces: bool = False) -> str:
         """The ids' text, as the tokenizer's decoder makes it. Never cleaned

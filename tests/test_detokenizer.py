@@ -193,3 +193,40 @@ def test_arbitrary_token_sequences_match_the_full_decode(ids, chunk_sizes):
     # Random ids can form invalid UTF-8, so only the concatenation is checked here.
     tokenizer = byte_level_bpe()
     assert "".join(stream(tokenizer, ids, chunk_sizes)) == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_a_long_run_of_bytes_that_are_no_utf8_streams_as_replacements_with_bounded_work():
+    """A model may emit continuation bytes with no lead byte: each decodes to
+    U+FFFD for good. They stream as such once more tokens are held than a
+    character spans; held back for good, every add decoded the whole held run
+    again at each of its ends (cubic: 800 of them took 3 s on the real
+    tokenizer). Each add now decodes a bounded window a bounded number of times."""
+    tokenizer = byte_level_bpe()
+    orphan = tokenizer.convert_tokens_to_ids(_byte_chars()[0x80])  # the byte 0x80 alone: a continuation byte
+    assert tokenizer.decode([orphan] * 3) == REPLACEMENT_CHAR * 3
+    decoded = []
+
+    class Counting:
+        def decode(self, ids, **kwargs):
+            decoded.append(len(ids))
+            return tokenizer.decode(ids, **kwargs)
+
+    detok = IncrementalDetokenizer(Counting())
+    detok.add(encode(tokenizer, "x = b'"))
+    streamed = [detok.add([orphan] * 5) for _ in range(160)]  # 800 of them
+    assert all(streamed[1:]), "the run streams as it comes"
+    assert max(decoded) <= 20 and len(decoded) <= 8 * 161, (max(decoded), len(decoded))
+    detok.add(encode(tokenizer, "☃'"))
+    detok.flush()
+    assert detok.text == "x = b'" + REPLACEMENT_CHAR * 800 + "☃'"
+
+
+def _byte_chars() -> dict[int, str]:
+    """GPT-2's byte-to-character table, which the byte-level pre-tokenizer writes tokens in."""
+    chars = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    table, extra = {b: chr(b) for b in chars}, 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table

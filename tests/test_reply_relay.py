@@ -162,3 +162,28 @@ def test_the_sources_own_error_is_raised_not_logged(caplog):
     with pytest.raises(DeadlineExceeded):
         run(main())
     assert not [r for r in caplog.records if "cleanup" in r.message]
+
+
+def test_a_request_that_ends_with_its_own_error_as_the_caller_stops_is_no_cleanup_failure(caplog):
+    """The client's deadline and the request's pass at the same moment: grpc
+    stops the call while the source raises DeadlineExceeded. That is the
+    request's end, not a failed cleanup: logged at INFO, not as an error."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="orchestrator.reply_relay")
+
+    async def source():
+        try:
+            yield chunk("a", 1)
+            await asyncio.sleep(10)
+        finally:
+            raise DeadlineExceeded("the request's deadline passed while verifying")
+
+    async def main():
+        relay = written_behind(source())
+        await relay.__anext__()
+        await relay.aclose()
+
+    run(main())
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert any("ended as its request did" in r.message and "DeadlineExceeded" in r.message for r in caplog.records)

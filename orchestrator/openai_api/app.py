@@ -34,6 +34,7 @@ from specdec.telemetry import (CLIENT_ADDRESS, HTTP_REQUEST_METHOD, HTTP_ROUTE, 
                                SERVER_ADDRESS, SERVER_PORT, URL_PATH, URL_SCHEME, USER_AGENT, Telemetry)
 
 from . import responses, translate
+from .body_limit import BodyLimit
 from .config import HttpConfig
 from .errors import ApiError, api_error
 from .runner import ClientGone, RequestRun, unless_gone
@@ -71,6 +72,8 @@ def create_app(state: FrontDoorState) -> FastAPI:
                   description="Speculative decoding over gRPC services; output distributed as the target model's.")
     app.state.front_door = state
     _install_error_handlers(app)
+    # Outermost last: the metrics, then the key (a 401 reads no body), then the body's size.
+    app.add_middleware(BodyLimit, max_bytes=state.cfg.http_max_body_bytes, refuse=_error_response)
     if state.api_keys is not None and state.api_keys.required:
         app.add_middleware(_ApiKeyGate, checker=state.api_keys)
     app.add_middleware(_HttpMetrics, telemetry=state.telemetry)

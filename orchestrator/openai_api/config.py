@@ -17,6 +17,7 @@ class HttpConfig:
                                      "(default: the target's model name)")
     http_request_timeout_s: float = opt(600.0, "deadline of each HTTP generation request, seconds (0: none)")
     http_access_log: bool = opt(False, "log one line per HTTP request")
+    http_max_body_bytes: int = opt(16 << 20, "largest HTTP request body accepted, bytes (larger: 413)")
 
     @property
     def enabled(self) -> bool:
@@ -25,6 +26,8 @@ class HttpConfig:
     def validate(self) -> "HttpConfig":
         if self.http_port < OFF or self.http_port > 65535:
             raise ValueError(f"--http-port must be -1 (off), 0 (any free port) or a port number, got {self.http_port}")
+        if self.http_max_body_bytes < 1:
+            raise ValueError(f"--http-max-body-bytes must be >= 1, got {self.http_max_body_bytes}")
         if self.http_request_timeout_s < 0:
             raise ValueError("--http-request-timeout-s must be >= 0")
         return self
