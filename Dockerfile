@@ -1,7 +1,10 @@
 # syntax=docker/dockerfile:1
 #
-# One image for every specdec role; the role is the command:
-#   docker run --rm IMAGE serve target --model qwen2.5-coder-1.5b-instruct
+# One image for every specdec role; the role is the command (the model fetched into a
+# volume first: `serve` never downloads; and bound to every interface, in plaintext here):
+#   docker run --rm -v specdec-models:/models IMAGE models fetch qwen2.5-coder-1.5b-instruct --cache-dir /models
+#   docker run --rm -v specdec-models:/models -e SPECD_CACHE_DIR=/models -p 50053:50053 IMAGE \
+#     serve target --model qwen2.5-coder-1.5b-instruct --host 0.0.0.0 --insecure
 #
 # CUDA build (default; for GPU nodes). The PyPI torch wheel for linux/x86_64 bundles the
 # CUDA runtime as nvidia-* wheels, so a plain Python base suffices: the node supplies

@@ -56,7 +56,8 @@ ROLE_FLAGS = {
     "target": COMMON_FLAGS | MODEL_FLAGS | {"--max-verify-batch"},
     "orchestrator": COMMON_FLAGS
     | {"--draft", "--target", "--policy", "--num-draft-tokens", "--batch-window-ms", "--max-batch", "--tokenizer",
-       "--http-port", "--downstream-ca", "--downstream-cert", "--downstream-key", "--api-key-file"},
+       "--http-port", "--downstream-ca", "--downstream-cert", "--downstream-key", "--api-key-file",
+       "--connect-timeout-s"},
 }
 BOOLEAN_FLAGS = {"--reflection", "--insecure"}
 DEFAULT_PORTS = {"orchestrator": 50051, "draft": 50052, "target": 50053}

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from specdec import cgroup
 from specdec.engine.config import EngineConfig
 from specdec.engine.cpu_features import has_any
 from specdec.engine.vocab import IdSpace, known_vocab, ships_tokenizer
@@ -139,10 +140,17 @@ def tokenizer_fingerprint(tokenizer, vocab_size: int, id_space: IdSpace | None =
 def free_device_memory(device: torch.device) -> int:
     """Bytes free on the device now (CPU: the kernel's MemAvailable, which
     counts reclaimable page cache: right after reading weights from disk,
-    MemFree alone can be a small fraction of what a process may use)."""
+    MemFree alone can be a small fraction of what a process may use; in a
+    container, no more than its memory limit leaves: specdec/cgroup.py)."""
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
         return int(free)
+    available = _host_memory_available()
+    headroom = cgroup.memory_headroom()
+    return available if headroom is None else min(available, headroom)
+
+
+def _host_memory_available() -> int:
     try:
         with open("/proc/meminfo") as f:
             for line in f:
