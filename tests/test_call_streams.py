@@ -268,3 +268,73 @@ def test_calls_in_flight_fail_with_unavailable_when_the_service_dies(caplog):
     finally:
         client_loop.close()
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+class _UnaryOnly(target_pb2_grpc.TargetServiceServicer):
+    """An older target: Verify as a unary call, no call streams."""
+
+    async def Verify(self, request, context):
+        return target_pb2.VerifyResponse(batch_size=len(request.items))
+
+
+def test_concurrent_calls_on_a_stream_the_service_lacks_all_fall_back_to_unary():
+    async def main():
+        server = grpc.aio.server()
+        target_pb2_grpc.add_TargetServiceServicer_to_server(_UnaryOnly(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        client = TargetClient(channel_to(f"127.0.0.1:{port}"))
+        try:
+            replies = await asyncio.gather(*(client.verify([target_pb2.VerifyItem(session_id="s")], DEADLINE_S)
+                                             for _ in range(3)))
+            assert [reply.batch_size for reply, _ in replies] == [1, 1, 1]
+        finally:
+            await client.aclose()
+            await server.stop(0)
+
+    asyncio.run(asyncio.wait_for(main(), DEADLINE_S))
+
+
+class _BigReplies(target_pb2_grpc.TargetServiceServicer):
+    """Replies as large as the request's keep_length asks."""
+
+    def __init__(self, limit: int):
+        self.call_streams = ServedStreams(max_message_bytes=limit)
+
+    async def VerifyStream(self, calls, context):
+        await self.call_streams.serve(calls, context, self._verify, target_pb2.VerifyReply, "big")
+
+    async def _verify(self, request, metadata):
+        n = request.items[0].keep_length
+        return target_pb2.VerifyResponse(results=[target_pb2.VerifyResult(argmax_token_ids=[1] * n)])
+
+
+def test_a_reply_over_the_services_limit_fails_its_call_alone_on_a_call_stream():
+    """As a unary call's would (RESOURCE_EXHAUSTED), and as on a lane: the
+    stream, and the calls in flight on it, go on."""
+    async def main():
+        limit = 1 << 20
+        server = grpc.aio.server(options=[("grpc.max_send_message_length", limit)])
+        target_pb2_grpc.add_TargetServiceServicer_to_server(_BigReplies(limit), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        channel = channel_to(f"127.0.0.1:{port}")
+        stub = target_pb2_grpc.TargetServiceStub(channel)
+        calls = CallStream(stub.VerifyStream, stub.Verify, target_pb2.VerifyCall, "target")
+
+        def request(n):
+            return target_pb2.VerifyRequest(items=[target_pb2.VerifyItem(keep_length=n)])
+
+        try:
+            big, small = await asyncio.gather(_status(calls(request(limit), DEADLINE_S)),
+                                              calls(request(3), DEADLINE_S))
+            assert big[0] is grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-message-bytes" in big[1]
+            assert list(small.results[0].argmax_token_ids) == [1, 1, 1]
+            after = await calls(request(2), DEADLINE_S)
+            assert list(after.results[0].argmax_token_ids) == [1, 1]
+        finally:
+            await calls.close()
+            await channel.close()
+            await server.stop(0)
+
+    asyncio.run(asyncio.wait_for(main(), DEADLINE_S))

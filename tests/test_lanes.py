@@ -646,3 +646,40 @@ def test_a_call_that_never_waits_is_answered_in_the_read_that_brought_it():
             server.close()
 
     _run(main())
+
+
+def test_a_caller_waiting_on_the_opening_when_the_client_closes_gets_lane_down_not_cancelled():
+    """The opening is cancelled by `close`, the caller is not: its call goes
+    another way (LaneDown), as when the lane cannot be opened."""
+    async def main():
+        silent = await asyncio.start_server(lambda reader, writer: None, "127.0.0.1", 0)  # never answers the hello
+        client = _client(silent.sockets[0].getsockname()[1])
+        call = asyncio.ensure_future(client(_request("s"), 5))
+        await asyncio.sleep(0.2)
+        await client.close()
+        with pytest.raises(LaneDown, match="closed while opening"):
+            await call
+        assert not call.cancelled()
+        silent.close()
+
+    _run(main())
+
+
+def test_lane_sockets_bound_what_is_sent_to_a_vanished_peer():
+    """Keepalive probes only an idle connection; a call in flight to a peer
+    whose node vanished is bounded by TCP_USER_TIMEOUT (~1 minute), not by
+    ~15 minutes of retransmissions."""
+    if not hasattr(socket, "TCP_USER_TIMEOUT"):
+        pytest.skip("no TCP_USER_TIMEOUT on this platform")
+
+    async def main():
+        server = await asyncio.start_server(lambda reader, writer: None, "127.0.0.1", 0)
+        _, writer = await asyncio.open_connection("127.0.0.1", server.sockets[0].getsockname()[1])
+        lane_mod.keepalive(writer)
+        sock = writer.get_extra_info("socket")
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == lane_mod.USER_TIMEOUT_MS
+        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+        writer.close()
+        server.close()
+
+    _run(main())

@@ -58,9 +58,10 @@ class ServedStreams:
     a stream never ends by itself, and the server's grace period would wait
     for it in vain."""
 
-    def __init__(self):
+    def __init__(self, max_message_bytes: int = 16 << 20):
         self._readers: set[asyncio.Task] = set()
         self.closed = False
+        self.max_message_bytes = max_message_bytes  # the server's --max-message-bytes: a larger reply fails its call
         self._call_gap = busy_poll.Expected()  # from a reply to the next call (--busy-poll-us)
 
     def close(self) -> None:
@@ -86,6 +87,8 @@ class ServedStreams:
 
         async def answer(call) -> None:
             reply = await grpc_errors.answer_call(call, handle, reply_type, method)
+            if reply.ByteSize() > self.max_message_bytes:  # this call fails, not the stream its write would end
+                reply = grpc_errors.too_large_reply(reply_type, call.call_id, reply.ByteSize(), self.max_message_bytes)
             async with writing:
                 await context.write(reply)
             busy_poll.linger(self._call_gap)  # the caller's next call usually follows within a round (--busy-poll-us)
@@ -182,9 +185,12 @@ class CallStream:
         except TimeoutError:
             raise grpc_errors.deadline_exceeded() from None
         except grpc.aio.AioRpcError as exc:
-            if exc.code() is grpc.StatusCode.UNIMPLEMENTED and self.enabled:
-                log.info("the %s service has no call streams: unary calls from now on", self._service)
-                self.enabled = False
+            # This call went on a stream the service does not have; so may
+            # others at once, which all fall back, however many came first.
+            if exc.code() is grpc.StatusCode.UNIMPLEMENTED:
+                if self.enabled:
+                    log.info("the %s service has no call streams: unary calls from now on", self._service)
+                    self.enabled = False
                 _carried("unary")
                 left = scope.when() - asyncio.get_running_loop().time()  # the refusal's time counts against the call's
                 if left <= 0:

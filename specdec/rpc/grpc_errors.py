@@ -120,6 +120,16 @@ def deadline_exceeded() -> grpc.aio.AioRpcError:
     return rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
 
 
+def too_large_reply(reply_type, call_id: int, size: int, limit: int):
+    """The reply to a call whose own reply (`size` bytes) is over the
+    service's limit: RESOURCE_EXHAUSTED for that call, as grpc fails a unary
+    call's oversized reply."""
+    reply = reply_type(call_id=call_id)
+    reply.error.code = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+    reply.error.message = f"the reply ({size} bytes) is larger than the service's --max-message-bytes ({limit})"
+    return reply
+
+
 async def answer_call(call, handle, reply_type, method: str):
     """The reply to one call: `handle`'s response, or the status its
     exception maps to in the reply's `error` (logged when it is our bug)."""

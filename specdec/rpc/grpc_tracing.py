@@ -1,6 +1,7 @@
 """Trace context in gRPC metadata, client side: the current span's W3C
-`traceparent` rides on every call, so the services' spans join the caller's
-trace. The server side is `Telemetry.server_span(name, context.invocation_metadata())`
+`traceparent` rides on every call (passed by the caller as the call's
+metadata, or in a lane or call-stream call's own map), so the services'
+spans join the caller's trace. The server side is `Telemetry.server_span(name, context.invocation_metadata())`
 in each traced handler; health checks have no handler span, so they are
 never traced.
 
@@ -11,28 +12,9 @@ the SDK's. Propagation alone is these few lines.
 """
 from __future__ import annotations
 
-import grpc
 from opentelemetry import context as context_api
 
 from specdec.telemetry import Telemetry
-
-
-def _with_trace_context(details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
-    carrier: dict[str, str] = {}
-    Telemetry.inject(carrier)
-    if not carrier:  # no span is current: nothing to propagate
-        return details
-    return details._replace(metadata=grpc.aio.Metadata(*(details.metadata or ()), *carrier.items()))
-
-
-class UnaryTraceContext(grpc.aio.UnaryUnaryClientInterceptor):
-    async def intercept_unary_unary(self, continuation, client_call_details, request):
-        return await continuation(_with_trace_context(client_call_details), request)
-
-
-class StreamTraceContext(grpc.aio.UnaryStreamClientInterceptor):
-    async def intercept_unary_stream(self, continuation, client_call_details, request):
-        return await continuation(_with_trace_context(client_call_details), request)
 
 
 def trace_metadata() -> tuple[tuple[str, str], ...] | None:
@@ -56,11 +38,3 @@ def carry_trace_context(message):
     if carried:
         message.trace_context.update(carried)
     return message
-
-
-def client_interceptors(telemetry: Telemetry) -> list:
-    """The interceptors of a channel: none when tracing is off, since
-    intercepted grpc.aio calls cost more than plain ones. Two classes, not one:
-    a grpc.aio channel files each interceptor under the FIRST call type it
-    implements, so one class implementing both would never see a stream."""
-    return [UnaryTraceContext(), StreamTraceContext()] if telemetry.tracing else []

@@ -49,6 +49,10 @@ from specdec import hops
 
 HEADER = 4  # bytes of a frame's length
 KEEPALIVE = (30, 10, 3)  # TCP keepalive: idle s, interval s, probes (a peer gone without a word is found in ~60 s)
+# Keepalive probes only an idle connection: data sent and never acknowledged
+# (a call in flight when the peer's node vanished) is retransmitted for ~15
+# minutes before the kernel gives up. This bounds that to the same minute.
+USER_TIMEOUT_MS = 60_000
 
 
 class LaneDown(Exception):
@@ -160,7 +164,10 @@ class FrameConnection(asyncio.Protocol):
     def _end(self, error: BaseException) -> None:
         self._error = error
         if self.transport is not None:
-            self.transport.close()  # connection_lost follows
+            # Aborted, not closed: a close waits for the write buffer to drain,
+            # which a peer that stopped reading never lets happen, and the
+            # calls waiting here would fail only at their deadlines.
+            self.transport.abort()  # connection_lost follows
 
     def start_frames(self, on_frame: Callable[[bytes], None]) -> None:
         """From now on each frame goes to `on_frame`, those that came early first."""
@@ -236,15 +243,17 @@ class FrameConnection(asyncio.Protocol):
 
 
 def keepalive(writer: asyncio.StreamWriter | asyncio.Transport) -> None:
-    """TCP keepalive on the connection, so that a peer gone without a word
-    (a node lost, a partition) ends it in about a minute rather than when
-    the kernel gives up retransmitting."""
+    """TCP keepalive on the connection, and a user timeout for what is sent
+    while the peer is gone, so that a peer gone without a word (a node lost,
+    a partition) ends it in about a minute rather than when the kernel gives
+    up retransmitting."""
     sock = writer.get_extra_info("socket")
     if sock is None:
         return
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-        for option, value in zip(("TCP_KEEPIDLE", "TCP_KEEPINTVL", "TCP_KEEPCNT"), KEEPALIVE):
+        for option, value in zip(("TCP_KEEPIDLE", "TCP_KEEPINTVL", "TCP_KEEPCNT", "TCP_USER_TIMEOUT"),
+                                 (*KEEPALIVE, USER_TIMEOUT_MS)):
             if hasattr(socket, option):
                 sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
     except OSError:  # not a TCP socket (tests), or the platform refuses: the connection works without

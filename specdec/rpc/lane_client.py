@@ -108,7 +108,15 @@ class LaneClient:
             self._opening = asyncio.ensure_future(self._connect(min(timeout, CONNECT_S)))
             # Read by whoever awaits it; retrieved here too, for when every caller was cancelled.
             self._opening.add_done_callback(lambda f: f.cancelled() or f.exception())
-        return await asyncio.shield(self._opening)
+        opening = self._opening
+        try:
+            return await asyncio.shield(opening)
+        except asyncio.CancelledError:
+            # The opening itself was cancelled (the client closed meanwhile), not
+            # this caller: the call goes another way, as when the lane is down.
+            if opening.cancelled() and not asyncio.current_task().cancelling():
+                raise LaneDown(f"the {self.service} service's lane client closed while opening the lane") from None
+            raise
 
     async def _connect(self, timeout: float) -> "_Connection":
         try:

@@ -6,8 +6,6 @@ import functools
 import logging
 import ssl
 
-import grpc
-
 from specdec import busy_poll, hops
 from specdec.eager import start_now
 from specdec.rpc import grpc_errors
@@ -195,11 +193,8 @@ class LaneServer:
         reply = await grpc_errors.answer_call(call, self.handle, self.reply_type, self.handler_name)
         payload = reply.SerializeToString()
         if len(payload) > self.max_message_bytes:  # refuse this call, not the connection
-            over = self.reply_type(call_id=call.call_id)
-            over.error.code = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
-            over.error.message = (f"the reply ({len(payload)} bytes) is larger than the service's "
-                                  f"--max-message-bytes ({self.max_message_bytes})")
-            payload = over.SerializeToString()
+            payload = grpc_errors.too_large_reply(self.reply_type, call.call_id, len(payload),
+                                                  self.max_message_bytes).SerializeToString()
         self.answered += 1  # before the reply leaves: whoever reads the reply sees it counted
         if hops.ON:
             hops.record("call.answered", self.role, hops.compute_micros(reply.response))

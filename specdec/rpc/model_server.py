@@ -63,6 +63,7 @@ async def start_model_service(
     servicer = make_servicer(worker, limits)
     running = await start_server(server_cfg, lambda server: add_to_server(servicer, server),
                                  [service_name], interceptors=interceptors, credentials=tls.server_credentials())
+    servicer.call_streams.max_message_bytes = server_cfg.max_message_bytes
     running.drain_hooks.append(servicer.call_streams.close)
     lane = None
     try:
