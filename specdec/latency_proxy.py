@@ -54,6 +54,7 @@ log = logging.getLogger(__name__)
 __all__ = ["LatencyProxy", "parse_address"]
 
 _READ_CHUNK = 64 * 1024
+MAX_PORT = 65535
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -61,6 +62,8 @@ def parse_address(address: str) -> tuple[str, int]:
     host, sep, port = address.rpartition(":")
     if not sep or not host or not port.isdigit():
         raise ValueError(f"expected HOST:PORT, got {address!r}")
+    if not 1 <= int(port) <= MAX_PORT:
+        raise ValueError(f"the port of {address!r} must be in [1, {MAX_PORT}]")
     return host.strip("[]"), int(port)
 
 
@@ -81,6 +84,9 @@ class LatencyProxy:
         self._upstream_host, self._upstream_port = parse_address(upstream)
         if bandwidth_mbps < 0:
             raise ValueError(f"bandwidth_mbps must be >= 0, got {bandwidth_mbps}")
+        if not 0 <= port <= MAX_PORT:  # asyncio would raise OverflowError once the thread runs
+            raise ValueError(f"the port to listen on must be 0 (any free port) or a port number up to {MAX_PORT}, "
+                             f"got {port}")
         self._check_delay(delay_ms, jitter_ms)
         # One tuple, replaced whole: readers on the loop thread always see a consistent pair.
         self._shape = (delay_ms / 1000.0, jitter_ms / 1000.0)

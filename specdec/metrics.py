@@ -177,6 +177,8 @@ def prometheus_reader():
 def start_metrics_server(host: str, port: int, registry):
     """Serve `registry` on http://host:port/metrics in a daemon thread;
     returns the server (`.server_port`, `.shutdown()`)."""
+    if not 0 <= port <= 65535:  # the socket would raise OverflowError, a traceback
+        raise ValueError(f"the metrics port must be 0 (any free port) or a port number up to 65535, got {port}")
     from prometheus_client import start_http_server
 
     server, _thread = start_http_server(port, addr=host, registry=registry)

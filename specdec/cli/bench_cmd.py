@@ -18,15 +18,15 @@ import contextlib
 import datetime as dt
 import json
 import shlex
-import signal
 import sys
-import threading
 import time
 from pathlib import Path
 
 from specdec.bench.runner import BASELINES, HF_ASSISTED, HF_KINDS, routes
 from specdec.cli.bench_options import SYNTH_PAIRS, UsageError, build_prompts, resolve, use_tiny_pair
 from specdec.cli.bench_results import write_results
+from specdec.cli.flag_types import duration
+from specdec.cli.interrupts import interrupted_by_signals
 from specdec.cli.model_flags import add_device, add_dtype, add_role_devices, add_threads
 from specdec.engine.config import AUTO_ON_OFF, QUANTIZE_CHOICES
 from specdec.models.catalog import DEFAULT_PAIR
@@ -115,8 +115,8 @@ def register(sub) -> None:
     g = p.add_argument_group("output")
     g.add_argument("--out", default=None, help="results folder (default bench-results/<UTC timestamp>)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
-    g.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for the models to load")
-    g.add_argument("--request-timeout", type=float, default=3600.0, help="deadline of each request, seconds")
+    g.add_argument("--startup-timeout", type=duration, default=900.0, help="seconds to wait for the models to load")
+    g.add_argument("--request-timeout", type=duration, default=3600.0, help="deadline of each request, seconds")
     p.set_defaults(func=run)
 
 
@@ -203,7 +203,7 @@ def _measure(args, o: dict, plan, out_dir: Path) -> tuple:
     services = _service_set(args, o, out_dir)
     runner, interrupted, rc = None, False, 0
     threads_before = torch.get_num_threads()
-    with _recording(out_dir / "requests.jsonl") as on_record, _interrupted_by_signals():
+    with _recording(out_dir / "requests.jsonl") as on_record, interrupted_by_signals():
         try:
             hf = _start(services, args, o, out_dir)
             if hf is not None:  # hf-static: one cache shape for the warm-up and every request
@@ -249,25 +249,6 @@ def _recording(path: Path):
             f.flush()
 
         yield on_record
-
-
-@contextlib.contextmanager
-def _interrupted_by_signals():
-    """SIGTERM and SIGINT raise KeyboardInterrupt meanwhile (SIGINT too: a
-    shell starting `specd bench &` leaves SIGINT ignored); only the main
-    thread can install handlers."""
-    previous = {}
-    if threading.current_thread() is threading.main_thread():
-        def on_signal(*_):
-            raise KeyboardInterrupt
-
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            previous[sig] = signal.signal(sig, on_signal)
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 def _start(services, args, o: dict, out_dir: Path):

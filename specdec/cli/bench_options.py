@@ -8,8 +8,10 @@ mistake of the user's raises `UsageError` (one line, exit code 2).
 from __future__ import annotations
 
 import argparse
+import math
 
 from specdec.bench.runner import BASELINES, HF_ASSISTED, HF_KINDS, HF_STATIC, SERVICE
+from specdec.cli.flag_types import INT32_MAX, UINT64_MAX
 from specdec.errors import InvalidArgument
 from specdec.limits import check_num_draft_tokens
 from specdec.models.catalog import DEFAULT_PAIR
@@ -110,6 +112,7 @@ def resolve(args: argparse.Namespace) -> dict:
 
         if o["chat_prompts"] > len(CHAT_PROMPTS):
             raise UsageError(f"--chat-prompts: there are {len(CHAT_PROMPTS)} chat prompts")
+    _check_request_values(args, o)
 
     from specdec.bench.configs import with_confidences
     from specdec.bench.runner import build_configs, network_conditions, with_variants
@@ -162,6 +165,21 @@ def resolve(args: argparse.Namespace) -> dict:
         _choose_draft_weights(o)
         _check_memory(getattr(args, "dtype", "auto"), o["draft_quantize"], o)
     return o
+
+
+def _check_request_values(args, o: dict) -> None:
+    """What every request carries must fit its field on the wire (int32
+    max_tokens, uint64 seed) and mean something: checked here, or protobuf
+    refuses it once the services have loaded ("Value out of range")."""
+    if o["max_tokens"] > INT32_MAX:
+        raise UsageError(f"--max-tokens must be in [1, {INT32_MAX}], got {o['max_tokens']}")
+    if not all(math.isfinite(t) for t in o["temperatures"]):
+        raise UsageError("--temperatures must be finite numbers >= 0")
+    prompts = o["token_prompts"] if o["token_mode"] else o["prompts"] + o["chat_prompts"]
+    highest = UINT64_MAX - (prompts - 1)  # prompt i is sent seed + i
+    seed = getattr(args, "seed", 0)
+    if not 0 <= seed <= highest:
+        raise UsageError(f"--seed must be in [0, {highest}] (prompt i is sent seed + i), got {seed}")
 
 
 def _choose_draft_weights(o: dict) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from specdec.cli.flag_types import at_least
 from specdec.cli.model_flags import add_device, add_dtype, add_threads
 
 ROLES = ("orchestrator", "draft", "target")
@@ -30,7 +31,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description="Loopback, tiny models: a no-op unary call and a round (Verify + Propose of k) "
                        "through the services minus their compute, tracing off and on, each as a ratio to a bare "
                        "grpc.aio unary call measured in the same run.")
-    p.add_argument("--reps", type=int, default=200, help="repetitions of each call; medians are reported")
+    p.add_argument("--reps", type=at_least(1), default=200, help="repetitions of each call; medians are reported")
     p.add_argument("--num-draft-tokens", type=int, default=4, help="k, tokens drafted per round (default 4)")
     p.add_argument("--tls", action="store_true",
                    help="also the round over mutual TLS (a throwaway CA's certificates, as `specd up --tls`), "

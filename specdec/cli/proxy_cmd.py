@@ -7,6 +7,9 @@ import signal
 import sys
 import threading
 
+from specdec.cli.exits import EXIT_ERROR, EXIT_USAGE
+from specdec.cli.flag_types import port
+
 
 def register(sub) -> None:
     p = sub.add_parser("proxy", help="forward a port to a service, adding network latency",
@@ -15,7 +18,7 @@ def register(sub) -> None:
                                    "--delay-ms X/2), uniform jitter in [0, --jitter-ms] that never reorders "
                                    "data, and an optional bandwidth cap per direction. Runs until SIGINT or "
                                    "SIGTERM; prints the address it listens on.")
-    p.add_argument("--listen-port", type=int, default=0, help="port to listen on (default 0: any free port)")
+    p.add_argument("--listen-port", type=port, default=0, help="port to listen on (default 0: any free port)")
     p.add_argument("--upstream", required=True, metavar="HOST:PORT", help="the service to forward to")
     p.add_argument("--delay-ms", type=float, default=0.0, help="ONE-WAY delay added in each direction, ms")
     p.add_argument("--jitter-ms", type=float, default=0.0, help="extra delay, uniform in [0, J] ms, order kept")
@@ -31,10 +34,14 @@ def run(args: argparse.Namespace) -> int:
     try:
         proxy = LatencyProxy(args.upstream, delay_ms=args.delay_ms, jitter_ms=args.jitter_ms,
                              bandwidth_mbps=args.bandwidth_mbps, host=args.host, port=args.listen_port)
+    except ValueError as exc:  # a flag's value: the upstream, a delay, the bandwidth
+        print(f"specd proxy: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
         proxy.start()
     except (ValueError, OSError) as exc:
         print(f"specd proxy: {exc}", file=sys.stderr)
-        return 1
+        return EXIT_ERROR
     done = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: done.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:

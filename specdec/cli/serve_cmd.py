@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import logging
+import math
 import sys
 
 from draft_service.config import DEFAULT_PORT as DRAFT_PORT
@@ -67,6 +69,49 @@ def _run(coro) -> int:
     return 0
 
 
+def _settings(args: argparse.Namespace, role: str, *classes) -> list | None:
+    """Each of `classes` filled in from the flags and checked; a value no role
+    can run with (a port past 65535, a NaN or negative duration, a
+    --default-max-tokens that refuses every request) is one line on stderr
+    and None (the caller exits 2), before anything binds or loads."""
+    try:
+        configs = [from_args(cls, args) for cls in classes]  # ServerConfig checks its ports itself
+        for cfg in configs:
+            _check_durations(cfg)
+            if isinstance(cfg, OrchestratorConfig):
+                _check_max_tokens(cfg)
+            if isinstance(cfg, HttpConfig):
+                cfg.validate()
+    except ValueError as exc:
+        print(f"specd serve {role}: error: {exc}", file=sys.stderr)
+        return None
+    return configs
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _check_durations(cfg) -> None:
+    """A duration (a float setting named *_s or *_ms) must be finite and >= 0:
+    a NaN --connect-timeout-s waited for the target forever, a NaN
+    --session-ttl-s never expired a session."""
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if isinstance(value, float) and f.name.endswith(("_s", "_ms")) and not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"{_flag(f.name)} must be a finite number >= 0, got {value}")
+
+
+def _check_max_tokens(cfg: OrchestratorConfig) -> None:
+    """Limits that would refuse every request, each blaming its max_tokens."""
+    for name in ("default_max_tokens", "max_tokens_limit"):
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"{_flag(name)} must be at least 1, got {getattr(cfg, name)}")
+    if cfg.default_max_tokens > cfg.max_tokens_limit:
+        raise ValueError(f"--default-max-tokens ({cfg.default_max_tokens}) must be at most --max-tokens-limit "
+                         f"({cfg.max_tokens_limit}): requests that leave max_tokens unset would all be refused")
+
+
 def _valid_engine(engine_cfg: EngineConfig, role: str, *checks) -> bool:
     """The engine settings' checks, a bad one as one line on stderr."""
     try:
@@ -80,11 +125,13 @@ def _valid_engine(engine_cfg: EngineConfig, role: str, *checks) -> bool:
 
 
 def _serve_draft(args: argparse.Namespace) -> int:
+    settings = _settings(args, "draft", ServerConfig, EngineConfig, SessionLimits, DrafterConfig)
+    if settings is None:
+        return EXIT_USAGE
+    server_cfg, engine_cfg, limits, drafter_cfg = settings
     with heap.importing():
         from draft_service.server import build_drafter, start_draft_service
 
-    server_cfg, engine_cfg = from_args(ServerConfig, args), from_args(EngineConfig, args)
-    limits, drafter_cfg = from_args(SessionLimits, args), from_args(DrafterConfig, args)
     if not _valid_engine(engine_cfg, "draft"):
         return EXIT_USAGE
     tls = from_args(TlsConfig, args)  # checked before anything binds, by start_model_service
@@ -103,11 +150,14 @@ def _serve_draft(args: argparse.Namespace) -> int:
 
 
 def _serve_target(args: argparse.Namespace) -> int:
+    settings = _settings(args, "target", ServerConfig, EngineConfig, SessionLimits)
+    if settings is None:
+        return EXIT_USAGE
+    server_cfg, engine_cfg, limits = settings
     with heap.importing():
         from specdec.engine.quantize import refuse_for_target
         from target_service.server import build_verifier, start_target_service
 
-    server_cfg, engine_cfg, limits = from_args(ServerConfig, args), from_args(EngineConfig, args), from_args(SessionLimits, args)
     if not _valid_engine(engine_cfg, "target", refuse_for_target):
         return EXIT_USAGE
     tls = from_args(TlsConfig, args)
@@ -125,11 +175,13 @@ def _serve_target(args: argparse.Namespace) -> int:
 
 
 def _serve_orchestrator(args: argparse.Namespace) -> int:
+    settings = _settings(args, "orchestrator", ServerConfig, OrchestratorConfig, HttpConfig)
+    if settings is None:
+        return EXIT_USAGE
+    server_cfg, cfg, http_cfg = settings  # http_cfg's ports: validated by start_orchestrator (a bad value: one line)
     with heap.importing():
         from orchestrator.server import start_orchestrator
 
-    server_cfg, cfg = from_args(ServerConfig, args), from_args(OrchestratorConfig, args)
-    http_cfg = from_args(HttpConfig, args)  # validated by start_orchestrator (a bad value: one line)
     tls = from_args(TlsConfig, args)  # so are these
 
     async def main():

@@ -17,6 +17,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from specdec.cli.exits import EXIT_INTERRUPTED
+from specdec.cli.flag_types import duration
+from specdec.cli.interrupts import interrupted_by_signals
 from specdec.cli.model_flags import add_threads
 
 
@@ -24,12 +27,12 @@ def register(sub) -> None:
     p = sub.add_parser("soak", help="load and soak: concurrent mixed streams against the three roles")
     p.add_argument("--streams", type=int, default=32, help="concurrent streams (default 32)")
     length = p.add_mutually_exclusive_group()
-    length.add_argument("--seconds", type=float, default=60.0, help="seconds of load (default 60)")
-    length.add_argument("--minutes", type=float, help="minutes of load (instead of --seconds)")
+    length.add_argument("--seconds", type=duration, default=60.0, help="seconds of load (default 60)")
+    length.add_argument("--minutes", type=duration, help="minutes of load (instead of --seconds)")
     p.add_argument("--replicas", type=int, default=1, help="target replicas (default 1)")
     p.add_argument("--seed", type=int, default=0, help="seed of the request mix")
     add_threads(p, default=1, applies_to="per model service")
-    p.add_argument("--request-timeout-s", type=float, default=120.0,
+    p.add_argument("--request-timeout-s", type=duration, default=120.0,
                    help="deadline of every request not in the short-deadline fraction (default 120)")
     p.add_argument("--draft-model", default="", help="draft model (default: the tiny random pair's), served with "
                    "the draft service's defaults: its linears int8 where that pays (--quantize auto; "
@@ -78,14 +81,18 @@ def run(args: argparse.Namespace) -> int:
         draft_dir, target_dir = ensure_tiny_pair()
         draft, target = draft or str(draft_dir), target or str(target_dir)
     env = dict(item.split("=", 1) for item in args.env if "=" in item)
-    seconds = args.minutes * 60 if args.minutes is not None else args.seconds
-    cfg = SoakConfig(draft=draft, target=target, streams=args.streams, seconds=seconds, replicas=args.replicas,
+    load_s = args.minutes * 60 if args.minutes is not None else args.seconds
+    cfg = SoakConfig(draft=draft, target=target, streams=args.streams, seconds=load_s, replicas=args.replicas,
                      seed=args.seed, threads=args.threads, faults=faults_from_args(args), check_greedy=args.check_greedy,
                      env=env, mix=StreamMix(request_timeout_s=args.request_timeout_s))
     logs = Path(args.logs or tempfile.mkdtemp(prefix="specd-soak-"))
     print(f"specd soak: logs in {logs}", file=sys.stderr, flush=True)
     try:
-        result = run_soak(cfg, logs)
+        with interrupted_by_signals():  # SIGTERM (`timeout 60 specd soak`) stops the children too
+            result = run_soak(cfg, logs)
+    except KeyboardInterrupt:
+        print("specd soak: interrupted; the services were stopped", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except RuntimeError as exc:
         print(f"specd soak: {exc}", file=sys.stderr)
         return 1

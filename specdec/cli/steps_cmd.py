@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from specdec.cli.exits import EXIT_ERROR, EXIT_OK
+from specdec.cli.flag_types import at_least
 from specdec.cli.model_flags import add_device, add_dtype, add_threads
 from specdec.engine.config import AUTO_ON_OFF, QUANTIZE_CHOICES
 
@@ -31,11 +32,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_device(p)
     add_dtype(p)
     add_threads(p)
-    p.add_argument("--num-draft-tokens", type=int, nargs="+", default=[4],
+    p.add_argument("--num-draft-tokens", type=at_least(0), nargs="+", default=[4],
                    help="verify shapes: num_draft_tokens + 1 tokens per session (default 4)")
-    p.add_argument("--batches", type=int, nargs="+", default=[1, 8], help="sessions per step (default 1 8)")
-    p.add_argument("--context", type=int, default=200, help="tokens each session holds (default 200)")
-    p.add_argument("--repeat", type=int, default=10, help="timed runs per shape; the median is reported")
+    p.add_argument("--batches", type=at_least(1), nargs="+", default=[1, 8], help="sessions per step (default 1 8)")
+    p.add_argument("--context", type=at_least(1), default=200, help="tokens each session holds (default 200)")
+    p.add_argument("--repeat", type=at_least(1), default=10, help="timed runs per shape; the median is reported")
     p.add_argument("--draft-vocab", type=int, nargs="+", default=[0],
                    help="output head sizes to measure (0: full; needs `specd models rank-vocab`, "
                         "except a synth: model, whose head keeps the lowest ids: costs only)")

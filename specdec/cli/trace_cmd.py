@@ -135,6 +135,15 @@ def _load(path_arg: str | None) -> dict[str, list[dict]] | None:
         print(f"specd trace: no trace file at {path} (run `specd up`, or set SPECD_TRACE_FILE for the servers)",
               file=sys.stderr)
         return None
+    except IsADirectoryError:
+        print(f"specd trace: {path} is a directory: give the trace file (a .jsonl file) itself", file=sys.stderr)
+        return None
+    except OSError as exc:  # unreadable: permissions, a device
+        print(f"specd trace: cannot read {path}: {exc.strerror or exc}", file=sys.stderr)
+        return None
+    except UnicodeDecodeError:
+        print(f"specd trace: {path} is not a trace file (not UTF-8 text)", file=sys.stderr)
+        return None
     if not spans:
         print(f"specd trace: {path} holds no spans yet", file=sys.stderr)
         return None

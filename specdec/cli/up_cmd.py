@@ -24,11 +24,19 @@ import sys
 import tempfile
 import time
 
+from specdec.cli.flag_types import MAX_PORT, duration, int_in, port_or_off
 from specdec.cli.model_flags import add_device, add_dtype, add_role_devices, add_threads
 from specdec.engine.config import QUANTIZE_CHOICES
 from specdec.models.catalog import DEFAULT_PAIR
 from specdec.processes import Backoff, Supervisor, wait_serving
 from specdec.trace_file import TRACE_FILE_ENV, default_trace_file
+
+
+# Ports `specd up` waits on until their role serves: 0 (any free port) would
+# leave it nothing to wait on.
+SERVED_PORT = int_in(1, MAX_PORT, "specd up waits on it: not 0")
+# The orchestrator's metrics port; the draft's is one above, the target's two.
+METRICS_PORT = int_in(0, MAX_PORT - 2, "0: off; the draft's is this + 1, the target's + 2")
 
 
 def register(sub) -> None:
@@ -43,11 +51,11 @@ def register(sub) -> None:
     p.add_argument("--draft-quantize", default="auto", choices=QUANTIZE_CHOICES,
                    help="the draft's linear layers as int8 (CPU only; see docs/benchmarks.md \"An int8 draft\"); "
                         "auto: int8 for a draft on a CPU with VNNI whose hidden size is >= 512 (default auto)")
-    p.add_argument("--port", type=int, default=50051, help="orchestrator port")
-    p.add_argument("--http-port", type=int, default=8000,
+    p.add_argument("--port", type=SERVED_PORT, default=50051, help="orchestrator port")
+    p.add_argument("--http-port", type=port_or_off, default=8000,
                    help="the orchestrator's OpenAI-compatible HTTP API (/v1) port (-1: off)")
-    p.add_argument("--draft-port", type=int, default=50052)
-    p.add_argument("--target-port", type=int, default=50053)
+    p.add_argument("--draft-port", type=SERVED_PORT, default=50052)
+    p.add_argument("--target-port", type=SERVED_PORT, default=50053)
     from orchestrator.config import OrchestratorConfig
     from orchestrator.gamma_policy import POLICIES
 
@@ -56,10 +64,10 @@ def register(sub) -> None:
     p.add_argument("--num-draft-tokens", type=int, default=4, help="tokens drafted per round (the first round's, "
                                                                    "under adaptive and goodput)")
     p.add_argument("--cache-dir", default=None, help="model cache (default: $SPECD_CACHE_DIR or the user cache)")
-    p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for the models to load")
-    p.add_argument("--restart-backoff-s", type=float, default=1.0,
+    p.add_argument("--startup-timeout", type=duration, default=900.0, help="seconds to wait for the models to load")
+    p.add_argument("--restart-backoff-s", type=duration, default=1.0,
                    help="first delay before restarting a role that exited (doubles per quick exit, up to 30 s)")
-    p.add_argument("--metrics-port", type=int, default=0,
+    p.add_argument("--metrics-port", type=METRICS_PORT, default=0,
                    help="Prometheus metrics: the orchestrator on this port, draft +1, target +2 (0: off)")
     p.add_argument("--tls", action="store_true",
                    help="mutual TLS between the roles and TLS at the front doors, with a throwaway local CA "

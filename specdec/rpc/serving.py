@@ -29,6 +29,7 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 # other work (health, model info, another request's call being read) by at
 # most that.
 INLINE_MAX_S = 0.010
+MAX_PORT = 65535
 
 
 @dataclass
@@ -59,11 +60,27 @@ class ServerConfig:
                                                    "thread hand-offs (0: always on the engine thread); the loop "
                                                    "answers nothing else for that long")
 
+    def __post_init__(self) -> None:
+        # Refused here, before anything binds: grpc binds 99999 modulo 65536,
+        # a negative port wrapped round and 65536 as a random one; the
+        # metrics and lane servers fail with an OverflowError.
+        check_port(self.port, "--port")
+        check_port(self.metrics_port, "--metrics-port", meaning="0 (off)")
+        check_port(self.health_port, "--health-port", lowest=-1, meaning="-1 (off), 0 (any free port)")
+        check_port(self.lane_port, "--lane-port", lowest=-1, meaning="-1 (off), 0 (any free port)")
+
     def channel_options(self) -> list[tuple[str, int]]:
         return [
             ("grpc.max_receive_message_length", self.max_message_bytes),
             ("grpc.max_send_message_length", self.max_message_bytes),
         ]
+
+
+def check_port(port: int, what: str, lowest: int = 0, meaning: str = "0 (any free port)") -> None:
+    """Raise ValueError unless lowest <= port <= MAX_PORT; `meaning` says
+    what the values below 1 stand for."""
+    if not lowest <= port <= MAX_PORT:
+        raise ValueError(f"{what} must be {meaning} or a port number up to {MAX_PORT}, got {port}")
 
 
 class EngineWorker:
@@ -206,6 +223,13 @@ class RunningServer:
         await self._stopped.wait()
 
 
+def bind_address(host: str, port: int) -> str:
+    """grpc's address for host and port: an IPv6 literal in brackets (`--host ::`,
+    as an IPv6-only cluster needs, is `[::]:PORT`; the other listeners, the lane,
+    metrics and HTTP, take the bare host)."""
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
 async def start_server(
     cfg: ServerConfig,
     register: Callable[[grpc.aio.Server], None],
@@ -227,7 +251,7 @@ async def start_server(
         names = [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
                  reflection.SERVICE_NAME]
         reflection.enable_server_reflection(names, server)
-    address = f"{cfg.host}:{cfg.port}"
+    address = bind_address(cfg.host, cfg.port)
     port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"cannot bind {cfg.host}:{cfg.port}")
@@ -235,7 +259,7 @@ async def start_server(
     running = RunningServer(server, port, health_servicer, service_names, health_server, health_port)
     await running.set_status(NOT_SERVING)
     await server.start()
-    log.info("listening on %s:%d%s", cfg.host, port, " (TLS)" if credentials else "")
+    log.info("listening on %s%s", bind_address(cfg.host, port), " (TLS)" if credentials else "")
     return running
 
 
@@ -246,7 +270,7 @@ async def _start_health_only(cfg: ServerConfig, health_servicer) -> tuple[grpc.a
     server's health statuses."""
     server = grpc.aio.server()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = server.add_insecure_port(f"{cfg.host}:{cfg.health_port}")
+    port = server.add_insecure_port(bind_address(cfg.host, cfg.health_port))
     if port == 0:
         raise OSError(f"cannot bind the health port {cfg.host}:{cfg.health_port}")
     await server.start()
