@@ -240,6 +240,10 @@ def test_stop_strings_truncate_and_finish_with_stop(http_system):
     ("completions", dict(stop=["\udc80"]), "stop", "not valid Unicode"),
     ("chat/completions", dict(messages=[{"role": "user", "content": "\ud83d"}]), "messages[0].content",
      "not valid Unicode"),
+    # Found by review: pydantic's lax mode took these as token ids [1, 0] and as true.
+    ("completions", dict(prompt=[True, False]), None, "prompt"),
+    ("completions", dict(stream="yes"), "stream", "valid boolean"),
+    ("chat/completions", dict(stream=1), "stream", "valid boolean"),
 ])
 def test_unsupported_or_bad_fields_get_a_clear_400(http_system, endpoint, body, param, words):
     base = {"model": http_system.model, "max_tokens": 4}

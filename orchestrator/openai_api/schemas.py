@@ -11,12 +11,17 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, Strict
 
 # Integers travel on as protobuf int32 fields (GenerateRequest); a larger one
 # must be a 400 naming its field here, not an overflow further on.
 INT32_MAX = 2**31 - 1
 Int32 = Annotated[int, Field(ge=-(2**31), le=INT32_MAX)]
+# Token ids and switches take their own JSON type only: pydantic's lax mode
+# read `"prompt": [true, false]` as the token ids [1, 0] and `"stream": "yes"`
+# as true. (A number like 5.0 where an integer is due stays accepted.)
+TokenId = Annotated[int, Strict(), Field(ge=-(2**31), le=INT32_MAX)]
+Switch = Annotated[bool, Strict()]
 
 
 class _Strict(BaseModel):
@@ -30,13 +35,13 @@ class SpeculationOptions(_Strict):
     num_draft_tokens: int = Field(0, ge=0, le=INT32_MAX)  # fixed k or the starting k; 0: the server's
     min_draft_tokens: int = Field(0, ge=0, le=INT32_MAX)  # adaptive bounds; 0: the server's
     max_draft_tokens: int = Field(0, ge=0, le=INT32_MAX)
-    disable: bool = False  # the target alone (the baseline)
-    pipeline: bool | None = None  # pipelined drafting; null: the server's
+    disable: Switch = False  # the target alone (the baseline)
+    pipeline: Switch | None = None  # pipelined drafting; null: the server's
     draft_min_confidence: float | None = Field(None, ge=0, le=1)  # end drafting when unsure; null: the server's
 
 
 class StreamOptions(_Strict):
-    include_usage: bool | None = False
+    include_usage: Switch | None = False
 
 
 class GenerationRequest(_Strict):
@@ -49,7 +54,7 @@ class GenerationRequest(_Strict):
     top_k: Int32 | None = None  # extension; 0 or -1: off
     seed: int | None = Field(None, ge=0, le=2**64 - 1)
     stop: str | list[str] | None = None
-    stream: bool | None = False
+    stream: Switch | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # OpenAI's end-user id: accepted, not used
     speculation: SpeculationOptions | None = None  # extension
@@ -61,7 +66,7 @@ class GenerationRequest(_Strict):
 
 
 class CompletionRequest(GenerationRequest):
-    prompt: str | list[Int32] | list[str] | list[list[Int32]]
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
     echo: Any = None
     logprobs: Any = None
     best_of: Any = None
@@ -83,7 +88,7 @@ class ChatCompletionRequest(GenerationRequest):
     max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     metadata: dict[str, str] | None = None  # for stored completions: accepted, not used
     service_tier: str | None = None  # accepted, not used
-    parallel_tool_calls: bool | None = None  # meaningless without tools: accepted
+    parallel_tool_calls: Switch | None = None  # meaningless without tools: accepted
     logprobs: Any = None
     top_logprobs: Any = None
     tools: Any = None
