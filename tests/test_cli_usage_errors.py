@@ -207,6 +207,8 @@ def test_the_proxy_and_the_metrics_server_refuse_a_port_out_of_range(capsys, mon
     (["up", "--startup-timeout", "nan"], "argument --startup-timeout: must be a finite number >= 0, got nan"),
     (["up", "--restart-backoff-s", "-1"], "argument --restart-backoff-s: must be a finite number >= 0, got -1"),
     (["soak", "--seconds", "inf"], "argument --seconds: must be a finite number >= 0, got inf"),
+    (["proxy", "--upstream", "127.0.0.1:1", "--delay-ms", "nan"],
+     "argument --delay-ms: must be a finite number >= 0, got nan"),
 ])
 def test_counts_and_durations_are_checked_by_the_parser(capsys, argv, named):
     err = parse_error(argv, capsys)

@@ -57,9 +57,9 @@ port = int_in(0, MAX_PORT, "0: any free port")
 port_or_off = int_in(-1, MAX_PORT, "-1: off; 0: any free port")
 
 
-def duration(text: str) -> float:
-    """A duration: finite and >= 0 (NaN would make a deadline never pass,
-    or pass at once)."""
+def non_negative(text: str) -> float:
+    """A finite number >= 0: a duration (NaN would make a deadline never
+    pass, or pass at once), a delay, a rate."""
     try:
         value = float(text)
     except ValueError:
@@ -67,6 +67,9 @@ def duration(text: str) -> float:
     if not (math.isfinite(value) and value >= 0):
         raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
     return value
+
+
+duration = non_negative
 
 
 def utf8_text(text: str) -> str:

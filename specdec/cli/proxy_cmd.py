@@ -8,7 +8,7 @@ import sys
 import threading
 
 from specdec.cli.exits import EXIT_ERROR, EXIT_USAGE
-from specdec.cli.flag_types import port
+from specdec.cli.flag_types import non_negative, port
 
 
 def register(sub) -> None:
@@ -20,9 +20,9 @@ def register(sub) -> None:
                                    "SIGTERM; prints the address it listens on.")
     p.add_argument("--listen-port", type=port, default=0, help="port to listen on (default 0: any free port)")
     p.add_argument("--upstream", required=True, metavar="HOST:PORT", help="the service to forward to")
-    p.add_argument("--delay-ms", type=float, default=0.0, help="ONE-WAY delay added in each direction, ms")
-    p.add_argument("--jitter-ms", type=float, default=0.0, help="extra delay, uniform in [0, J] ms, order kept")
-    p.add_argument("--bandwidth-mbps", type=float, default=0.0,
+    p.add_argument("--delay-ms", type=non_negative, default=0.0, help="ONE-WAY delay added in each direction, ms")
+    p.add_argument("--jitter-ms", type=non_negative, default=0.0, help="extra delay, uniform in [0, J] ms, order kept")
+    p.add_argument("--bandwidth-mbps", type=non_negative, default=0.0,
                    help="cap of each direction, megabits per second (default 0: unlimited)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.set_defaults(func=run)
