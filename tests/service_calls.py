@@ -191,9 +191,16 @@ def untouched(reference):
     reference.check()
 
 
+SHORT_TTL_S = 2.0  # the short_ttl services' session lifetime (their reaper runs every SHORT_TTL_S / 4)
+
+
 @pytest.fixture(scope="module")
 def short_ttl():
-    limits = SessionLimits(session_ttl_s=0.3)
+    """A target and a draft whose idle sessions expire after SHORT_TTL_S:
+    long enough that a test's pauses under CPU load (a 2-core CI VM running
+    several test files at once) never expire a session it still uses; tests
+    wait for the expiries themselves (up to ~20 s) instead of timing them."""
+    limits = SessionLimits(session_ttl_s=SHORT_TTL_S)
     t_engine, d_engine = tiny_engine(model=TARGET_MODEL), tiny_engine(model=DRAFT_MODEL)
     with running_target(t_engine, limits) as t, running_draft(d_engine, limits) as d:
         yield t_engine, t[1], d_engine, d[1]

@@ -49,7 +49,7 @@ def test_a_wait_polls_until_its_reply_comes_and_then_stops(polling):
     async def main():
         loop = asyncio.get_running_loop()
         reply = loop.create_future()
-        loop.call_later(0.02, reply.set_result, "answer")
+        loop.call_later(0.2, reply.set_result, "answer")  # long enough that CPU load cannot starve the polling
         with busy_poll.waiting():
             assert await reply == "answer"
         during = busy_poll.turns()
@@ -61,7 +61,7 @@ def test_a_wait_polls_until_its_reply_comes_and_then_stops(polling):
         return during, after, busy_poll.turns()
 
     during, after, later = _run(main())
-    assert during > 10  # 20 ms of turns of a few µs each
+    assert during > 10  # 200 ms of turns of a few µs each
     assert later == after  # stopped with the wait
 
 
@@ -165,7 +165,8 @@ def test_a_lane_call_polls_on_both_sides_and_answers_as_before(polling):
         await server.start("127.0.0.1", 0)
         client = _client(server.port)
         try:
-            reply = await client(_request("slow-20", keep=5), 5)  # the handler answers after 20 ms
+            # The handler answers after 200 ms: long enough that CPU load cannot starve the polling.
+            reply = await client(_request("slow-200", keep=5), 5)
             assert [d.token_id for d in reply.drafts] == [5]
             assert busy_poll.turns() > 10  # one loop: the client's wait and the server's linger alike
             assert _poller().lingering  # the server lingers after its reply

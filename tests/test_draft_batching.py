@@ -300,6 +300,7 @@ def test_a_new_propose_stops_a_running_multi_step_job_so_it_waits_at_most_a_step
     stops that job after the current step, its own start runs next, and the
     two then share passes."""
     import asyncio
+    import threading
     import time as _time
 
     from draft_service.step_batcher import DraftStepBatcher
@@ -314,21 +315,38 @@ def test_a_new_propose_stops_a_running_multi_step_job_so_it_waits_at_most_a_step
         worker = EngineWorker("eng")
         drafter = Recording([0])
         drafter.sids = []
-        drafter.on_step = lambda: _time.sleep(0.03)
+        # a's second step (on the engine thread, inside its one job of ten
+        # steps) lasts until b's call has arrived: b arrives mid-job, whatever the load.
+        in_second_step, b_arrived = threading.Event(), threading.Event()
+
+        def step():
+            if len(drafter.sids) == 2:
+                in_second_step.set()
+                assert b_arrived.wait(30), "b never arrived"
+
+        drafter.on_step = step
         batcher = DraftStepBatcher(worker, drafter)
         try:
             a = asyncio.ensure_future(batcher.start_and_collect(lambda: drafter.propose(10, "a"), "a"))
-            await asyncio.sleep(0.05)  # a's job is one or two steps in
+            deadline = _time.monotonic() + 30
+            while not in_second_step.is_set():
+                assert _time.monotonic() < deadline, drafter.sids
+                await asyncio.sleep(0.001)
+            # b's call notes its arrival before its first await; this runs once it awaits (its start,
+            # queued behind a's job on the engine thread), and lets a's second step end.
+            asyncio.get_running_loop().call_soon(b_arrived.set)
             b = await batcher.start_and_collect(lambda: drafter.propose(4, "b"), "b")
             got_a = await a
         finally:
+            b_arrived.set()
             worker.shutdown()
         return got_a, b, drafter.sids
 
     got_a, got_b, sids = asyncio.run(run())
     assert [d.index for d, _ in got_a] == list(range(10)) and [d.index for d, _ in got_b] == [0, 1, 2, 3]
-    first_b = next(i for i, s in enumerate(sids) if "b" in s)
-    assert first_b <= 4, sids  # before the fix: after all ten of a's steps
+    # b arrived during a's second step: a's job stops after it (before the
+    # fix, b came after all ten of a's steps), and b's start, then the shared passes, follow.
+    assert sids[:3] == [("a",), ("a",), ("a", "b")], sids
     assert sum(1 for s in sids if s == ("a", "b")) >= 1, "the two share passes"
 
 

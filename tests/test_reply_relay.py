@@ -33,26 +33,35 @@ def test_merged_joins_runs_of_chunks_and_keeps_the_rest_in_place():
 def test_the_source_runs_on_while_a_write_is_under_way():
     """The loop's next rounds do not wait for the caller's (slow) writes:
     they are made meanwhile, and reach the caller merged, in order."""
-    made: list[float] = []
-
-    async def source():
-        for i in range(5):
-            made.append(asyncio.get_running_loop().time())
-            yield chunk(str(i), i)
-            await asyncio.sleep(0)  # a round's awaits
-        yield stats(5)
+    made: list[int] = []
 
     async def main():
+        all_made = asyncio.Event()
+
+        async def source():
+            for i in range(5):
+                made.append(i)
+                yield chunk(str(i), i)
+                if i == 4:
+                    all_made.set()
+                await asyncio.sleep(0)  # a round's awaits
+            yield stats(5)
+
         got = []
         async for reply in written_behind(source()):
             got.append(reply)
             if len(got) == 1:
-                await asyncio.sleep(0.05)  # the first write is slow
+                # The first write is slow: it lasts until the source has made
+                # its other four chunks, which it never does if it waits for
+                # the write (then this times out).
+                try:
+                    await asyncio.wait_for(all_made.wait(), 5)
+                except TimeoutError:
+                    pytest.fail(f"the source waited for the write: {len(made)} of 5 chunks made")
         return got
 
     got = run(main())
     assert len(made) == 5
-    assert made[-1] - made[0] < 0.04, "the source waited for the write"
     texts = "".join(r.chunk.text for r in got if r.HasField("chunk"))
     ids = [t for r in got if r.HasField("chunk") for t in r.chunk.token_ids]
     assert (texts, ids) == ("01234", [0, 1, 2, 3, 4])

@@ -274,12 +274,12 @@ def test_expired_session_is_not_found(short_ttl):
     t_engine, t_stub, d_engine, d_stub = short_ttl
     t_sid = open_session(t_stub, [1, 2, 3]).session_id
     d_sid = open_session(d_stub, [1, 2, 3]).session_id
-    wait_until(lambda: t_engine.num_sessions == 0 and d_engine.num_sessions == 0, timeout_s=5.0)
-    live = open_session(t_stub, [4, 5, 6]).session_id
+    wait_until(lambda: t_engine.num_sessions == 0 and d_engine.num_sessions == 0, timeout_s=20.0)
     expect_status(Code.NOT_FOUND, "unknown or expired", rollback, t_stub, t_sid, 1)
     expect_status(Code.NOT_FOUND, "unknown or expired", decode, t_stub, t_sid, 1)
     expect_status(Code.NOT_FOUND, "unknown or expired", propose, d_stub, d_sid, 1)
     expect_status(Code.NOT_FOUND, "unknown or expired", rollback, d_stub, d_sid, 1)
+    live = open_session(t_stub, [4, 5, 6]).session_id  # opened just before its use: well within its lifetime
     results = verify(t_stub, item(t_sid, [1]), item(live, [1]))
     assert results[0].error.code == NOT_FOUND and "expired" in results[0].error.message
     assert not results[1].HasField("error") and len(results[1].argmax_token_ids) == 2

@@ -33,14 +33,16 @@ def wait_for(predicate, timeout_s: float = 10.0) -> bool:
 @pytest.mark.parametrize("role", ["target", "draft"])
 def test_open_close_and_expiry_are_counted(role):
     running = running_target if role == "target" else running_draft
-    with running(tiny_engine(), SessionLimits(session_ttl_s=0.3)) as (_, stub, _):
+    # A lifetime long enough that the open session is still counted open
+    # below under CPU load; the expiry is waited for (up to 20 s).
+    with running(tiny_engine(), SessionLimits(session_ttl_s=2.0)) as (_, stub, _):
         assert counts(stub) == (0, 0)
         sid = stub.OpenSession(common_pb2.OpenSessionRequest(prompt_token_ids=[3, 4, 5]), timeout=10).session_id
         assert counts(stub) == (1, 0)
         stub.CloseSession(common_pb2.CloseSessionRequest(session_id=sid), timeout=10)
         assert counts(stub) == (0, 0)
         stub.OpenSession(common_pb2.OpenSessionRequest(prompt_token_ids=[3, 4, 5]), timeout=10)
-        assert wait_for(lambda: counts(stub) == (0, 1)), counts(stub)
+        assert wait_for(lambda: counts(stub) == (0, 1), timeout_s=20.0), counts(stub)
 
 
 def test_a_session_whose_open_was_abandoned_is_closed():

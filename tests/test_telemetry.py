@@ -191,14 +191,20 @@ def test_health_checks_are_not_traced(traced):
     wait_until_quiet(traced.exporter)  # the last test's session closes may still be landing
     traced.exporter.clear()
     # a caller's trace context must not make a health check traced either
-    metadata = (("traceparent", "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"),)
+    caller_trace = "4bf92f3577b34da6a3ce929d0e0e4736"
+    metadata = (("traceparent", f"00-{caller_trace}-00f067aa0ba902b7-01"),)
     for port in (traced.orchestrator.port, traced.draft.port, traced.target.port):
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5,
                                                               metadata=metadata)
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
     time.sleep(0.1)
-    spans = list(traced.exporter.get_finished_spans())
+    # A health check's span would continue the caller's trace, or start one
+    # of its own (a root that is no request's generate span). Only those
+    # count: an earlier test's request may still be closing its sessions in
+    # the background (spans under that request's generate span).
+    spans = [s for s in traced.exporter.get_finished_spans()
+             if f"{s.context.trace_id:032x}" == caller_trace or (s.parent is None and s.name != T.SPAN_GENERATE)]
     assert spans == [], [(s.name, service_of(s), f"{s.context.trace_id:032x}") for s in spans]
 
 
@@ -346,14 +352,26 @@ def test_tracing_off_records_no_spans():
 def test_specd_trace_lists_and_shows_a_real_run(tmp_path, capsys):
     path = tmp_path / "traces.jsonl"
     settings = T.TelemetrySettings(trace_file=str(path))  # the three roles share one file, as under `specd up`
-    telemetry = {role: T.setup_telemetry(service, settings) for role, service in ROLES.items()}
+    # The spans also go to memory as they end, to tell when the last one has.
+    ended = InMemorySpanExporter()
+    telemetry = {role: T.setup_telemetry(service, settings, span_exporters=[ended]) for role, service in ROLES.items()}
     target = tiny_model(seed=0, init_range=0.3)
     try:
         with running_system(tiny_engine(model=target), tiny_engine(model=perturbed(target, 0.15, seed=1)),
                             telemetry=telemetry) as s:
             first = s.client.complete(GREEDY_PROMPTS[2], max_tokens=6, temperature=0, num_draft_tokens=2)
             last = s.client.complete(GREEDY_PROMPTS[4], max_tokens=10, temperature=0, num_draft_tokens=3)
-            time.sleep(0.2)
+
+            # Each request's two sessions close in the background after its
+            # stream ends: wait for both close phases of both (the service's
+            # `close`, the orchestrator's `session.close`) before the shutdown flushes the file.
+            def closed(name: str) -> int:
+                return sum(span.name == name for span in ended.get_finished_spans())
+
+            deadline = time.monotonic() + 20.0
+            while closed(T.SPAN_CLOSE) < 4 or closed(T.SPAN_SESSION_CLOSE) < 4 or closed(T.SPAN_GENERATE) < 2:
+                assert time.monotonic() < deadline, [span.name for span in ended.get_finished_spans()]
+                time.sleep(0.02)
     finally:
         for t in telemetry.values():
             t.shutdown()  # flushes the batch processors into the file

@@ -41,7 +41,11 @@ def test_items_arriving_while_a_batch_computes_go_together_when_it_returns():
         for _ in range(6):
             batcher.request_started()
         first = asyncio.ensure_future(batcher.verify(item(0)))
-        await asyncio.sleep(0.05)  # the first item went alone, after the window
+        # The first item went alone, after the window; its batch computes (0.2 s) while the others arrive.
+        deadline = asyncio.get_running_loop().time() + 10
+        while target.calls != [["s0"]]:
+            assert asyncio.get_running_loop().time() < deadline, target.calls
+            await asyncio.sleep(0.001)
         later = [asyncio.ensure_future(batcher.verify(item(n))) for n in range(1, 6)]
         replies = await asyncio.gather(first, *later)
         return target, replies
