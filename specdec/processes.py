@@ -14,7 +14,9 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
@@ -46,19 +48,47 @@ def wait_serving(port: int, procs: list[subprocess.Popen], timeout_s: float, cre
 
 
 def stop_processes(procs: list[subprocess.Popen], grace_s: float = 30.0) -> None:
-    """SIGTERM every process (they drain), then SIGKILL what is left after grace_s."""
-    for p in procs:
-        if p.poll() is None:
+    """SIGTERM every process (they drain), then SIGKILL what is left after
+    grace_s. A Ctrl-C or SIGTERM meanwhile kills them at once (see
+    `_signals_kill`) rather than interrupting the stop."""
+    with _signals_kill(procs):
+        for p in procs:
+            if p.poll() is None:
+                try:
+                    p.send_signal(signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        for p in procs:
             try:
-                p.send_signal(signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-    for p in procs:
-        try:
-            p.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(timeout=10)
+                p.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(timeout=10)
+
+
+@contextmanager
+def _signals_kill(procs: list[subprocess.Popen]):
+    """While the children drain: SIGINT and SIGTERM SIGKILL them, and the
+    stop goes on. A second Ctrl-C, the usual answer to a slow stop, raised
+    KeyboardInterrupt in the middle of it and left the children running,
+    each in a session of its own (their models' memory, a GPU's, held). Only
+    the main thread can install handlers: elsewhere this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def kill_now(*_):
+        print("stopping at once: the remaining children are killed", file=sys.stderr, flush=True)
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
+    previous = {sig: signal.signal(sig, kill_now) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def close_stdin_and_wait(process: subprocess.Popen, grace_s: float) -> None:

@@ -57,3 +57,42 @@ def test_quick_exits_back_off_and_stop_cancels_pending_restarts():
         assert sup.children["orchestrator"].proc is second  # no restart after stop()
     finally:
         sup.stop(grace_s=5)
+
+
+def test_a_signal_during_the_stop_kills_the_children_instead_of_leaving_them_running():
+    """A second Ctrl-C while the children drain (or a SIGTERM) used to raise
+    KeyboardInterrupt in the middle of the stop; they were left running."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    from specdec.processes import stop_processes
+
+    stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(120)"
+    procs = [subprocess.Popen([sys.executable, "-c", stubborn], stdout=subprocess.PIPE, start_new_session=True)
+             for _ in range(2)]
+    try:
+        for p in procs:
+            assert p.stdout.readline() == b"up\n"  # SIGTERM ignored from here on
+        original = signal.getsignal(signal.SIGINT)
+
+        def second_ctrl_c():  # once the stop has taken the signals over
+            deadline = time.monotonic() + 30
+            while signal.getsignal(signal.SIGINT) is original and time.monotonic() < deadline:
+                time.sleep(0.01)
+            os.kill(os.getpid(), signal.SIGINT)
+
+        threading.Thread(target=second_ctrl_c, daemon=True).start()
+        started = time.monotonic()
+        stop_processes(procs, grace_s=60)  # no KeyboardInterrupt out of it
+        assert time.monotonic() - started < 30  # not the 60 s grace
+        assert [p.returncode for p in procs] == [-signal.SIGKILL] * 2
+        assert signal.getsignal(signal.SIGINT) is original
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()

@@ -6,7 +6,7 @@ and then supervises the three (`specdec.processes.Supervisor`): a role that
 exits is restarted with backoff while the others keep serving; requests in
 flight survive it (the orchestrator decodes without the draft, and re-opens
 a lost target session by prefilling the history). Ctrl-C (or SIGTERM) stops
-all three and waits for them. A role that exits during start-up still stops
+all three and waits for them to drain; a second one kills them at once. A role that exits during start-up still stops
 everything: that is a configuration error, not a crash.
 
 `--tls` creates a throwaway CA in a temporary directory (deleted on exit):
