@@ -110,18 +110,22 @@ def round_observation(k: int, accepted: int, draft_time_s: float, draft_compute_
     """What a policy learns from one round, as the loop measured it: `cycle_s`
     is the wall time since the previous round was observed (0: unknown);
     `last` the request's previous speculative round."""
+    # The rest of the cycle, from what the round waited for: a pipelined
+    # round's drafts cost it no wait.
+    overhead_s = max(0.0, cycle_s - draft_time_s - verify_rtt_s) if cycle_s else 0.0
     if k and draft_time_s == 0 and last is not None and last.k:
         # Pipelined drafts: their cost was hidden; the policy models an
         # unpipelined round, so it learns the draft's last measured costs
-        # (per token, scaled to this k).
-        draft_compute_s = (last.draft_compute_s or last.draft_time_s) / last.k * k
+        # (per token, scaled to this k), split as that round's were (a draft
+        # reporting no compute, an n-gram's, is all round trip).
+        draft_compute_s = last.draft_compute_s / last.k * k
         draft_time_s = last.draft_rtt_s + draft_compute_s
     return RoundObservation(
         k=k, accepted=accepted, draft_time_s=draft_time_s, verify_time_s=verify_rtt_s,
         verify_compute_s=verify_compute_s, batch_size=max(1, batch_size),
         draft_rtt_s=max(0.0, draft_time_s - draft_compute_s), target_rtt_s=max(0.0, verify_rtt_s - verify_compute_s),
         draft_compute_s=draft_compute_s,
-        overhead_s=max(0.0, cycle_s - draft_time_s - verify_rtt_s) if cycle_s else 0.0,
+        overhead_s=overhead_s,
     )
 
 

@@ -99,6 +99,7 @@ class SpeculativeRequest:
         self._ahead_decision = AheadDecision(settings.pipeline_call_cost_s, settings.pipeline_always)
         self._last_obs: RoundObservation | None = None  # the last speculative round
         self._last_round_end: float | None = None  # when the previous round was observed
+        self._prefill_at_last_round = 0.0  # stats.prefill_time_s then: session opens are not a round's overhead
         self._accept_prep: AcceptPrep | None = None  # a sampled round's, made while its Verify is out
         # Whether the replica's speculation gate may have this request decode
         # plainly: only where that cannot change its tokens. A seeded sampled
@@ -342,9 +343,13 @@ class SpeculativeRequest:
             self.telemetry.metrics.record_round(k_chosen, k, accepted)
         # The whole cycle since the previous round was observed (its tokens
         # streamed to the client included), less the two calls.
+        # Less any session open since (a draft opened when the gate turned to
+        # speculation, a re-open, a target's recovery): a prefill learned as
+        # overhead sent the goodput policy's k to its maximum for rounds.
         now = time.perf_counter()
-        cycle = now - self._last_round_end if self._last_round_end is not None else 0.0
-        self._last_round_end = now
+        opened = self.stats.prefill_time_s - self._prefill_at_last_round
+        cycle = max(0.0, now - self._last_round_end - opened) if self._last_round_end is not None else 0.0
+        self._last_round_end, self._prefill_at_last_round = now, self.stats.prefill_time_s
         obs = round_observation(k, accepted, draft_time, draft_compute, reply.rtt_s, reply.compute_s,
                                 reply.batch_size, cycle, self._last_obs)
         self.policy.observe(obs)

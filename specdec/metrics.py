@@ -34,6 +34,9 @@ def _position(i: int) -> dict:
     return _POSITIONS[i] if i < len(_POSITIONS) else {"position": i}
 
 
+# The HTTP methods recorded by name (RFC 9110 and PATCH); any other is "_OTHER".
+HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS", "TRACE", "PATCH"})
+
 class Metrics:
     """The instruments, created from one meter (a no-op meter costs nothing).
 
@@ -118,6 +121,10 @@ class Metrics:
         self.requests.add(1, attrs)
 
     def record_http(self, method: str, route: str, status: int, seconds: float) -> None:
+        # A method no client means (h11 passes any token through) is "_OTHER",
+        # as OpenTelemetry's HTTP conventions say: one new series per made-up
+        # method, from unauthenticated requests too, was a label without bound.
+        method = method if method in HTTP_METHODS else "_OTHER"
         self.http_request_duration.record(seconds, {"http.request.method": method, "http.route": route,
                                                     "http.response.status_code": status})
 

@@ -196,3 +196,27 @@ def test_fixed_and_adaptive_keep_the_requests_stop_and_no_stop_is_the_default():
     for bad in (-0.1, 1.1, float("nan")):
         with pytest.raises(ValueError, match="draft_min_confidence"):
             make_policy("fixed", 4, 1, 8, min_confidence=bad)
+
+
+def test_a_pipelined_round_learns_the_overhead_it_waited_for_and_the_drafts_cost_as_measured():
+    """A round whose drafts were made during the last verify waited for no
+    draft: its overhead is its cycle less the verify alone (it was near 0,
+    the modelled draft time taken off a cycle that never held it, and k came
+    out too small); its modelled draft cost splits as the last round's did
+    (a draft that reports no compute, an n-gram's, is all round trip: it was
+    counted twice)."""
+    from orchestrator.gamma_policy import round_observation
+
+    measured = round_observation(4, 4, draft_time_s=0.024, draft_compute_s=0.020, verify_rtt_s=0.030,
+                                 verify_compute_s=0.028, batch_size=1, cycle_s=0.064, last=None)
+    assert measured.overhead_s == pytest.approx(0.010)
+    pipelined = round_observation(4, 4, draft_time_s=0.0, draft_compute_s=0.0, verify_rtt_s=0.030,
+                                  verify_compute_s=0.028, batch_size=1, cycle_s=0.040, last=measured)
+    assert pipelined.overhead_s == pytest.approx(0.010)  # 0.040 - 0.030, not 0.040 - 0.030 - 0.024 floored at 0
+    assert (pipelined.draft_time_s, pipelined.draft_compute_s) == pytest.approx((0.024, 0.020))
+
+    ngram = round_observation(4, 4, draft_time_s=0.001, draft_compute_s=0.0, verify_rtt_s=0.030,
+                              verify_compute_s=0.028, batch_size=1, cycle_s=0.035, last=None)
+    ahead = round_observation(4, 4, draft_time_s=0.0, draft_compute_s=0.0, verify_rtt_s=0.030,
+                              verify_compute_s=0.028, batch_size=1, cycle_s=0.034, last=ngram)
+    assert (ahead.draft_time_s, ahead.draft_compute_s, ahead.draft_rtt_s) == pytest.approx((0.001, 0.0, 0.001))

@@ -498,3 +498,19 @@ def test_a_rounds_data_points_are_recorded_on_the_loops_next_turn_and_not_withou
     assert counter(metric_values(reader), "specdec_accepted_tokens") == 5
 
     assert not Metrics(NoOpMeterProvider().get_meter("test")).enabled
+
+
+def test_an_http_method_no_client_means_is_recorded_as_other():
+    """h11 passes any token through as a method; each one a series of its
+    own (unauthenticated requests too) was a label without bound."""
+    from opentelemetry.sdk.metrics import MeterProvider
+
+    from specdec.metrics import Metrics
+
+    reader = InMemoryMetricReader()
+    metrics = Metrics(MeterProvider(metric_readers=[reader]).get_meter("test"))
+    for method in ("GET", "POST", "ZZQ81X", "M0", "M1"):
+        metrics.record_http(method, "other", 405, 0.001)
+    points = metric_values(reader)["specdec_http_request_duration_seconds"]
+    assert sorted((p.attributes["http.request.method"], p.count) for p in points) == \
+        [("GET", 1), ("POST", 1), ("_OTHER", 3)]
