@@ -208,3 +208,25 @@ def test_the_bound_uses_the_orchestrators_exact_rejection_count_when_reported():
     assert bound["alpha_hat"] == pytest.approx(30 / 36)
     del stats[0]["rejected_rounds"]  # an older record: estimated from the counters instead
     assert pool_stats(stats)["rejected_rounds"] is None
+
+
+def test_the_projection_pays_a_requests_session_opens_once_not_per_round():
+    """The bound's overhead is whatever a round's wall time leaves, and that
+    held the prefill; projected at another acceptance, a prefill spread over
+    the measured rounds moved with their number. The projection's terms now
+    keep it apart: a round's own overhead, and the prefill once per request."""
+    from specdec.bench.projection import RoundCosts, request_time
+    from specdec.bench.projection_report import round_costs
+
+    pooled = A.pool_stats([_stats(prefill_time_s=1.0), _stats(prefill_time_s=1.0)])
+    b = A.bound_for_run(pooled, nominal_k=3, measured_tokens_per_s=4.0, baseline_tokens_per_s=2.0,
+                        baseline_compute_tokens_per_s=3.0)
+    assert b["overhead_s"] == pytest.approx(0.05)          # (11 - 6 - 4) s / 20 rounds, as before
+    assert b["round_overhead_s"] == pytest.approx(0.0)     # (11 - 2 - 6 - 4) s, floored at 0
+    assert b["prefill_per_request_s"] == pytest.approx(1.0)
+    costs = round_costs({"k": 3, "bound": {**b, "t_draft_token_s": 0.1, "t_draft_call_s": 0.0}})
+    assert costs.prefill == pytest.approx(1.0) and costs.overhead == pytest.approx(0.0)
+    without = RoundCosts(3, 0.1, 0.2, 0.0)
+    for alpha in (0.3, 0.95):  # the same 1 s at any acceptance: paid once
+        assert request_time(costs, alpha, "one-gpu", 40) - request_time(without, alpha, "one-gpu", 40) == \
+            pytest.approx(1.0)

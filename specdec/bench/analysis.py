@@ -261,6 +261,7 @@ def bound_for_run(pooled: dict, *, nominal_k: int | None, measured_tokens_per_s:
         out.pop("alpha", None)
         out["k"] = k
         out.update({"t_draft_s": None, "t_verify_s": None, "overhead_s": None, "efficiency": None,
+                    "round_overhead_s": None, "prefill_per_request_s": None,
                     "t_draft_token_s": None, "t_draft_call_s": None,
                     "measured_speedup": ratio(measured_tokens_per_s, baseline_tokens_per_s),
                     "ideal": {"expected_tokens_per_s": None, "expected_speedup": None}})
@@ -273,7 +274,12 @@ def bound_for_run(pooled: dict, *, nominal_k: int | None, measured_tokens_per_s:
                               baseline_tokens_per_s=baseline_tokens_per_s))
     out.pop("alpha", None)  # alpha_hat already says it
     measured_speedup = ratio(measured_tokens_per_s, baseline_tokens_per_s)
+    # The projection's terms: a round's own overhead, and the session opens
+    # (model time) paid once per request, not spread over its rounds.
+    prefill = pooled.get("prefill_time_s") or 0.0
+    round_overhead = max(0.0, pooled["duration_s"] - prefill - pooled["draft_time_s"] - pooled["verify_time_s"]) / rounds
     out.update({"t_draft_s": t_draft, "t_verify_s": t_verify, "overhead_s": overhead,
+                "round_overhead_s": round_overhead, "prefill_per_request_s": prefill / max(1, pooled["requests"]),
                 "measured_speedup": measured_speedup,
                 "efficiency": efficiency(measured_speedup, out["expected_speedup"])})
     ideal = {"expected_tokens_per_s": None, "expected_speedup": None}

@@ -26,7 +26,8 @@ only:
   cost = h · max(t_v + o, t_c + (k+1)·t_d) + (1 − h) · (t_c + k·t_d + t_v + o).
 
 The projected rate is E / cost in the steady state of a long request. A
-request of n tokens pays for its tail too: the loop drafts only
+request of n tokens pays its session opens once (p, the prefill: model
+time, which a round's o leaves out) and its tail too: the loop drafts only
 k' = min(k, remaining − 1) tokens in a round, so a short request makes fewer
 tokens per round than E (k = 4 at α = 1 takes rounds of 5, 5, 5 and 1 for 16
 tokens: 4 per round, not 5). `request_time` follows that rule exactly, by
@@ -61,6 +62,7 @@ class RoundCosts:
     t_verify: float  # one verify of k + 1 tokens
     overhead: float  # per round, outside both models
     t_draft_call: float = 0.0  # per Propose call, beyond its tokens (0: counted in t_draft)
+    prefill: float = 0.0  # per request: its session opens (model time), paid once, not per round
 
     def sequential(self, k: int | None = None) -> float:
         """A round drafting k tokens (default: this k), then verifying them;
@@ -106,7 +108,7 @@ def request_time(costs: RoundCosts, alpha: float, layout: str, n: int) -> float:
             rest += p * (alpha * hit + (1.0 - alpha) * miss if pipelined and j == k else miss)
         after_hit = costs.after_hit(k) if pipelined else costs.sequential(k)
         time.append((costs.sequential(k) + rest, after_hit + rest))
-    return time[n][0]
+    return costs.prefill + time[n][0]
 
 
 def projected_rate(costs: RoundCosts, alpha: float, layout: str, request_tokens: int | None = None) -> float:

@@ -22,7 +22,10 @@ def round_costs(run: dict) -> RoundCosts:
     """A fixed-k run's measured costs, its Propose split per call and per
     token (runs.jsonl from before the split: `reproject` first)."""
     b = run["bound"]
-    return RoundCosts(int(run["k"]), b["t_draft_token_s"], b["t_verify_s"], b["overhead_s"], b["t_draft_call_s"])
+    if b.get("round_overhead_s") is None:  # runs.jsonl from before the prefill was taken out of o
+        return RoundCosts(int(run["k"]), b["t_draft_token_s"], b["t_verify_s"], b["overhead_s"], b["t_draft_call_s"])
+    return RoundCosts(int(run["k"]), b["t_draft_token_s"], b["t_verify_s"], b["round_overhead_s"], b["t_draft_call_s"],
+                      prefill=b["prefill_per_request_s"])
 
 
 def _fixed_runs(runs: list[dict], temperature: float, head: int | None = None) -> list[dict]:
