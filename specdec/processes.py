@@ -193,6 +193,31 @@ def wait_all_serving(services: Sequence[Service], watched: Sequence[Service], ti
             raise RuntimeError(f"{exc}\n{explain()}") from None
 
 
+# Set by a launcher that wants its children to stop when it dies, to its pid.
+DIE_WITH_PARENT_ENV = "SPECD_DIE_WITH_PARENT"
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """At a role's start: when its launcher asked (DIE_WITH_PARENT_ENV names
+    the launcher's pid), the kernel sends this process SIGTERM (a drain) as
+    the launcher dies, however it dies. `specd up` killed with SIGKILL (or by
+    the OOM killer) left its three roles running, each in a session of its
+    own, holding their models' memory, a GPU's. Linux only; elsewhere, or
+    without the variable, nothing."""
+    launcher = os.environ.get(DIE_WITH_PARENT_ENV, "")
+    if not launcher.isdigit() or not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):  # no prctl here: the launcher's own stop still works
+        return
+    if os.getppid() != int(launcher):  # it died before the request took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def stop_services(services: Sequence[Service], grace_s: float = 30.0) -> None:
     """`stop_processes` of services started by `spawn_role`, in the order given."""
     stop_processes([s.proc for s in services], grace_s)
@@ -297,7 +322,11 @@ class Supervisor:
         stop_processes(self.processes, grace_s)
 
     def _spawn(self, child: Child) -> None:
-        child.proc = subprocess.Popen(child.cmd, env=child.env, start_new_session=True)
+        # The children stop when this process dies, however (`die_with_parent`):
+        # the kernel ties that to the thread that forks them, and `poll()` runs
+        # on its owner's one thread.
+        env = {**(child.env if child.env is not None else os.environ), DIE_WITH_PARENT_ENV: str(os.getpid())}
+        child.proc = subprocess.Popen(child.cmd, env=env, start_new_session=True)
         child.started_at = self._clock()
         child.restart_at = None
 

@@ -7,6 +7,8 @@ import os
 import signal
 import sys
 
+import pytest
+
 from specdec.processes import Backoff, Supervisor
 from tests.harness import wait_until
 
@@ -96,3 +98,49 @@ def test_a_signal_during_the_stop_kills_the_children_instead_of_leaving_them_run
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def test_a_role_started_by_the_supervisor_stops_when_its_launcher_is_killed(tmp_path):
+    """`specd up` killed with SIGKILL (or by the OOM killer) left its roles
+    running; a role that calls die_with_parent (as `specd serve` does) gets
+    SIGTERM as its launcher dies."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("PR_SET_PDEATHSIG is Linux's")
+    child_pid_file = tmp_path / "child.pid"
+    role = ("import os, sys, time; from specdec.processes import die_with_parent; die_with_parent(); "
+            f"open({str(child_pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(120)")
+    launcher = ("import sys, time; from specdec.processes import Supervisor; "
+                f"s = Supervisor(); s.start('role', [sys.executable, '-c', {role!r}]); time.sleep(120)")
+    parent = subprocess.Popen([sys.executable, "-c", launcher], cwd=os.getcwd(), start_new_session=True)
+    child = None
+    try:
+        deadline = time.monotonic() + 60
+        while not (child_pid_file.exists() and child_pid_file.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        child = int(child_pid_file.read_text())
+        parent.kill()
+        parent.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while _alive(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(child), "the role outlived its launcher"
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+        if child is not None and _alive(child):
+            os.kill(child, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    """Whether pid runs (a zombie, reaped by init soon, counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False

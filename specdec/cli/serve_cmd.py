@@ -124,7 +124,15 @@ def _valid_engine(engine_cfg: EngineConfig, role: str, *checks) -> bool:
     return True
 
 
+def _die_with_launcher() -> None:
+    """Stop when `specd up`, which started this role, dies (specdec.processes.die_with_parent)."""
+    from specdec.processes import die_with_parent
+
+    die_with_parent()
+
+
 def _serve_draft(args: argparse.Namespace) -> int:
+    _die_with_launcher()
     settings = _settings(args, "draft", ServerConfig, EngineConfig, SessionLimits, DrafterConfig)
     if settings is None:
         return EXIT_USAGE
@@ -150,6 +158,7 @@ def _serve_draft(args: argparse.Namespace) -> int:
 
 
 def _serve_target(args: argparse.Namespace) -> int:
+    _die_with_launcher()
     settings = _settings(args, "target", ServerConfig, EngineConfig, SessionLimits)
     if settings is None:
         return EXIT_USAGE
@@ -175,6 +184,7 @@ def _serve_target(args: argparse.Namespace) -> int:
 
 
 def _serve_orchestrator(args: argparse.Namespace) -> int:
+    _die_with_launcher()
     settings = _settings(args, "orchestrator", ServerConfig, OrchestratorConfig, HttpConfig)
     if settings is None:
         return EXIT_USAGE
