@@ -161,8 +161,8 @@ def test_a_bad_frame_ends_only_its_own_connection(garbage):
         assert await read_frame(reader, 1024) == b""  # welcomed
         if garbage == "unparsable":
             writer.write(lane_mod.frame(b"\xff\xff\xff\xff not a call"))
-        else:
-            writer.write(struct.pack(">I", 1 << 20))
+        else:  # read past to its end, and no call id to answer for
+            writer.write(struct.pack(">I", 1 << 20) + b"\xff" * (1 << 20))
         assert await reader.read() == b""  # the server ended it
         writer.close()
         assert (await client(_request("a", keep=5), 5)).drafts[0].token_id == 5  # the other connection serves on
@@ -696,5 +696,98 @@ def test_lane_sockets_bound_what_is_sent_to_a_vanished_peer():
         assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
         writer.close()
         server.close()
+
+    _run(main())
+
+
+def test_a_call_or_reply_over_one_sides_limit_fails_alone_and_the_lane_serves_on():
+    """Roles with different --max-message-bytes: the call over the service's
+    limit, or the reply over the client's, fails RESOURCE_EXHAUSTED, as over
+    gRPC; the calls in flight beside it and the connection go on (it was
+    ended, failing every call on it UNAVAILABLE)."""
+    async def main():
+        server = await _server(limit=4096)
+        client = _client(server.port, max_message_bytes=1 << 20)
+        try:
+            big_call = asyncio.ensure_future(client(_request("x" * 20000), 5))
+            beside = asyncio.ensure_future(client(_request("slow-50", keep=4), 5))
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await big_call
+            assert refused.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "larger than the service's --max-message-bytes (4096)" in refused.value.details()
+            assert (await beside).drafts[0].token_id == 4
+            connection = client._connection
+            assert (await client(_request("a", keep=6), 5)).drafts[0].token_id == 6
+            assert client._connection is connection  # the same connection
+        finally:
+            await client.close()
+            server.close()
+
+        async def big_replies(request, trace_context):  # a reply as large as keep_length asks
+            n = request.propose.keep_length
+            return draft_pb2.ProposeAllResponse(drafts=[draft_pb2.ProposeResponse(token_id=7)] * n)
+
+        server = LaneServer(METHOD, big_replies, draft_pb2.ProposeAllCall, draft_pb2.ProposeAllReply, "fake",
+                            1 << 20)
+        await server.start("127.0.0.1", 0)
+        client = _client(server.port, max_message_bytes=4096)
+        try:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await client(_request("s", keep=5000), 5)
+            assert refused.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "larger than this client's limit (4096 bytes)" in refused.value.details()
+            assert len((await client(_request("s", keep=3), 5)).drafts) == 3
+        finally:
+            await client.close()
+            server.close()
+
+    _run(main())
+
+
+def test_frames_split_anyhow_arrive_whole_and_oversized_ones_are_read_past():
+    """The parser against random splits of a stream of frames, some over the
+    limit (each reported once, with its head and size), with holds between
+    reads: every frame arrives whole, in order, and nothing ends the connection."""
+    import random
+
+    class Transport:
+        closed = False
+
+        def close(self):
+            self.closed = True
+
+        abort = close
+
+        def is_closing(self):
+            return self.closed
+
+        def pause_reading(self):
+            pass
+
+        def resume_reading(self):
+            pass
+
+    async def main():
+        rnd, limit = random.Random(7), 200
+        for _ in range(500):
+            payloads = [(bytes([0x08, rnd.randrange(1, 127)]) + bytes(rnd.randrange(256) for _ in range(size)))[:size]
+                        for size in (rnd.choice([0, 1, 5, 150, 200, 201, 1000, 5000]) for _ in range(rnd.randrange(1, 9)))]
+            stream = b"".join(lane_mod.frame(p) for p in payloads)
+            connection = lane_mod.FrameConnection(limit)
+            connection.connection_made(Transport())
+            got = []
+            connection.on_oversize = lambda head, size: got.append(("over", head[:2], size))
+            connection.start_frames(got.append)
+            cuts = sorted(rnd.sample(range(1, len(stream)), min(len(stream) - 1, rnd.randrange(0, 12))))
+            for start, end in zip([0] + cuts, cuts + [len(stream)]):
+                if rnd.random() < 0.2:
+                    connection.hold()
+                connection.data_received(stream[start:end])
+                if connection.held and rnd.random() < 0.5:
+                    connection.release()
+            if connection.held:
+                connection.release()
+            assert not connection.ended.done() and connection._error is None
+            assert got == [p if len(p) <= limit else ("over", p[:2], len(p)) for p in payloads]
 
     _run(main())

@@ -25,8 +25,11 @@ The wire: the client opens with one frame naming the method it will call
 (e.g. "/specdec.v1.TargetService/Verify"); the server answers with an empty
 frame, or a frame with the reason it refuses (then closes). Then calls and
 replies, each one frame: a 4-byte big-endian length and the serialized
-message. A frame over the message limit, or one that does not parse, ends
-the connection (every call in flight on it fails UNAVAILABLE).
+message. A call or reply over the receiver's message limit is read past
+and fails alone, RESOURCE_EXHAUSTED, as over gRPC (the two sides' limits may
+differ: each role has its own --max-message-bytes); a frame that does not
+parse, or an oversized one with no call id to answer for, ends the
+connection (every call in flight on it fails UNAVAILABLE).
 
 Under mutual TLS the lane speaks TLS too: the server's certificate files are
 re-read when they change (each connection's handshake uses the newest), and
@@ -48,6 +51,7 @@ from typing import Callable
 from specdec import hops
 
 HEADER = 4  # bytes of a frame's length
+PEEK_BYTES = 16  # of an oversized frame, kept to read its call id (`call_id_of`)
 KEEPALIVE = (30, 10, 3)  # TCP keepalive: idle s, interval s, probes (a peer gone without a word is found in ~60 s)
 # Keepalive probes only an idle connection: data sent and never acknowledged
 # (a call in flight when the peer's node vanished) is retransmitted for ~15
@@ -92,6 +96,21 @@ def frame(payload: bytes) -> bytes:
     return len(payload).to_bytes(HEADER, "big") + payload
 
 
+def call_id_of(head: bytes) -> int:
+    """The call id a serialized call or reply starts with (field 1, a
+    varint: protobuf writes fields in number order); ValueError when the
+    bytes do not start so."""
+    if not head or head[0] != 0x08:
+        raise ValueError("an oversized frame that does not start with a call id")
+    value, shift = 0, 0
+    for byte in head[1:11]:
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value
+        shift += 7
+    raise ValueError("an oversized frame whose call id does not end in its first bytes")
+
+
 class FrameConnection(asyncio.Protocol):
     """One lane connection, both halves' (lane_client.py, lane_server.py).
 
@@ -101,7 +120,11 @@ class FrameConnection(asyncio.Protocol):
     the event loop per frame saved, on every round). Until `on_frame` is
     set, frames wait for `next_frame()` (the handshake). An exception from
     `on_frame` (a frame that does not parse), or a frame over `limit`
-    bytes, ends the connection with that error. `ended` is done once the
+    bytes, ends the connection with that error; unless `on_oversize` is set:
+    then an oversized frame is read past, unkept but for its first
+    PEEK_BYTES, and `on_oversize(head, size)` answers for it (the call it
+    carried fails alone: a peer whose --max-message-bytes is larger is no
+    reason to fail every call on the connection). `ended` is done once the
     connection is lost: its result is the error that ended it, or None."""
 
     def __init__(self, limit: int):
@@ -117,6 +140,10 @@ class FrameConnection(asyncio.Protocol):
         self._held = False  # no frames delivered meanwhile (`hold`)
         self._error: BaseException | None = None
         self.hop_where = ""  # what `specdec.hops` calls this end of the connection
+        self.on_oversize: Callable[[bytes, int], None] | None = None
+        self._skip_left = 0  # bytes of an oversized frame still to read past
+        self._skip_size = 0
+        self._skip_head = bytearray()  # its first PEEK_BYTES
 
     def connection_made(self, transport) -> None:
         self.transport = transport
@@ -125,6 +152,10 @@ class FrameConnection(asyncio.Protocol):
         hops.record("frame.in", self.hop_where)
         if self._error is not None:
             return
+        if self._skip_left:
+            data = self._read_past(data)
+            if not data or self._error is not None:
+                return
         if (not self._buffer and self.on_frame is not None and not self._held and len(data) >= HEADER
                 and int.from_bytes(data[:HEADER], "big") == len(data) - HEADER and len(data) - HEADER <= self.limit):
             self._deliver(data[HEADER:])  # the usual case: exactly one whole frame, no copy into the buffer
@@ -140,6 +171,14 @@ class FrameConnection(asyncio.Protocol):
         while (len(buffer) >= HEADER and self._error is None and not self._held
                and (self.on_frame is not None or not self._early)):
             size = int.from_bytes(buffer[:HEADER], "big")
+            if size > self.limit and self.on_oversize is not None and self.on_frame is not None:
+                rest = bytes(buffer[HEADER:])
+                del buffer[:]
+                self._skip_left, self._skip_size, self._skip_head = size, size, bytearray()
+                rest = self._read_past(rest)
+                if rest and self._error is None:
+                    buffer += rest
+                continue
             if size > self.limit:  # said by its header: no need to wait for the rest
                 self._end(ValueError(f"a frame of {size} bytes is over the limit of {self.limit}"))
                 return
@@ -148,6 +187,21 @@ class FrameConnection(asyncio.Protocol):
             payload = bytes(buffer[HEADER:HEADER + size])
             del buffer[:HEADER + size]
             self._deliver(payload)
+
+    def _read_past(self, data: bytes) -> bytes:
+        """Consume what `data` holds of the oversized frame being read past
+        (its head kept); once it is whole, `on_oversize` answers for it.
+        What follows the frame is returned."""
+        taken = min(len(data), self._skip_left)
+        if len(self._skip_head) < PEEK_BYTES:
+            self._skip_head += data[:min(taken, PEEK_BYTES - len(self._skip_head))]
+        self._skip_left -= taken
+        if not self._skip_left:
+            try:
+                self.on_oversize(bytes(self._skip_head), self._skip_size)
+            except Exception as exc:  # noqa: BLE001 - an oversized frame it cannot answer for ends the connection
+                self._end(exc)
+        return data[taken:]
 
     def _deliver(self, payload: bytes) -> None:
         """A whole frame, within the limit (checked where it was read)."""

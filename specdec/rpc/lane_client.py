@@ -13,7 +13,7 @@ import grpc
 from specdec import busy_poll, hops
 from specdec.rpc import grpc_errors
 from specdec.rpc.grpc_tracing import carry_trace_context
-from specdec.rpc.lane import FrameConnection, LaneDown, PendingReplies, keepalive
+from specdec.rpc.lane import FrameConnection, LaneDown, PendingReplies, call_id_of, keepalive
 
 log = logging.getLogger(__name__)
 
@@ -139,10 +139,20 @@ class LaneClient:
         protocol.hop_where = f"from-{self.service}"
         connection = _Connection(protocol)
         # Each reply is handed to its caller as it arrives, from the connection's data_received.
+        protocol.on_oversize = lambda head, size: connection.waiting.resolve(self._too_large(head, size))
         protocol.start_frames(lambda payload: connection.waiting.resolve(self.reply_type.FromString(payload)))
         protocol.ended.add_done_callback(lambda ended: self._ended(connection, ended.result()))
         self._connection = connection
         return connection
+
+    def _too_large(self, head: bytes, size: int):
+        """The reply to a call whose own reply is over this client's limit
+        (the service's is larger): that call fails alone."""
+        reply = self.reply_type(call_id=call_id_of(head))
+        reply.error.code = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+        reply.error.message = (f"the {self.service} service's reply ({size} bytes) is larger than this client's "
+                               f"limit ({self.max_message_bytes} bytes)")
+        return reply
 
     async def _handshake(self, timeout: float) -> FrameConnection:
         """A connection the service welcomed; whatever fails or cancels this

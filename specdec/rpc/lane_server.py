@@ -6,11 +6,13 @@ import functools
 import logging
 import ssl
 
+import grpc
+
 from specdec import busy_poll, hops
 from specdec.eager import start_now
 from specdec.rpc import grpc_errors
 from specdec.rpc.auth import caller_refusal
-from specdec.rpc.lane import FrameConnection, keepalive
+from specdec.rpc.lane import FrameConnection, call_id_of, keepalive
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +129,7 @@ class LaneServer:
         try:
             if await self._opened(connection):
                 connection.limit = self.max_message_bytes
+                connection.on_oversize = functools.partial(self._refuse_oversized, connection)
                 connection.start_frames(functools.partial(self._call, connection, answering))
                 ended = await asyncio.shield(connection.ended)
                 if isinstance(ended, ValueError):  # an oversized or unparsable frame: not our client
@@ -186,6 +189,17 @@ class LaneServer:
         task.add_done_callback(done)
         if len(answering) >= MAX_CALLS_IN_FLIGHT and not connection.held:
             connection.hold()  # frames already read wait too
+
+    def _refuse_oversized(self, connection: "_Accepted", head: bytes, size: int) -> None:
+        """A call over this service's limit (its caller's is larger): that
+        call fails RESOURCE_EXHAUSTED, as grpc fails a unary call over the
+        limit, and the connection goes on."""
+        reply = self.reply_type(call_id=call_id_of(head))
+        reply.error.code = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+        reply.error.message = (f"the call ({size} bytes) is larger than the service's --max-message-bytes "
+                               f"({self.max_message_bytes})")
+        if not connection.is_closing():
+            connection.write(reply.SerializeToString())
 
     async def _answer(self, connection: "_Accepted", call) -> None:
         # Replies are written whole, one frame each, as their calls finish.
