@@ -218,8 +218,14 @@ def test_a_callers_trace_context_is_continued(traced):
                                                timeout=60, metadata=metadata))
     assert replies[-1].HasField("stats")
     spans = wait_for_spans(traced.exporter, T.SPAN_SESSION_CLOSE, 2, generates=1)
-    assert {f"{s.context.trace_id:032x}" for s in spans} == {trace_id}
-    generate = next(s for s in spans if s.name == T.SPAN_GENERATE)
+    # This request's spans, the orchestrator's and both services', are all in
+    # the caller's trace. (Only these: a late span of an earlier test's request,
+    # a background close, may arrive after the clear.)
+    mine = [s for s in spans if f"{s.context.trace_id:032x}" == trace_id]
+    assert {T.SPAN_GENERATE, T.SPAN_ROUND, T.SPAN_PREFILL, T.SPAN_PROPOSE, T.SPAN_VERIFY} <= {s.name for s in mine}
+    assert all(s.name not in (T.SPAN_GENERATE, T.SPAN_PREFILL, T.SPAN_PROPOSE, T.SPAN_VERIFY)
+               for s in spans if s not in mine), [s.name for s in spans if s not in mine]
+    generate = next(s for s in mine if s.name == T.SPAN_GENERATE)
     assert generate.parent.span_id == 0x00F067AA0BA902B7 and generate.parent.is_remote
 
 
