@@ -14,6 +14,17 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
+MAX_PORT = 65535
+
+
+def check_port(port: int, what: str, lowest: int = 0, meaning: str = "0 (any free port)") -> None:
+    """Raise ValueError unless lowest <= port <= MAX_PORT; `meaning` says
+    what the values below 1 stand for. Checked before anything binds: grpc
+    binds 99999 modulo 65536 and a negative port wrapped round, and sockets
+    raise OverflowError."""
+    if not lowest <= port <= MAX_PORT:
+        raise ValueError(f"{what} must be {meaning} or a port number up to {MAX_PORT}, got {port}")
+
 
 def opt(default: Any, help: str, **kwargs: Any) -> Any:  # noqa: A002 - argparse's word
     """A dataclass field with its flag's help text."""

@@ -49,12 +49,13 @@ import logging
 import random
 import threading
 
+from specdec.config import MAX_PORT, check_port
+
 log = logging.getLogger(__name__)
 
 __all__ = ["LatencyProxy", "parse_address"]
 
 _READ_CHUNK = 64 * 1024
-MAX_PORT = 65535
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -84,9 +85,7 @@ class LatencyProxy:
         self._upstream_host, self._upstream_port = parse_address(upstream)
         if bandwidth_mbps < 0:
             raise ValueError(f"bandwidth_mbps must be >= 0, got {bandwidth_mbps}")
-        if not 0 <= port <= MAX_PORT:  # asyncio would raise OverflowError once the thread runs
-            raise ValueError(f"the port to listen on must be 0 (any free port) or a port number up to {MAX_PORT}, "
-                             f"got {port}")
+        check_port(port, "the port to listen on")  # asyncio would raise OverflowError once the thread runs
         self._check_delay(delay_ms, jitter_ms)
         # One tuple, replaced whole: readers on the loop thread always see a consistent pair.
         self._shape = (delay_ms / 1000.0, jitter_ms / 1000.0)

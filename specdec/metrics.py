@@ -15,6 +15,7 @@ from typing import Callable
 
 from opentelemetry.metrics import CallbackOptions, Meter, NoOpMeter, Observation
 
+from specdec.config import check_port
 from specdec.spans import on_next_turn
 
 # Histogram buckets (upper bounds, inclusive), chosen for CPU and GPU alike.
@@ -184,8 +185,7 @@ def prometheus_reader():
 def start_metrics_server(host: str, port: int, registry):
     """Serve `registry` on http://host:port/metrics in a daemon thread;
     returns the server (`.server_port`, `.shutdown()`)."""
-    if not 0 <= port <= 65535:  # the socket would raise OverflowError, a traceback
-        raise ValueError(f"the metrics port must be 0 (any free port) or a port number up to 65535, got {port}")
+    check_port(port, "the metrics port")
     from prometheus_client import start_http_server
 
     server, _thread = start_http_server(port, addr=host, registry=registry)

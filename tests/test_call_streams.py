@@ -177,11 +177,17 @@ class _UnaryOnlyTarget(target_pb2_grpc.TargetServiceServicer):
         return target_pb2.VerifyResponse(batch_size=len(request.items))
 
 
-async def _fallback() -> None:
-    server = grpc.aio.server()
-    target_pb2_grpc.add_TargetServiceServicer_to_server(_UnaryOnlyTarget(), server)
+async def _target_server(servicer, options=()) -> tuple[grpc.aio.Server, int]:
+    """A started grpc.aio server of `servicer` on 127.0.0.1, and its port."""
+    server = grpc.aio.server(options=list(options))
+    target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
+    return server, port
+
+
+async def _fallback() -> None:
+    server, port = await _target_server(_UnaryOnlyTarget())
     client = TargetClient(channel_to(f"127.0.0.1:{port}"))
     try:
         for n in (1, 2):
@@ -213,10 +219,7 @@ class _SlowTarget(target_pb2_grpc.TargetServiceServicer):
 
 async def _drain() -> None:
     servicer = _SlowTarget()
-    server = grpc.aio.server()
-    target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
+    server, port = await _target_server(servicer)
     channel = channel_to(f"127.0.0.1:{port}")
     stub = target_pb2_grpc.TargetServiceStub(channel)
     calls = CallStream(stub.VerifyStream, stub.Verify, target_pb2.VerifyCall, "target")
@@ -270,19 +273,9 @@ def test_calls_in_flight_fail_with_unavailable_when_the_service_dies(caplog):
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
 
 
-class _UnaryOnly(target_pb2_grpc.TargetServiceServicer):
-    """An older target: Verify as a unary call, no call streams."""
-
-    async def Verify(self, request, context):
-        return target_pb2.VerifyResponse(batch_size=len(request.items))
-
-
 def test_concurrent_calls_on_a_stream_the_service_lacks_all_fall_back_to_unary():
     async def main():
-        server = grpc.aio.server()
-        target_pb2_grpc.add_TargetServiceServicer_to_server(_UnaryOnly(), server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
+        server, port = await _target_server(_UnaryOnlyTarget())
         client = TargetClient(channel_to(f"127.0.0.1:{port}"))
         try:
             replies = await asyncio.gather(*(client.verify([target_pb2.VerifyItem(session_id="s")], DEADLINE_S)
@@ -314,10 +307,7 @@ def test_a_reply_over_the_services_limit_fails_its_call_alone_on_a_call_stream()
     stream, and the calls in flight on it, go on."""
     async def main():
         limit = 1 << 20
-        server = grpc.aio.server(options=[("grpc.max_send_message_length", limit)])
-        target_pb2_grpc.add_TargetServiceServicer_to_server(_BigReplies(limit), server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
+        server, port = await _target_server(_BigReplies(limit), [("grpc.max_send_message_length", limit)])
         channel = channel_to(f"127.0.0.1:{port}")
         stub = target_pb2_grpc.TargetServiceStub(channel)
         calls = CallStream(stub.VerifyStream, stub.Verify, target_pb2.VerifyCall, "target")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specdec.config import opt
+from specdec.config import check_port, opt
 
 OFF = -1
 UP_DEFAULT_PORT = 8000  # `specd up` serves HTTP here unless told otherwise
@@ -24,8 +24,7 @@ class HttpConfig:
         return self.http_port != OFF
 
     def validate(self) -> "HttpConfig":
-        if self.http_port < OFF or self.http_port > 65535:
-            raise ValueError(f"--http-port must be -1 (off), 0 (any free port) or a port number, got {self.http_port}")
+        check_port(self.http_port, "--http-port", lowest=OFF, meaning="-1 (off), 0 (any free port)")
         if self.http_max_body_bytes < 1:
             raise ValueError(f"--http-max-body-bytes must be >= 1, got {self.http_max_body_bytes}")
         if self.http_request_timeout_s < 0:

@@ -12,7 +12,8 @@ import argparse
 import math
 from typing import Callable
 
-MAX_PORT = 65535
+from specdec.config import MAX_PORT
+
 INT32_MAX = 2**31 - 1  # the request's int32 fields: max_tokens, top_k, num_draft_tokens, token ids
 UINT64_MAX = 2**64 - 1  # its seed
 

@@ -188,7 +188,7 @@ def _serve_orchestrator(args: argparse.Namespace) -> int:
     settings = _settings(args, "orchestrator", ServerConfig, OrchestratorConfig, HttpConfig)
     if settings is None:
         return EXIT_USAGE
-    server_cfg, cfg, http_cfg = settings  # http_cfg's ports: validated by start_orchestrator (a bad value: one line)
+    server_cfg, cfg, http_cfg = settings
     with heap.importing():
         from orchestrator.server import start_orchestrator
 

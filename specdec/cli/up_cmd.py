@@ -24,8 +24,9 @@ import sys
 import tempfile
 import time
 
-from specdec.cli.flag_types import MAX_PORT, duration, int_in, port_or_off
+from specdec.cli.flag_types import duration, int_in, port_or_off
 from specdec.cli.model_flags import add_device, add_dtype, add_role_devices, add_threads
+from specdec.config import MAX_PORT
 from specdec.engine.config import QUANTIZE_CHOICES
 from specdec.models.catalog import DEFAULT_PAIR
 from specdec.processes import Backoff, Supervisor, wait_serving

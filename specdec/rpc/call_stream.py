@@ -87,8 +87,10 @@ class ServedStreams:
 
         async def answer(call) -> None:
             reply = await grpc_errors.answer_call(call, handle, reply_type, method)
-            if reply.ByteSize() > self.max_message_bytes:  # this call fails, not the stream its write would end
-                reply = grpc_errors.too_large_reply(reply_type, call.call_id, reply.ByteSize(), self.max_message_bytes)
+            size = reply.ByteSize()
+            if size > self.max_message_bytes:  # this call fails, not the stream its write would end
+                reply = grpc_errors.too_large_reply(reply_type, call.call_id,
+                                                    grpc_errors.reply_over_limit(size, self.max_message_bytes))
             async with writing:
                 await context.write(reply)
             busy_poll.linger(self._call_gap)  # the caller's next call usually follows within a round (--busy-poll-us)

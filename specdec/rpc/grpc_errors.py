@@ -120,14 +120,19 @@ def deadline_exceeded() -> grpc.aio.AioRpcError:
     return rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
 
 
-def too_large_reply(reply_type, call_id: int, size: int, limit: int):
-    """The reply to a call whose own reply (`size` bytes) is over the
-    service's limit: RESOURCE_EXHAUSTED for that call, as grpc fails a unary
-    call's oversized reply."""
+def too_large_reply(reply_type, call_id: int, message: str):
+    """The reply to a call whose call or reply was over a side's message
+    limit: RESOURCE_EXHAUSTED for that call alone, as grpc fails a unary call
+    over the limit."""
     reply = reply_type(call_id=call_id)
     reply.error.code = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
-    reply.error.message = f"the reply ({size} bytes) is larger than the service's --max-message-bytes ({limit})"
+    reply.error.message = message
     return reply
+
+
+def reply_over_limit(size: int, limit: int) -> str:
+    """What a reply over the service's own limit fails with."""
+    return f"the reply ({size} bytes) is larger than the service's --max-message-bytes ({limit})"
 
 
 async def answer_call(call, handle, reply_type, method: str):

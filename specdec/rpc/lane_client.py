@@ -148,11 +148,9 @@ class LaneClient:
     def _too_large(self, head: bytes, size: int):
         """The reply to a call whose own reply is over this client's limit
         (the service's is larger): that call fails alone."""
-        reply = self.reply_type(call_id=call_id_of(head))
-        reply.error.code = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
-        reply.error.message = (f"the {self.service} service's reply ({size} bytes) is larger than this client's "
-                               f"limit ({self.max_message_bytes} bytes)")
-        return reply
+        return grpc_errors.too_large_reply(self.reply_type, call_id_of(head),
+                                           f"the {self.service} service's reply ({size} bytes) is larger than "
+                                           f"this client's limit ({self.max_message_bytes} bytes)")
 
     async def _handshake(self, timeout: float) -> FrameConnection:
         """A connection the service welcomed; whatever fails or cancels this

@@ -6,8 +6,6 @@ import functools
 import logging
 import ssl
 
-import grpc
-
 from specdec import busy_poll, hops
 from specdec.eager import start_now
 from specdec.rpc import grpc_errors
@@ -194,10 +192,9 @@ class LaneServer:
         """A call over this service's limit (its caller's is larger): that
         call fails RESOURCE_EXHAUSTED, as grpc fails a unary call over the
         limit, and the connection goes on."""
-        reply = self.reply_type(call_id=call_id_of(head))
-        reply.error.code = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
-        reply.error.message = (f"the call ({size} bytes) is larger than the service's --max-message-bytes "
-                               f"({self.max_message_bytes})")
+        reply = grpc_errors.too_large_reply(self.reply_type, call_id_of(head),
+                                            f"the call ({size} bytes) is larger than the service's "
+                                            f"--max-message-bytes ({self.max_message_bytes})")
         if not connection.is_closing():
             connection.write(reply.SerializeToString())
 
@@ -207,8 +204,9 @@ class LaneServer:
         reply = await grpc_errors.answer_call(call, self.handle, self.reply_type, self.handler_name)
         payload = reply.SerializeToString()
         if len(payload) > self.max_message_bytes:  # refuse this call, not the connection
-            payload = grpc_errors.too_large_reply(self.reply_type, call.call_id, len(payload),
-                                                  self.max_message_bytes).SerializeToString()
+            payload = grpc_errors.too_large_reply(
+                self.reply_type, call.call_id,
+                grpc_errors.reply_over_limit(len(payload), self.max_message_bytes)).SerializeToString()
         self.answered += 1  # before the reply leaves: whoever reads the reply sees it counted
         if hops.ON:
             hops.record("call.answered", self.role, hops.compute_micros(reply.response))

@@ -14,7 +14,7 @@ from typing import Awaitable, Callable, Sequence
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from specdec.config import opt
+from specdec.config import check_port, opt
 from specdec.rpc.malformed import MalformedRequests
 
 log = logging.getLogger(__name__)
@@ -29,7 +29,6 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 # other work (health, model info, another request's call being read) by at
 # most that.
 INLINE_MAX_S = 0.010
-MAX_PORT = 65535
 
 
 @dataclass
@@ -61,9 +60,6 @@ class ServerConfig:
                                                    "answers nothing else for that long")
 
     def __post_init__(self) -> None:
-        # Refused here, before anything binds: grpc binds 99999 modulo 65536,
-        # a negative port wrapped round and 65536 as a random one; the
-        # metrics and lane servers fail with an OverflowError.
         check_port(self.port, "--port")
         check_port(self.metrics_port, "--metrics-port", meaning="0 (off)")
         check_port(self.health_port, "--health-port", lowest=-1, meaning="-1 (off), 0 (any free port)")
@@ -74,13 +70,6 @@ class ServerConfig:
             ("grpc.max_receive_message_length", self.max_message_bytes),
             ("grpc.max_send_message_length", self.max_message_bytes),
         ]
-
-
-def check_port(port: int, what: str, lowest: int = 0, meaning: str = "0 (any free port)") -> None:
-    """Raise ValueError unless lowest <= port <= MAX_PORT; `meaning` says
-    what the values below 1 stand for."""
-    if not lowest <= port <= MAX_PORT:
-        raise ValueError(f"{what} must be {meaning} or a port number up to {MAX_PORT}, got {port}")
 
 
 class EngineWorker:
