@@ -147,7 +147,8 @@ def spawn_role(role: str, args: list[str], log_dir: Path, env: dict, name: str =
     log_path = log_dir / f"{name}.log"
     log = open(log_path, "w")
     try:
-        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=tied_to_launcher(env),
+                                start_new_session=True)
     finally:
         log.close()  # the child holds its own descriptor
     return Service(name, proc, log_path, command)
@@ -216,6 +217,18 @@ def die_with_parent() -> None:
         return
     if os.getppid() != int(launcher):  # it died before the request took effect
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+def tied_to_launcher(env: Mapping[str, str]) -> dict:
+    """`env` for a child that should stop when this process dies
+    (`die_with_parent`), as `specd up`'s, bench's and soak's roles should: a
+    bench killed with SIGKILL left its roles holding their models' memory.
+    The kernel ties that to the thread that forks the child, so only a child
+    forked on the main thread (which lives as long as the process) is tied;
+    one forked on a worker thread would be stopped as that thread ends."""
+    if threading.current_thread() is not threading.main_thread():
+        return dict(env)
+    return {**env, DIE_WITH_PARENT_ENV: str(os.getpid())}
 
 
 def stop_services(services: Sequence[Service], grace_s: float = 30.0) -> None:
@@ -325,7 +338,7 @@ class Supervisor:
         # The children stop when this process dies, however (`die_with_parent`):
         # the kernel ties that to the thread that forks them, and `poll()` runs
         # on its owner's one thread.
-        env = {**(child.env if child.env is not None else os.environ), DIE_WITH_PARENT_ENV: str(os.getpid())}
+        env = tied_to_launcher(child.env if child.env is not None else os.environ)
         child.proc = subprocess.Popen(child.cmd, env=env, start_new_session=True)
         child.started_at = self._clock()
         child.restart_at = None

@@ -144,3 +144,22 @@ def _alive(pid: int) -> bool:
             return f.read().split(") ")[1][0] != "Z"
     except (FileNotFoundError, IndexError):
         return False
+
+
+def test_bench_and_soak_roles_are_tied_to_their_launcher_only_from_the_main_thread():
+    """spawn_role (bench, soak) ties its children to the launcher as `specd up`
+    does; a child forked on a worker thread is not tied, since the kernel would
+    stop it as that thread ends."""
+    import os
+    import threading
+
+    from specdec.processes import DIE_WITH_PARENT_ENV, tied_to_launcher
+
+    base = {"A": "1"}
+    assert tied_to_launcher(base) == {"A": "1", DIE_WITH_PARENT_ENV: str(os.getpid())}
+    assert base == {"A": "1"}
+    seen = []
+    worker = threading.Thread(target=lambda: seen.append(tied_to_launcher(base)))
+    worker.start()
+    worker.join(timeout=30)
+    assert seen == [{"A": "1"}]
