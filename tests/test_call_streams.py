@@ -328,3 +328,53 @@ def test_a_reply_over_the_services_limit_fails_its_call_alone_on_a_call_stream()
             await server.stop(0)
 
     asyncio.run(asyncio.wait_for(main(), DEADLINE_S))
+
+
+class _CountingTarget(target_pb2_grpc.TargetServiceServicer):
+    """Counts the calls it answers; each reply 40 KB, more than HTTP/2's
+    windows hold for a caller that does not read."""
+
+    def __init__(self):
+        self.call_streams = ServedStreams()
+        self.answered = 0
+
+    async def VerifyStream(self, calls, context):
+        await self.call_streams.serve(calls, context, self._verify, target_pb2.VerifyReply, "counting")
+
+    async def _verify(self, request, metadata):
+        self.answered += 1
+        return target_pb2.VerifyResponse(results=[target_pb2.VerifyResult(target_probs=[0.5] * 10000)])
+
+
+def test_a_caller_that_never_reads_its_replies_holds_a_bounded_number_of_calls():
+    """Reading waits past MAX_CALLS_IN_FLIGHT calls being answered, as a
+    lane's does: a caller that sends calls and reads no reply had every one
+    computed and its reply held (6000 calls: 6000 tasks, +260 MB). Once the
+    caller reads, every call is answered."""
+    from specdec.rpc.lane_server import MAX_CALLS_IN_FLIGHT
+
+    n = MAX_CALLS_IN_FLIGHT * 3
+
+    async def main():
+        service = _CountingTarget()
+        server, port = await _target_server(service)
+        channel = channel_to(f"127.0.0.1:{port}")
+        call = channel.stream_stream("/specdec.v1.TargetService/VerifyStream",
+                                     request_serializer=target_pb2.VerifyCall.SerializeToString,
+                                     response_deserializer=target_pb2.VerifyReply.FromString)
+        stream = call(target_pb2.VerifyCall(call_id=i + 1) for i in range(n))
+        try:
+            settled, last = 0, -1
+            while settled < 10:  # until the count stops moving for a second
+                await asyncio.sleep(0.1)
+                settled = settled + 1 if service.answered == last else 0
+                last = service.answered
+            assert MAX_CALLS_IN_FLIGHT <= service.answered < 2 * MAX_CALLS_IN_FLIGHT
+            ids = [reply.call_id async for reply in stream]
+            assert sorted(ids) == list(range(1, n + 1))
+        finally:
+            stream.cancel()
+            await channel.close()
+            await server.stop(0)
+
+    asyncio.run(asyncio.wait_for(main(), DEADLINE_S))

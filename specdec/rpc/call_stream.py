@@ -45,6 +45,7 @@ from specdec.rpc import grpc_errors
 from specdec.rpc.grpc_tracing import carry_trace_context, trace_metadata
 from specdec.rpc.lane import LaneDown, PendingReplies
 from specdec.rpc.lane_client import LaneClient
+from specdec.rpc.lane_server import MAX_CALLS_IN_FLIGHT
 from specdec.rpc.malformed import Malformed
 from specdec.telemetry import A_CARRIER
 
@@ -92,8 +93,20 @@ class ServedStreams:
                 reply = grpc_errors.too_large_reply(reply_type, call.call_id,
                                                     grpc_errors.reply_over_limit(size, self.max_message_bytes))
             async with writing:
-                await context.write(reply)
+                try:
+                    await context.write(reply)
+                except Exception as exc:  # noqa: BLE001 - grpc's ExecuteBatchError: the stream has ended
+                    log.debug("%s: a reply was not written, the stream has ended: %r", method, exc)
+                    return
             busy_poll.linger(self._call_gap)  # the caller's next call usually follows within a round (--busy-poll-us)
+
+        room = asyncio.Event()  # set while fewer than MAX_CALLS_IN_FLIGHT calls are being answered
+        room.set()
+
+        def answered(task: asyncio.Task) -> None:
+            answering.discard(task)
+            if len(answering) < MAX_CALLS_IN_FLIGHT:
+                room.set()
 
         async def read() -> None:
             async for call in calls:
@@ -102,7 +115,13 @@ class ServedStreams:
                 busy_poll.arrived(self._call_gap)
                 task = asyncio.ensure_future(answer(call))
                 answering.add(task)
-                task.add_done_callback(answering.discard)
+                task.add_done_callback(answered)
+                if len(answering) >= MAX_CALLS_IN_FLIGHT:
+                    # A caller that sends calls and never reads their replies
+                    # would otherwise have every one computed and its reply
+                    # held: reading waits, and HTTP/2 flow control pushes back.
+                    room.clear()
+                    await room.wait()
 
         reader = asyncio.ensure_future(read())
         self._readers.add(reader)
