@@ -369,6 +369,42 @@ def test_api_keys_from_a_file_and_the_environment(tmp_path):
         load_api_keys(str(tmp_path / "missing"), environ={})
 
 
+def test_an_api_key_file_with_a_byte_order_mark_keeps_its_first_key(tmp_path):
+    """An editor's BOM was read as part of the first key, which was then
+    refused with nothing to say why."""
+    path = tmp_path / "keys"
+    path.write_bytes("\ufeffk1\nk2\n".encode("utf-8"))
+    keys = load_api_keys(str(path), environ={})
+    assert ApiKeyChecker(keys).problem("Bearer k1") is None
+
+
+@pytest.mark.parametrize("key", ["clé", "two words", "tab\tkey"])
+def test_a_key_no_client_can_send_is_refused_as_it_is_loaded(tmp_path, key):
+    path = tmp_path / "keys"
+    path.write_text(f"good\n{key}\n", encoding="utf-8")
+    with pytest.raises(ApiKeyError, match="key 2 of the API key file .* printable ASCII"):
+        load_api_keys(str(path), environ={})
+    with pytest.raises(ApiKeyError, match="SPECD_API_KEYS"):
+        load_api_keys("", environ={"SPECD_API_KEYS": f"good,{key}"})
+    path.write_bytes(b"\xff\xfek\n")
+    with pytest.raises(ApiKeyError, match="not UTF-8"):
+        load_api_keys(str(path), environ={})
+
+
+def test_a_private_key_written_over_a_readable_file_is_made_private(tmp_path):
+    """O_CREAT's mode applies to new files only: a NAME.key that was there
+    with mode 0644 stayed world-readable."""
+    import os
+    import stat
+
+    stale = tmp_path / "orchestrator.key"
+    stale.write_text("old")
+    os.chmod(stale, 0o644)
+    files = LocalCA.create().write_role(tmp_path, "orchestrator")
+    assert stat.S_IMODE(os.stat(files.key).st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(files.cert).st_mode) == 0o644
+
+
 # -------------------------------------------------------------- specd up --tls
 
 def test_specd_up_tls_certificates_and_flags_make_a_full_generate_work(tmp_path):

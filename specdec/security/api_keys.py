@@ -25,17 +25,32 @@ def load_api_keys(path: str = "", environ: dict | None = None) -> tuple[bytes, .
     one (then no key is required)."""
     environ = os.environ if environ is None else environ
     keys = [k.strip() for k in environ.get(KEYS_ENV, "").split(",") if k.strip()]
+    _check_printable(keys, KEYS_ENV)
     if path:
         try:
-            with open(path, encoding="utf-8") as f:
+            # utf-8-sig: a byte-order mark (Windows editors write one) is not part of the first key
+            with open(path, encoding="utf-8-sig") as f:
                 lines = [line.strip() for line in f]
         except OSError as exc:
             raise ApiKeyError(f"cannot read the API key file {path}: {exc.strerror}") from None
+        except UnicodeDecodeError:
+            raise ApiKeyError(f"the API key file {path} is not UTF-8 text") from None
         from_file = [line for line in lines if line and not line.startswith("#")]
         if not from_file:
             raise ApiKeyError(f"the API key file {path} holds no key (one per line)")
+        _check_printable(from_file, f"the API key file {path}")
         keys.extend(from_file)
     return tuple(dict.fromkeys(k.encode() for k in keys))
+
+
+def _check_printable(keys: list[str], source: str) -> None:
+    """A key must be printable ASCII without spaces: what an HTTP header and
+    gRPC metadata carry alike. Any other would be refused at one door or both,
+    with nothing to say why."""
+    for number, key in enumerate(keys, 1):
+        if not all("!" <= c <= "~" for c in key):
+            raise ApiKeyError(f"key {number} of {source} holds a character other than printable ASCII "
+                              "(or a space): no client could send it")
 
 
 class ApiKeyChecker:

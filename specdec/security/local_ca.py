@@ -57,8 +57,11 @@ def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
 
 
 def _write(path: Path, data: bytes, private: bool = False) -> str:
-    # A key is created 0600 from the start, never readable by others in between.
+    # A key is created 0600 from the start, never readable by others in between
+    # (truncated while still of the old mode, so nothing of the new key is exposed).
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if private else 0o644)
+    if private:
+        os.fchmod(fd, 0o600)  # a file that was there keeps its mode through O_TRUNC, 0644 perhaps
     with os.fdopen(fd, "wb") as f:
         f.write(data)
     return str(path)
