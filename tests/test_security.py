@@ -475,13 +475,16 @@ def test_the_orchestrator_front_doors_can_require_client_certificates_too(pki):
         loop.close()
 
 
-def test_the_http_port_serves_a_renewed_certificate_without_a_restart(tmp_path, monkeypatch):
+def test_the_http_port_serves_a_renewed_certificate_without_a_restart(tmp_path):
+    """From the next connection on, as the gRPC port. Half a rotation (the
+    certificate renewed, its key not yet) keeps the old pair serving: loaded
+    into the live context, it left the port with a certificate and no key,
+    refusing every handshake until the key came."""
     import time
 
     from orchestrator.openai_api import server as http_server
     from specdec.telemetry import NOOP
 
-    monkeypatch.setattr(http_server, "CERT_RELOAD_PERIOD_S", 0.05)
     old_ca, new_ca = LocalCA.create("old CA"), LocalCA.create("new CA")
     files = old_ca.write_role(tmp_path, "orchestrator")
     renewed = new_ca.write_role(tmp_path / "renewed", "orchestrator")
@@ -497,14 +500,52 @@ def test_the_http_port_serves_a_renewed_certificate_without_a_restart(tmp_path, 
         except Exception:  # noqa: BLE001 - certificate verification failed
             return False
 
+    def trusted_by_old_ca() -> bool:
+        with https_client(files.ca) as http:
+            return http.get(url).status_code == 503
+
     try:
-        assert not trusted_by_new_ca()
-        for new, old in ((renewed.key, files.key), (renewed.cert, files.cert)):
-            os.replace(new, old)
+        assert not trusted_by_new_ca() and trusted_by_old_ca()
+        os.replace(renewed.cert, files.cert)  # the key comes later
+        assert trusted_by_old_ca() and trusted_by_old_ca()
+        os.replace(renewed.key, files.key)
         deadline = time.monotonic() + DEADLINE_S
         while not trusted_by_new_ca():
             assert time.monotonic() < deadline, "the renewed certificate was never served"
             time.sleep(0.05)
+    finally:
+        loop.run(front.stop(0))
+        loop.close()
+
+
+def test_the_http_port_trusts_a_ca_added_to_its_bundle_without_a_restart(tmp_path):
+    """The first step of a CA rotation (the bundle gains the new CA) reached
+    the gRPC port and not the HTTP port, which read --tls-ca once."""
+    from orchestrator.openai_api import server as http_server
+    from specdec.telemetry import NOOP
+
+    old_ca, new_ca = LocalCA.create("old CA"), LocalCA.create("new CA")
+    own = old_ca.write_role(tmp_path, "orchestrator")
+    newcomer = new_ca.write_role(tmp_path / "new", "client")
+    tls = TlsConfig(tls_cert=own.cert, tls_key=own.key, tls_ca=own.ca)
+    loop = BackgroundLoop()
+    front = loop.run(http_server.start_http(HttpConfig(http_port=0), "127.0.0.1", NOOP, tls=tls))
+    url = f"https://127.0.0.1:{front.port}/health"
+
+    def served() -> bool:
+        context = ssl.create_default_context(cafile=own.ca)
+        context.load_cert_chain(newcomer.cert, newcomer.key)
+        try:
+            with openai.DefaultHttpxClient(verify=context) as http:
+                return http.get(url).status_code == 503  # through the handshake; not ready
+        except Exception:  # noqa: BLE001 - the handshake failed: the client's CA is not trusted
+            return False
+
+    try:
+        assert not served()
+        with open(own.ca, "ab") as bundle:
+            bundle.write(new_ca.cert_pem)
+        assert served()
     finally:
         loop.run(front.stop(0))
         loop.close()

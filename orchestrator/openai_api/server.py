@@ -17,7 +17,7 @@ import socket
 import uvicorn
 
 from specdec.security.api_keys import ApiKeyChecker
-from specdec.security.tls import ReloadingCertificates, TlsConfig
+from specdec.security.tls import ReloadingServerContext, TlsConfig
 from specdec.telemetry import Telemetry
 
 from .app import FrontDoorState, create_app
@@ -34,13 +34,11 @@ class _EmbeddedServer(uvicorn.Server):
 class HttpFrontDoor:
     """A started HTTP server; `state` is what its routes read."""
 
-    def __init__(self, state: FrontDoorState, server: _EmbeddedServer, sock: socket.socket, task: asyncio.Task,
-                 reload_task: asyncio.Task | None = None):
+    def __init__(self, state: FrontDoorState, server: _EmbeddedServer, sock: socket.socket, task: asyncio.Task):
         self.state = state
         self._server = server
         self.socket = sock  # the listening socket (IPPROTO_TCP, so asyncio sets TCP_NODELAY: see _bind)
         self._task = task
-        self._reload_task = reload_task  # re-reads a renewed TLS certificate
         self.host, self.port = sock.getsockname()[:2]
 
     def set_ready(self, servicer, model: str, max_model_len: int) -> None:
@@ -50,8 +48,6 @@ class HttpFrontDoor:
 
     async def stop(self, grace_s: float = 0.0) -> None:
         """Refuse new requests, give those in flight `grace_s`, then cancel them."""
-        if self._reload_task is not None:
-            self._reload_task.cancel()
         if self._task.done():
             return
         self.state.draining = True
@@ -91,18 +87,6 @@ def _tls_settings(tls: TlsConfig | None) -> dict:
     return settings
 
 
-CERT_RELOAD_PERIOD_S = 30.0  # how often the HTTP port looks for a renewed certificate
-
-
-async def _reload_certificate(context, tls: TlsConfig) -> None:
-    """Load a renewed certificate into the live SSL context (new connections
-    get it), as the gRPC port does; checked every CERT_RELOAD_PERIOD_S."""
-    files = ReloadingCertificates(tls.tls_cert, tls.tls_key)
-    while True:
-        await asyncio.sleep(CERT_RELOAD_PERIOD_S)
-        files.reload_if_changed(lambda: context.load_cert_chain(tls.tls_cert, tls.tls_key))
-
-
 async def start_http(cfg: HttpConfig, host: str, telemetry: Telemetry, tls: TlsConfig | None = None,
                      api_keys: ApiKeyChecker | None = None) -> HttpFrontDoor:
     """Bind and start serving (HTTPS when `tls` has a certificate; API keys
@@ -119,8 +103,10 @@ async def start_http(cfg: HttpConfig, host: str, telemetry: Telemetry, tls: TlsC
         sock.close()
         task.result()
         raise OSError("the HTTP server did not start")
-    reload = asyncio.ensure_future(_reload_certificate(server.config.ssl, tls)) if server.config.ssl else None
-    front = HttpFrontDoor(state, server, sock, task, reload)
+    if server.config.ssl:
+        # Renewed files are served from the next connection on, as on the gRPC port.
+        ReloadingServerContext(tls.tls_cert, tls.tls_key, tls.tls_ca).listening_context(server.config.ssl)
+    front = HttpFrontDoor(state, server, sock, task)
     scheme = "https" if tls is not None and tls.enabled else "http"
     log.info("OpenAI-compatible HTTP API on %s://%s:%d/v1", scheme, front.host, front.port)
     return front

@@ -20,42 +20,20 @@ MAX_CALLS_IN_FLIGHT = 1024  # calls one connection may have the server answering
 
 class LaneTls:
     """The server side of a lane under mutual TLS: an SSL context from the
-    service's certificate files (rebuilt when they change) and the names a
-    caller's certificate must carry one of."""
+    service's certificate files, rebuilt when they change
+    (`ReloadingServerContext`), and the names a caller's certificate must
+    carry one of."""
 
     def __init__(self, cert: str, key: str, ca: str, allowed: frozenset[str]):
-        from specdec.security.tls import ReloadingCertificates
+        from specdec.security.tls import ReloadingServerContext
 
-        self.files = ReloadingCertificates(cert, key, ca)
+        self.contexts = ReloadingServerContext(cert, key, ca)
         self.allowed = allowed
-        self._context = self._load()
-
-    def _load(self) -> ssl.SSLContext:
-        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        context.load_cert_chain(self.files.cert, self.files.key)
-        context.load_verify_locations(self.files.ca)
-        context.verify_mode = ssl.CERT_REQUIRED
-        return context
-
-    def context(self) -> ssl.SSLContext:
-        """The context for the next handshake: the newest certificate."""
-        fresh = self.files.reload_if_changed(self._load)
-        if fresh is not None:
-            self._context = fresh
-        return self._context
 
     def listening_context(self) -> ssl.SSLContext:
-        """The context the lane's port listens with: each handshake switches
-        to `context()` as it starts (the server-name callback, which runs for
-        every handshake, a name sent or not), so a renewed certificate is
+        """The context the lane's port listens with: a renewed certificate is
         served from the next connection on."""
-        listening = self._load()
-
-        def newest(connection: ssl.SSLObject, _server_name, _context) -> None:
-            connection.context = self.context()
-
-        listening.sni_callback = newest
-        return listening
+        return self.contexts.listening_context()
 
     def refusal(self, peer_certificate: dict | None) -> str:
         """Why the caller is refused ('' when it is allowed)."""

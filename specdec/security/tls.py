@@ -125,6 +125,7 @@ class ReloadingCertificates:
         self.paths = tuple(p for p in (cert, key, ca) if p)
         self.cert, self.key, self.ca = cert, key, ca
         self._signature = self._stat()
+        self._failed: tuple | None = None  # the files as they were when a load last failed
 
     def _stat(self) -> tuple:
         return tuple((st.st_mtime_ns, st.st_ino, st.st_size) for st in map(os.stat, self.paths))
@@ -143,18 +144,67 @@ class ReloadingCertificates:
     def reload_if_changed(self, load: Callable[[], T]) -> T | None:
         """load()'s result when the files changed since the last load, else
         None: also when they cannot be loaded (then the current certificate
-        is kept, and the next call tries again)."""
+        is kept, and the load is tried again, and a failure logged, once the
+        files change again: not at every handshake)."""
+        signature = None
         try:
             signature = self._stat()
-            if signature == self._signature:
+            if signature == self._signature or signature == self._failed:
                 return None
             loaded = load()
         except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError; TlsSettingsError a ValueError
+            self._failed = signature
             log.warning("TLS files changed but cannot be loaded; still serving the previous certificate: %s", exc)
             return None
         self._signature = signature
         log.info("TLS files changed: serving the new certificate from %s", self.cert)
         return loaded
+
+
+class ReloadingServerContext:
+    """A server's Python SSL context from its certificate files, rebuilt when
+    they change, for the ports Python's ssl serves (the lanes, the HTTP
+    port): each handshake switches to the newest complete context as it
+    starts, so a renewed certificate or CA is served from the next connection
+    on, and files that cannot be loaded (a key not yet written, a certificate
+    that does not match it) leave the previous context serving. Changing a
+    live context in place cannot promise that: OpenSSL swaps a certificate
+    before it reads the key, and a failed key load left the port serving a
+    certificate without its key, refusing every handshake. With `ca`, the
+    caller must present a certificate it signed."""
+
+    def __init__(self, cert: str, key: str, ca: str = ""):
+        self.files = ReloadingCertificates(cert, key, ca)
+        self._context = self._load()
+
+    def _load(self):
+        import ssl
+
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(self.files.cert, self.files.key)
+        if self.files.ca:
+            context.load_verify_locations(self.files.ca)
+            context.verify_mode = ssl.CERT_REQUIRED
+        return context
+
+    def context(self):
+        """The context for the next handshake: the newest that loaded."""
+        fresh = self.files.reload_if_changed(self._load)
+        if fresh is not None:
+            self._context = fresh
+        return self._context
+
+    def listening_context(self, listening=None):
+        """`listening` (a new context when None), made to switch each
+        handshake to `context()` as it starts: the server-name callback runs
+        for every handshake, a name sent or not."""
+        listening = self._load() if listening is None else listening
+
+        def newest(connection, _server_name, _context) -> None:
+            connection.context = self.context()
+
+        listening.sni_callback = newest
+        return listening
 
 
 @dataclass(frozen=True)
