@@ -203,6 +203,10 @@ def _score_sampled(jobs: Sequence[ScoreJob], params: SamplingParams):
         else:
             index = to_device(draft_rows + bonus_rows + ids, device)  # one copy: rows, then x_i
             p_drafts, p_bonus, x = p[index[:drafts]], p[index[drafts: -drafts]], index[-drafts:]
+        # A float32 softmax over a 152k vocabulary sums to 1 only within ~2e-5; target-only
+        # decoding draws from p / sum(p) (pick_rows), so the accept test and the residual
+        # use that p too, or the round's law would differ from it by as much (TV ~8e-6).
+        p_drafts = p_drafts / p_drafts.sum(dim=-1, keepdim=True, dtype=torch.float64).float()
         q = densify_many([q for job in jobs for q in job.draft_q], p.shape[-1], device)  # [D, V]
         residual = (p_drafts - q).clamp_min(0.0)  # [D, V]
         no_mass = ~(residual > 0).any(dim=-1, keepdim=True)  # [D, 1]
