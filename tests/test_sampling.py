@@ -64,6 +64,9 @@ def test_params_defaults_are_valid_and_not_greedy():
         (dict(temperature=float("nan")), "temperature"),
         (dict(temperature=float("inf")), "temperature"),
         (dict(temperature=-0.5), "temperature"),
+        # below ~2.9e-39 a GPU's division gave NaN rows (INTERNAL); 1e-39 is greedy in all but name
+        (dict(temperature=1e-39), "0 \\(greedy\\) or at least 1e-06"),
+        (dict(temperature=5e-7), "temperature"),
         (dict(top_k=-1), "top_k"),
         (dict(top_p=float("nan")), "top_p"),
         (dict(top_p=0.0), "top_p"),

@@ -11,6 +11,13 @@ import math
 from dataclasses import dataclass
 
 
+# The smallest temperature other than 0 (greedy). Below ~2.9e-39 a GPU's
+# division (it multiplies by the float32 reciprocal, then infinite) turned
+# every row into NaN, and a request failed INTERNAL; anything this close to 0
+# is greedy decoding in all but name, and 0 says so.
+MIN_TEMPERATURE = 1e-6
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request turns logits into a distribution.
@@ -40,6 +47,10 @@ class SamplingParams:
         if not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
             raise ValueError(
                 f"temperature must be a finite number >= 0 (0 means greedy), got {t!r}"
+            )
+        if 0 < t < MIN_TEMPERATURE:
+            raise ValueError(
+                f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {t!r}"
             )
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
             raise ValueError(
