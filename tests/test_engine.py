@@ -224,6 +224,25 @@ def test_warmup_works_with_room_for_one_session_only():
     assert engine.num_sessions == 0
 
 
+@pytest.mark.parametrize("max_context", [2, 5, 11])
+def test_warmup_fits_any_context_limit_the_settings_allow(max_context):
+    """Every service warms up at start: with --max-context below 12 it failed
+    (an 8-token prompt, then 12 tokens), and the service could not start."""
+    engine = tiny_engine("qwen2", max_context=max_context)
+    engine.warmup()
+    assert engine.num_sessions == 0 and engine.store.slots_in_use == 0
+
+
+def test_the_kv_store_stays_within_its_byte_budget():
+    """The store holds a scratch position beside its slots; a budget of
+    exactly N slots gave N slots and one position more than the budget."""
+    probe = tiny_engine("qwen2", max_context=64)
+    budget = probe.kv_shape.bytes_per_token * 64 * 3
+    engine = tiny_engine("qwen2", max_context=64, max_kv_bytes=budget)
+    assert engine.store.nbytes <= budget
+    assert engine.store.num_slots == 2
+
+
 def test_cpu_free_memory_counts_reclaimable_cache():
     """The default KV budget is half the free memory: on a CPU that must be
     MemAvailable (page cache included), not MemFree, which is small right

@@ -36,7 +36,9 @@ def dense_reference(q, keys_per_row, values_per_row, positions_per_row):
 
 def test_slots_come_from_the_budget():
     per_slot = SHAPE.bytes_per_token * 100
-    assert slots_for_budget(SHAPE, 100, 5 * per_slot + 1, max_sessions=64) == 5
+    # the scratch position (what padding tokens read) is in the budget too
+    assert slots_for_budget(SHAPE, 100, 5 * per_slot + SHAPE.bytes_per_token, max_sessions=64) == 5
+    assert slots_for_budget(SHAPE, 100, 5 * per_slot, max_sessions=64) == 4
     assert slots_for_budget(SHAPE, 100, 50 * per_slot, max_sessions=8) == 8
     with pytest.raises(ResourceExhausted, match="holds no session"):
         slots_for_budget(SHAPE, 100, per_slot - 1, max_sessions=8)

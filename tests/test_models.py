@@ -282,6 +282,32 @@ def test_incomplete_directory_is_replaced(tmp_path, fake_catalog, fake_pipeline)
     assert read_manifest(path) is not None and fake_pipeline["convert"] == 1
 
 
+def test_a_copy_left_between_the_renames_is_not_listed_and_the_next_fetch_removes_it(tmp_path, fake_catalog,
+                                                                                      fake_pipeline):
+    """A fetch killed after the old model was moved aside and before the new
+    one was moved in left `.NAME.stale` (a whole model) for good, listed by
+    `specd models list` as the model while `resolve_model` said it was not there."""
+    path = fetch("fake-split", tmp_path, progress=False)
+    stale = tmp_path / ".fake-split.stale"
+    path.rename(stale)
+    assert list_cached(tmp_path) == []
+    with pytest.raises(ModelNotFoundError):
+        resolve_model("fake-split", tmp_path)
+    fetch("fake-split", tmp_path, progress=False)
+    assert not stale.exists()
+    assert [m.path for m in list_cached(tmp_path)] == [path]
+
+
+def test_an_empty_model_name_is_not_the_current_directory(tmp_path, monkeypatch):
+    from specdec.errors import NotFound
+
+    monkeypatch.chdir(tmp_path)  # a directory, as Path("") is
+    with pytest.raises(ModelNotFoundError, match="no model was named"):
+        resolve_model("", tmp_path)
+    with pytest.raises(NotFound, match="no model was named"):
+        cache.locate(" ")
+
+
 def test_fetch_rejects_an_unknown_dtype(tmp_path, fake_catalog):
     with pytest.raises(ValueError, match="dtype"):
         fetch("fake-split", tmp_path, dtype="int3")

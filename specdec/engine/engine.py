@@ -153,15 +153,19 @@ class ModelEngine(WeightForms):
 
     def warmup(self) -> None:
         """Run the prefill, batched and single-token paths once, so the first
-        real request does not pay for lazy initialization."""
-        opened = [self.open_session([0] * 8)]
+        real request does not pay for lazy initialization. Sized to fit any
+        context limit the settings allow (2 tokens and up)."""
+        prompt = min(8, self.max_context - 1)
+        grow = min(4, self.max_context - prompt)  # the batched extend's new tokens
+        opened = [self.open_session([0] * prompt)]
         try:
             if self.store.num_slots > 1:  # a batch of two, where two sessions fit
-                opened.append(self.open_session([0] * 3))
+                opened.append(self.open_session([0] * min(3, prompt)))
             a = opened[0]
-            items = [ExtendItem(a.id, None, [0] * 4, 5)] + [ExtendItem(b.id, None, [0], 2) for b in opened[1:]]
+            items = [ExtendItem(a.id, None, [0] * grow, grow + 1)] + [ExtendItem(b.id, None, [0], 2)
+                                                                     for b in opened[1:]]
             self.extend(items)
-            self.extend([ExtendItem(a.id, 6, [0], 1)])
+            self.extend([ExtendItem(a.id, prompt + grow - 2, [0], 1)])  # a rollback, then one token
         finally:
             for s in opened:
                 self.close(s.id)

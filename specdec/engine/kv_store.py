@@ -58,7 +58,8 @@ def slots_for_budget(shape: KVShape, slot_tokens: int, budget_bytes: int, max_se
     """How many session slots of slot_tokens tokens a byte budget holds (at
     most max_sessions); raises ResourceExhausted if not even one."""
     per_slot = shape.bytes_per_token * slot_tokens
-    slots = min(max_sessions, budget_bytes // per_slot)
+    # The store holds one position more than its slots: the scratch position padding tokens read.
+    slots = min(max_sessions, (budget_bytes - shape.bytes_per_token) // per_slot)
     if slots < 1:
         raise ResourceExhausted(
             f"the KV budget of {budget_bytes} bytes holds no session of {slot_tokens} tokens "

@@ -131,6 +131,7 @@ def resolve_model(name_or_path: str | os.PathLike, cache_dir: str | os.PathLike 
     a model converted earlier) gives its directory in the cache. Anything else
     raises ModelNotFoundError saying what to do about it.
     """
+    _check_named(name_or_path)
     path = Path(name_or_path).expanduser()
     if path.is_dir() or (path.is_file() and path.suffix == ".gguf"):
         return path
@@ -151,12 +152,23 @@ def resolve_model(name_or_path: str | os.PathLike, cache_dir: str | os.PathLike 
     )
 
 
+def _check_named(source: str | os.PathLike) -> None:
+    """An empty name is `Path("")`, the current directory: a model that was
+    never named would be loaded from wherever the command ran."""
+    if not os.fspath(source).strip():
+        raise ModelNotFoundError(f"no model was named (got {os.fspath(source)!r}): give a model name or directory")
+
+
 def locate(source: str) -> tuple[str, str | None]:
     """(directory or hub id, GGUF file name or None): the arguments
     `from_pretrained` takes for a model source. A `.gguf` file gives its folder
     and its name; a directory is itself; a plain name is resolved through the
     cache (`resolve_model`; NotFound when it is not there); anything else is
     taken as a hub id, which fails offline with transformers' own message."""
+    try:
+        _check_named(source)
+    except LookupError as exc:
+        raise NotFound(str(exc)) from exc
     path = Path(source).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return str(path.parent), path.name
@@ -177,7 +189,8 @@ def list_cached(cache_dir: str | os.PathLike | None = None) -> list[CachedModel]
         return []
     found = []
     for directory in sorted(root.iterdir()):
-        manifest = read_manifest(directory) if directory.is_dir() else None
+        # Hidden: a conversion's staging folder or an old copy being replaced, never a cached model.
+        manifest = read_manifest(directory) if directory.is_dir() and not directory.name.startswith(".") else None
         if manifest is None:
             continue
         found.append(

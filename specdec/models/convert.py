@@ -92,10 +92,12 @@ def _library_versions() -> tuple[str, str]:
 
 
 def _move_into_place(staging: Path, final: Path) -> None:
-    """Rename the finished staging directory to `final`, replacing a stale one."""
+    """Rename the finished staging directory to `final`, replacing a stale one.
+    An old copy left by a run that died between the two renames (a whole
+    model's size) is removed too."""
+    stale = final.with_name(f".{final.name}.stale")
+    shutil.rmtree(stale, ignore_errors=True)
     if final.exists():
-        stale = final.with_name(f".{final.name}.stale")
-        shutil.rmtree(stale, ignore_errors=True)
         final.rename(stale)
         staging.rename(final)
         shutil.rmtree(stale, ignore_errors=True)
