@@ -190,15 +190,21 @@ class VerifyBatcher:
 
     @contextlib.contextmanager
     def _batch_span(self, batch):
-        """The RPC's span: child of the first caller's span, linked both ways
-        with the others' (see the module docstring)."""
+        """The RPC's span: child of the first sampled caller's span, linked
+        both ways with the others' (see the module docstring). Under an
+        unsampled caller (its client sent flags 00, or a ratio sampler passed
+        it by) the batch's span, and the target's under it, would be dropped
+        for every request in the batch."""
         if not self.telemetry.tracing:
             yield trace.INVALID_SPAN
             return
-        callers = [trace.get_current_span(ctx) for _, _, ctx in batch[1:]]
+        contexts = [ctx for _, _, ctx in batch]
+        first = next((i for i, ctx in enumerate(contexts)
+                      if trace.get_current_span(ctx).get_span_context().trace_flags.sampled), 0)
+        callers = [trace.get_current_span(ctx) for i, ctx in enumerate(contexts) if i != first]
         links = [Link(c.get_span_context()) for c in callers if c.get_span_context().is_valid]
         with self.telemetry.span(SPAN_VERIFY_BATCH, {A_PEER: "target", A_BATCH_ITEMS: len(batch)},
-                                 parent=batch[0][2], kind=SpanKind.CLIENT, links=links) as span:
+                                 parent=contexts[first], kind=SpanKind.CLIENT, links=links) as span:
             for caller in callers:
                 if caller.is_recording():  # still open: its request awaits this batch
                     caller.add_link(span.get_span_context())

@@ -219,3 +219,48 @@ def test_an_items_error_keeps_its_status_a_lost_session_is_recovered_and_the_res
     assert "refused s2" in str(errors[1])
     assert grpc_errors.status_for(errors[1])[0] is grpc.StatusCode.INVALID_ARGUMENT
     assert grpc_errors.status_for(errors[3])[0] is grpc.StatusCode.INTERNAL
+
+
+def test_an_unsampled_request_first_in_a_batch_does_not_hide_the_batch_from_the_others():
+    """verify.batch was the first item's child: when that request was not
+    sampled (its client sent flags 00), the batch's span and the target's
+    under it were dropped for every request in the batch."""
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from specdec import telemetry as T
+    from specdec.rpc.grpc_tracing import trace_metadata
+
+    exporter = InMemorySpanExporter()
+    telemetry = T.setup_telemetry("orchestrator", T.TelemetrySettings(), span_exporters=[exporter])
+    sent = []
+
+    class Target:
+        async def verify(self, items, timeout):
+            sent.append(dict(trace_metadata()))
+            await asyncio.sleep(0.02)
+            results = [target_pb2.VerifyResult(argmax_token_ids=[1]) for _ in items]
+            return target_pb2.VerifyResponse(results=results, batch_size=len(items), compute_micros=10), 10
+
+    async def request(batcher, n, traceparent):
+        metadata = (("traceparent", traceparent),) if traceparent else ()
+        with telemetry.server_span(T.SPAN_GENERATE, metadata):
+            with telemetry.span(T.SPAN_TARGET_VERIFY) as span:
+                await batcher.verify(target_pb2.VerifyItem(session_id=f"s{n}"), 5)
+                return span.get_span_context().trace_id
+
+    async def main():
+        batcher = VerifyBatcher(Target(), max_batch=16, window_s=0.01, telemetry=telemetry)
+        batcher.request_started()
+        batcher.request_started()
+        first = asyncio.ensure_future(request(batcher, 0, "00-" + "1" * 32 + "-" + "2" * 16 + "-00"))
+        await asyncio.sleep(0)
+        _, sampled = await asyncio.gather(first, request(batcher, 1, None))
+        return sampled
+
+    try:
+        sampled = asyncio.run(asyncio.wait_for(main(), 30))
+        assert len(sent) == 1 and int(sent[0]["traceparent"][-2:], 16) & 1  # sampled: the target records its span
+        batches = [s for s in exporter.get_finished_spans() if s.name == T.SPAN_VERIFY_BATCH]
+        assert [b.context.trace_id for b in batches] == [sampled]
+    finally:
+        telemetry.shutdown()
