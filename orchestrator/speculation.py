@@ -186,19 +186,17 @@ class SpeculativeRequest:
             # Whether this round drafts at all is the replica's choice (orchestrator/speculation_gate.py).
             speculating = self.spec.speculate and (not self._gated or batcher.gate.speculate(batcher.active))
             plain = self._gated and not speculating
-            self.stats.plain_rounds += plain
             if speculating:
                 await self.sessions.open_draft_if_due()
-            fallbacks = self.stats.fallback_rounds
             fallback = speculating and self.sessions.draft_id is None  # the draft is down: decode plainly
-            self.stats.fallback_rounds += fallback
             k = self._choose_k() if speculating and not fallback else 0
             drafts = self._pipeline.take(k)
-            if drafts is not None:  # made during the previous round; their time was counted then
-                self.stats.pipelined_rounds += 1
+            pipelined = drafts is not None
+            if pipelined:  # made during the previous round; their time was counted then
                 draft_time, draft_compute = 0.0, 0.0
             else:
-                drafts, draft_time, draft_compute = await self._propose(k)
+                drafts, draft_time, draft_compute, failed = await self._propose(k)
+                fallback = fallback or failed
             self._draft_ahead(drafts)
             overlapped = self._pipeline.in_flight
             try:
@@ -206,6 +204,11 @@ class SpeculativeRequest:
             except BaseException:
                 self._pipeline.drop()
                 raise
+            # Counted once the round's verify is through: a round the target's
+            # recovery runs again is one round, not two.
+            self.stats.plain_rounds += plain
+            self.stats.fallback_rounds += fallback
+            self.stats.pipelined_rounds += pipelined
             if self.spec.pipeline and drafts:
                 self._ahead_decision.observe_verify(overlapped, reply.compute_s / max(1, reply.items))
             with self.telemetry.leaf_span(SPAN_ACCEPT) as accept_span:
@@ -218,14 +221,15 @@ class SpeculativeRequest:
             batcher.gate.record(batcher.active, speculating if self._gated else None, len(result.emitted_ids))
             span.set_attributes({A_K: k, A_RETURNED: len(drafts), A_ACCEPTED: result.num_accepted,
                                  A_EMITTED: len(result.emitted_ids),
-                                 A_FALLBACK: self.stats.fallback_rounds > fallbacks, A_PLAIN: plain})
+                                 A_FALLBACK: fallback, A_PLAIN: plain})
         hops.record("round.end", self._hop_kind, number)
         return result.emitted_ids
 
-    async def _propose(self, k: int) -> tuple[list, float, float]:
-        """(drafts, wall seconds, draft compute seconds)"""
+    async def _propose(self, k: int) -> tuple[list, float, float, bool]:
+        """(drafts, wall seconds, draft compute seconds, whether the draft
+        failed: the round then decodes plainly)"""
         if k == 0:
-            return [], 0.0, 0.0
+            return [], 0.0, 0.0, False
         keep = self.sessions.draft_prefix
         stop = self.policy.min_confidence()
         with self.sessions.client_span(SPAN_DRAFT_PROPOSE, "draft", {A_K: k, A_MIN_CONFIDENCE: stop}) as span:
@@ -237,8 +241,7 @@ class SpeculativeRequest:
             except grpc.aio.AioRpcError as exc:
                 failed(span, exc)
                 self.sessions.draft_failed(exc)
-                self.stats.fallback_rounds += 1
-                return [], 0.0, 0.0
+                return [], 0.0, 0.0, True
             span.set_attribute(A_RETURNED, len(drafts))
         self.sessions.account(cost, "draft", "Propose")
         compute = _compute_s(drafts)
@@ -246,7 +249,7 @@ class SpeculativeRequest:
         self.stats.draft_compute_s += compute
         if drafts:  # the draft now holds history + drafts (with none, the cut may not have happened)
             self.sessions.draft_prefix = len(self.history)
-        return drafts, cost.seconds, compute
+        return drafts, cost.seconds, compute, False
 
     # ------------------------------------------------------ pipelined drafting
 

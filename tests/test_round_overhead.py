@@ -110,3 +110,73 @@ def test_a_session_opened_between_rounds_is_not_learned_as_round_overhead():
     assert len(tokens) == 40 and draft.opens == 2  # the draft was re-opened mid-request
     assert request.stats.prefill_time_s >= PREFILL_S
     assert max(obs.overhead_s for obs in policy.seen) < PREFILL_S / 2, [round(o.overhead_s, 3) for o in policy.seen]
+
+
+class _PlainGate(Gate):
+    def speculate(self, active):
+        return False
+
+    def plain_now(self, active):
+        return False
+
+
+class _FlakyTarget(FakeTarget):
+    """Its third Verify fails UNAVAILABLE (the target went away)."""
+
+    def __init__(self, gate):
+        self.gate = gate
+        self.calls = 0
+
+    async def verify(self, item, timeout):
+        from specdec.errors import Unavailable
+
+        self.calls += 1
+        if self.calls == 3:
+            raise Unavailable("the target went away")
+        return await super().verify(item, timeout)
+
+
+class _Lease:
+    """A recovery that re-opens on the same fake target."""
+
+    def __init__(self, target):
+        import types
+
+        self.client = self.batcher = target
+        self.replica = types.SimpleNamespace(address="replica")
+
+    async def reopen(self, request, deadline, cause, open_on):
+        return await open_on(self.client, request, 5.0)
+
+    async def settle_move(self):
+        pass
+
+
+class _DeadDraft(FakeDraft):
+    async def propose(self, *args, **kwargs):
+        raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, None, None, "down")
+
+
+def test_a_round_run_again_after_a_target_recovery_is_counted_once():
+    """The plain, fallback and pipelined counts were added before the
+    round's Verify; one that failed UNAVAILABLE ran again after the recovery
+    and counted twice (plain_rounds 11 of 10 rounds)."""
+    def run(gate, draft):
+        async def main():
+            target = _FlakyTarget(gate)
+            spec = RequestSpec(prompt=[1, 2, 3], max_tokens=10, temperature=0, top_k=0, top_p=1.0, seed=1,
+                               eos_ids=frozenset(), speculate=True)
+            request = SpeculativeRequest(spec, Recording(), target, target, draft,
+                                         LoopSettings(draft_retry_s=100.0), lease=_Lease(target))
+            async for _ in request.run():
+                pass
+            request.close()
+            await asyncio.sleep(0.01)
+            return request.stats
+
+        return asyncio.run(asyncio.wait_for(main(), 30))
+
+    gated = run(_PlainGate(), FakeDraft())
+    assert gated.target_recoveries == 1 and gated.plain_rounds == gated.rounds
+    draft_down = run(Gate(), _DeadDraft())
+    assert draft_down.target_recoveries == 1 and draft_down.fallback_rounds == draft_down.rounds
