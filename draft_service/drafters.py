@@ -150,7 +150,7 @@ class StreamGuard:
         the session."""
         newest = self._numbers.get(session_id, 0)
         if number and number < newest:
-            raise Aborted(f"Propose call {number} on session {session_id!r} arrived after call {newest}, "
+            raise Aborted(f"Propose call {number} on the session arrived after call {newest}, "
                           "which took the session over")
         token = object()
         self._owner[session_id] = token
@@ -218,7 +218,7 @@ class ModelDrafter(EngineBackend):
         first = ExtendItem(session_id, kept, list(append), num_logits=1)
         self.engine.validate([first])
         if kept + len(append) + k > self.info.max_context:  # refuse now, not after streaming some drafts
-            raise OutOfRange(f"drafting {k} tokens would take session {session_id!r} beyond the context "
+            raise OutOfRange(f"drafting {k} tokens would take the session beyond the context "
                              f"limit of {self.info.max_context} tokens")
         return DraftStream(self, session_id, k, self._streams.take(session_id, call_number), first,
                            min_confidence=min_confidence)

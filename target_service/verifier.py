@@ -80,7 +80,7 @@ class Verifier(EngineBackend):
         for i, item in enumerate(items):
             try:
                 if item.session_id in seen:
-                    raise InvalidArgument(f"session {item.session_id!r} appears twice in one Verify")
+                    raise InvalidArgument(f"item {i}'s session appears twice in one Verify")
                 seen.add(item.session_id)
                 valid.append((i, *self._check_item(item, sessions[i], checked_q[i])))
             except SpecdecError as exc:
@@ -90,7 +90,7 @@ class Verifier(EngineBackend):
             jobs = [self._job(items[i], sessions[i], q, rows) for (i, _, q), rows in zip(valid, logits)]
             for (i, _, _), (job, length), outcome in zip(valid, jobs, score_many([job for job, _ in jobs])):
                 if isinstance(outcome, Exception):  # this session's logits (NaN, inf): its item fails alone
-                    log.warning("Verify of session %r: %s", items[i].session_id, outcome)
+                    log.warning("Verify item %d of %d: %s", i, len(items), outcome)
                     results[i] = VerifyItemResult(error=outcome, length=length)
                     continue
                 results[i] = VerifyItemResult(outcome=outcome, length=length)

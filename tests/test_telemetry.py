@@ -520,3 +520,34 @@ def test_an_http_method_no_client_means_is_recorded_as_other():
     points = metric_values(reader)["specdec_http_request_duration_seconds"]
     assert sorted((p.attributes["http.request.method"], p.count) for p in points) == \
         [("GET", 1), ("POST", 1), ("_OTHER", 3)]
+
+
+def test_a_failed_call_records_no_session_id_on_its_span():
+    """A session id is its credential: error messages named it ("session
+    'ID' holds only 4"), and a service span copies its error's message into
+    its status and exception event, which go out over OTLP."""
+    from specdec.v1 import target_pb2
+    from tests.harness import running_target
+
+    exporter = InMemorySpanExporter()
+    telemetry = T.setup_telemetry(T.SERVICE_TARGET, T.TelemetrySettings(), span_exporters=[exporter])
+    try:
+        with running_target(tiny_engine(), telemetry=telemetry) as (_, stub, _):
+            sid = stub.OpenSession(common_pb2.OpenSessionRequest(prompt_token_ids=[5, 6, 7, 8], max_new_tokens=8),
+                                   timeout=30).session_id
+            with pytest.raises(grpc.RpcError) as failed:
+                stub.Rollback(common_pb2.RollbackRequest(session_id=sid, length=1000), timeout=30)
+            assert failed.value.code() is grpc.StatusCode.OUT_OF_RANGE
+            item = target_pb2.VerifyItem(session_id=sid, draft_token_ids=[1])
+            reply = stub.Verify(target_pb2.VerifyRequest(items=[item, item]), timeout=30)
+            assert reply.results[1].HasField("error")
+            stub.CloseSession(common_pb2.CloseSessionRequest(session_id=sid), timeout=30)
+        telemetry.force_flush()
+        spans = exporter.get_finished_spans()
+        assert any(s.status.description for s in spans)  # the errors were recorded, without the id
+        for span in spans:
+            texts = [span.status.description or "", str(dict(span.attributes or {}))]
+            texts += [str(dict(event.attributes or {})) for event in span.events]
+            assert not any(sid in text for text in texts), (span.name, texts)
+    finally:
+        telemetry.shutdown()

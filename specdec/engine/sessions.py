@@ -50,7 +50,9 @@ S = TypeVar("S", bound=Session)
 
 
 def new_session_id() -> str:
-    """Unguessable, so one client cannot reach another's session."""
+    """Unguessable, so one client cannot reach another's session: the id is
+    the session's credential (docs/security.md), so no error message, log
+    line or span carries it."""
     return secrets.token_urlsafe(18)
 
 
@@ -95,7 +97,7 @@ class SessionTable(Generic[S]):
         try:
             session = self._sessions[session_id]
         except KeyError:
-            raise NotFound(f"unknown or expired session {session_id!r}") from None
+            raise NotFound("unknown or expired session") from None
         session.last_used = time.monotonic()
         return session
 
@@ -140,7 +142,7 @@ class ContextRules:
         if length < 0:
             raise InvalidArgument(f"length must be >= 0, got {length}")
         if length > session.length:
-            raise OutOfRange(f"cannot keep {length} tokens: session {session.id!r} holds only {session.length}")
+            raise OutOfRange(f"cannot keep {length} tokens: the session holds only {session.length}")
 
     def check_rollback(self, session: Session, length: int) -> None:
         """An explicit Rollback keeps at least one token: a session of length
@@ -154,6 +156,6 @@ class ContextRules:
     def check_length(self, session: Session, new_length: int) -> None:
         if new_length > self.max_context:
             raise OutOfRange(
-                f"session {session.id!r} would hold {new_length} tokens, beyond the context "
+                f"the session would hold {new_length} tokens, beyond the context "
                 f"limit of {self.max_context}"
             )

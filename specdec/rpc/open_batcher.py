@@ -86,7 +86,7 @@ class OpenBatcher:
     def close_orphan(self, session_id: str) -> None:
         """Close a session whose OpenSession call went away while it opened,
         instead of holding its KV slot until it expires."""
-        log.info("closing session %s: its OpenSession call was abandoned while it opened", session_id)
+        log.info("closing a session whose OpenSession call was abandoned while it opened")
         asyncio.ensure_future(self.worker.run_quick(self.backend().close, session_id))
 
     async def _job(self) -> None:
