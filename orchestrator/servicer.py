@@ -53,6 +53,12 @@ class Backends:
         return bool(with_models) and all(info.device.startswith("cuda") for info in with_models)
 
 
+# A request's id (gRPC request_id, HTTP X-Request-Id) is the client's to
+# choose and is recorded on its trace: one of megabytes went into every
+# exporter and the trace file.
+MAX_REQUEST_ID_CHARS = 256
+
+
 class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
     def __init__(self, cfg: OrchestratorConfig, backends: Backends, telemetry: Telemetry = NOOP):
         self.cfg = cfg
@@ -134,6 +140,9 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
 
     def _parse(self, request, prompt: list[int], time_remaining: float | None):
         cfg = self.cfg
+        if len(request.request_id) > MAX_REQUEST_ID_CHARS:  # it is recorded on the request's span
+            raise InvalidArgument(f"request_id is limited to {MAX_REQUEST_ID_CHARS} characters, "
+                                  f"got {len(request.request_id)}")
         max_tokens = request.max_tokens or cfg.default_max_tokens
         if not 1 <= max_tokens <= cfg.max_tokens_limit:
             raise InvalidArgument(f"max_tokens must be in [1, {cfg.max_tokens_limit}], got {request.max_tokens}")

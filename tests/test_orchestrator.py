@@ -483,6 +483,7 @@ def _gauge(reader, name):
     (dict(prompt=[3], num_draft_tokens=99), "num_draft_tokens must be in [1, 8], got 99"),
     (dict(prompt=[3], stop=[""]), "stop"),
     (dict(prompt=[3], stop=["\n"]), "no tokenizer"),
+    (dict(prompt=[3], request_id="x" * 257), "request_id is limited to 256 characters"),
 ])
 def test_bad_requests_get_invalid_argument(greedy_system, kwargs, message):
     prompt = kwargs.pop("prompt")
