@@ -243,16 +243,24 @@ def setup_telemetry(service_name: str, settings: TelemetrySettings | None = None
 
     settings = settings or TelemetrySettings.from_env()
     resource = Resource.create({SERVICE_NAME: os.environ.get("OTEL_SERVICE_NAME") or service_name})
-    tracer_provider, span_processors = (_tracer_provider(resource, settings, span_exporters) if settings.tracing
-                                        else (None, ()))
+    tracer_provider, span_processors = (_tracer_provider(resource, settings, span_exporters)
+                                        if _tracing_on(settings) else (None, ()))
     meter_provider = _meter_provider(resource, settings, metric_readers)
     return Telemetry(service_name, tracer_provider, meter_provider, span_processors)
+
+
+def _tracing_on(settings: TelemetrySettings) -> bool:
+    """SPECD_TRACING and the SDK's own switch, OTEL_SDK_DISABLED: asked
+    before any span processor is built, since a BatchSpanProcessor starts its
+    worker thread (and an OTLP exporter its channel) as it is made, and one
+    made only to be dropped is never shut down."""
+    return settings.tracing and not _on(os.environ.get("OTEL_SDK_DISABLED", ""))
 
 
 def _tracer_provider(resource, settings: TelemetrySettings, span_exporters: Sequence):
     """The provider and its span processors; (None, ()) when no exporter is
     configured: spans nobody reads cost the same as exported ones, so
-    tracing is then off."""
+    tracing is then off. Only called with tracing on (`_tracing_on`)."""
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
 
@@ -264,7 +272,7 @@ def _tracer_provider(resource, settings: TelemetrySettings, span_exporters: Sequ
 
         # A short delay so `specd trace show` sees a request soon after it ends.
         processors.append(BatchSpanProcessor(JsonLinesSpanExporter(settings.trace_file), schedule_delay_millis=500))
-    if not processors or _on(os.environ.get("OTEL_SDK_DISABLED", "")):  # the SDK's own switch: no spans at all
+    if not processors:
         return None, ()
     provider = TracerProvider(resource=resource)  # sampler: OTEL_TRACES_SAMPLER, default parent-based always-on
     for processor in processors:

@@ -551,3 +551,19 @@ def test_a_failed_call_records_no_session_id_on_its_span():
             assert not any(sid in text for text in texts), (span.name, texts)
     finally:
         telemetry.shutdown()
+
+
+def test_sdk_disabled_builds_no_span_processor(tmp_path, monkeypatch):
+    """OTEL_SDK_DISABLED=true turns tracing off before any span processor is
+    made: a BatchSpanProcessor starts its worker thread as it is built, and
+    one built only to be dropped is never shut down (a thread per setup)."""
+    import threading
+
+    monkeypatch.setenv("OTEL_SDK_DISABLED", "true")
+    before = set(threading.enumerate())
+    trace_file = tmp_path / "traces" / "t.jsonl"
+    t = T.setup_telemetry("x", T.TelemetrySettings(trace_file=str(trace_file), traces_exporter=("console",)))
+    assert not t.tracing
+    t.shutdown()
+    assert [thread.name for thread in set(threading.enumerate()) - before] == []
+    assert not trace_file.parent.exists(), "no exporter made: the trace file's folder is not created"
