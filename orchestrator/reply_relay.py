@@ -34,9 +34,13 @@ request's sessions) to have run.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import sys
 from typing import AsyncIterator
+
+from opentelemetry import context as context_api
+from opentelemetry.context import Context
 
 from specdec.errors import SpecdecError
 from specdec.v1 import orchestrator_pb2 as pb
@@ -44,9 +48,22 @@ from specdec.v1 import orchestrator_pb2 as pb
 log = logging.getLogger(__name__)
 
 
-async def written_behind(replies: AsyncIterator[pb.GenerateResponse]) -> AsyncIterator[pb.GenerateResponse]:
+def _start_under(coroutine, trace_context: Context | None) -> asyncio.Task:
+    """A task for `coroutine` whose context has `trace_context` current: the
+    task copies the context it is created in, here a copy of ours with it
+    attached (never detached: the copy is the task's alone)."""
+    if trace_context is None:
+        return asyncio.ensure_future(coroutine)
+    context = contextvars.copy_context()
+    context.run(context_api.attach, trace_context)
+    return context.run(asyncio.ensure_future, coroutine)
+
+
+async def written_behind(replies: AsyncIterator[pb.GenerateResponse],
+                         trace_context: Context | None = None) -> AsyncIterator[pb.GenerateResponse]:
     """`replies`, produced by a task of their own, chunks gathered while a
-    write was under way merged into one (see the module docstring)."""
+    write was under way merged into one (see the module docstring). The task
+    runs with `trace_context` current (the request's span), when given."""
     buffer: list[pb.GenerateResponse] = []
     arrived = asyncio.Event()
 
@@ -58,7 +75,7 @@ async def written_behind(replies: AsyncIterator[pb.GenerateResponse]) -> AsyncIt
         finally:
             arrived.set()  # an end or an error: the writer looks at the task
 
-    producer = asyncio.ensure_future(produce())
+    producer = _start_under(produce(), trace_context)
     reader = asyncio.current_task()
 
     def reader_ended(_task) -> None:

@@ -75,8 +75,11 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         # when the call carries one). The loop runs ahead of the stream's
         # writes (orchestrator/reply_relay.py): a round does not wait for the
         # last round's chunk to be written.
-        with self.telemetry.server_span(SPAN_GENERATE, context.invocation_metadata()) as span:
-            async for reply in written_behind(self.generate(request, span, context.time_remaining())):
+        # The span is current only in the task that runs the request
+        # (`written_behind`'s), never across this generator's yields.
+        with self.telemetry.owned_server_span(SPAN_GENERATE, context.invocation_metadata()) as owned:
+            async for reply in written_behind(self.generate(request, owned.span, context.time_remaining()),
+                                              owned.context):
                 yield reply
 
     async def generate(self, request: pb.GenerateRequest, span, time_remaining: float | None):

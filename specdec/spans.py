@@ -23,6 +23,7 @@ import asyncio
 import time
 import traceback
 from contextlib import nullcontext
+from types import SimpleNamespace
 from typing import Mapping, Sequence
 
 from opentelemetry import context as context_api
@@ -227,6 +228,34 @@ class CurrentSpan:
             record_error(self.span, exc)
         on_next_turn(self.span.end, time.time_ns())
         return False
+
+
+class OwnedSpan:
+    """A span that a `with` ends but never makes current in the task that
+    holds it: work that runs under it is handed `context` (a task created
+    in it). For an async generator handler, whose `with CurrentSpan` would
+    span its yields: grpc cancels the handler's task during a write, leaving
+    the generator suspended, and whoever closes it later runs the detach in
+    another context ("Failed to detach context", at ERROR)."""
+
+    __slots__ = ("span", "context")
+
+    def __init__(self, span: trace.Span):
+        self.span = span
+        self.context = trace.set_span_in_context(span)
+
+    def __enter__(self) -> "OwnedSpan":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if isinstance(exc, Exception) and self.span.is_recording():
+            record_error(self.span, exc)
+        on_next_turn(self.span.end, time.time_ns())
+        return False
+
+
+# `OwnedSpan` with tracing off: no span, and no context to run under.
+NO_OWNED_SPAN = nullcontext(SimpleNamespace(span=INVALID_SPAN, context=None))
 
 
 class LeafSpan:

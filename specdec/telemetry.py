@@ -24,7 +24,7 @@ from opentelemetry.trace import Link, SpanKind
 
 from specdec import trace_context
 from specdec.metrics import Metrics
-from specdec.spans import NO_SPAN, CurrentSpan, LeafSpan, SpanSink
+from specdec.spans import NO_OWNED_SPAN, NO_SPAN, CurrentSpan, LeafSpan, OwnedSpan, SpanSink
 
 # --------------------------------------------------------------- services
 
@@ -194,6 +194,15 @@ class Telemetry:
             return NO_SPAN
         parent = trace_context.extract({key: value for key, value in metadata or ()})
         return CurrentSpan(self._sink.start(name, parent, SpanKind.SERVER, attributes))
+
+    def owned_server_span(self, name: str, metadata, attributes: Mapping | None = None):
+        """`server_span` that is not made current (`OwnedSpan`): for a
+        streaming handler that runs its work in a task of its own, under the
+        span's `context`."""
+        if not self.tracing:
+            return NO_OWNED_SPAN
+        parent = trace_context.extract({key: value for key, value in metadata or ()})
+        return OwnedSpan(self._sink.start(name, parent, SpanKind.SERVER, attributes))
 
     def leaf_server_span(self, name: str, metadata, attributes: Mapping | None = None):
         """`server_span` for a handler that traces nothing inside it: the

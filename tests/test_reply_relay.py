@@ -196,3 +196,55 @@ def test_a_request_that_ends_with_its_own_error_as_the_caller_stops_is_no_cleanu
     run(main())
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert any("ended as its request did" in r.message and "DeadlineExceeded" in r.message for r in caplog.records)
+
+
+def test_a_generate_closed_from_another_task_ends_its_span_without_a_detach_error(caplog):
+    """grpc cancels a streaming handler's task during a write and leaves its
+    generator suspended; whoever closes it later ran the span's detach in
+    another context ("Failed to detach context", at ERROR). The request's
+    span is now current only in the task that runs the request."""
+    import logging
+
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from orchestrator.servicer import OrchestratorServicer
+    from specdec import telemetry as T
+
+    exporter = InMemorySpanExporter()
+    telemetry = T.setup_telemetry("orchestrator", T.TelemetrySettings(), span_exporters=[exporter])
+    seen = []
+
+    class Context:
+        def invocation_metadata(self):
+            return ()
+
+        def time_remaining(self):
+            return None
+
+    async def generate(request, span, time_remaining):
+        seen.append(trace.get_current_span() is span)  # current in the request's task
+        while True:
+            yield pb.GenerateResponse(chunk=pb.TextChunk(text="x"))
+            await asyncio.sleep(0)
+
+    servicer = OrchestratorServicer.__new__(OrchestratorServicer)
+    servicer.telemetry = telemetry
+    servicer.generate = generate
+
+    async def main():
+        replies = servicer.Generate(pb.GenerateRequest(), Context())
+        handler = asyncio.ensure_future(replies.__anext__())
+        await handler
+        await asyncio.ensure_future(replies.aclose())  # from another task, as a collected generator is
+        await asyncio.sleep(0.01)
+
+    try:
+        with caplog.at_level(logging.ERROR, logger="opentelemetry.context"):
+            asyncio.run(asyncio.wait_for(main(), 30))
+        telemetry.force_flush()
+        assert seen == [True]
+        assert [s.name for s in exporter.get_finished_spans()] == [T.SPAN_GENERATE]
+        assert not [r for r in caplog.records if "detach" in r.getMessage()]
+    finally:
+        telemetry.shutdown()
