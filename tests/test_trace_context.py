@@ -93,3 +93,15 @@ def test_another_propagator_set_globally_is_used_as_it_is():
     finally:
         propagate.set_global_textmap(previous)
     assert trace_context._default_propagator()
+
+
+def test_specd_keeps_a_clients_malformed_baggage_out_of_its_logs(tmp_path, monkeypatch, capsys):
+    """OpenTelemetry warns once per malformed member of a `baggage` header:
+    one 8 KB header from any client wrote 181 lines to a role's log."""
+    import logging
+
+    from specdec.cli.main import main as specd
+
+    monkeypatch.setenv("SPECD_CACHE_DIR", str(tmp_path))
+    assert specd(["models", "list"]) == 0
+    assert not logging.getLogger("opentelemetry.baggage.propagation").isEnabledFor(logging.WARNING)
