@@ -22,6 +22,7 @@ from specdec.fuzz import contract
 from specdec.fuzz.contract import FLOAT32, INT32, TEXT, UINT64, mostly
 from specdec.fuzz.oracle import CALL_TIMEOUT_S, Expect, Outcome, Tally, call
 from specdec.fuzz.system import MAX_CONTEXT, ROWS, USABLE_VOCAB
+from specdec.sampling.params import MIN_TEMPERATURE
 from specdec.v1 import orchestrator_pb2 as pb
 from specdec.v1 import orchestrator_pb2_grpc
 
@@ -121,7 +122,10 @@ def expect_generate(req, tokenizer, limit: int) -> tuple[Expect, int]:
         return Expect.FAIL, max_tokens
     t = req.temperature if req.HasField("temperature") else 1.0
     p = req.top_p if req.HasField("top_p") else 1.0
-    if not (math.isfinite(t) and t >= 0 and req.top_k >= 0 and not math.isnan(p) and 0 < p <= 1):
+    if not (math.isfinite(t) and (t == 0 or t >= MIN_TEMPERATURE) and req.top_k >= 0 and not math.isnan(p)
+            and 0 < p <= 1):
+        return Expect.FAIL, max_tokens
+    if len(req.request_id) > 256:  # it is recorded on the request's span
         return Expect.FAIL, max_tokens
     if len(req.stop) > 8 or any(not s or len(s) > 256 for s in req.stop):
         return Expect.FAIL, max_tokens

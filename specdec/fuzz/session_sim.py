@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from specdec.fuzz.oracle import Expect
 from specdec.fuzz.system import MAX_CONTEXT, USABLE_VOCAB
+from specdec.sampling.params import MIN_TEMPERATURE
 from specdec.v1 import common_pb2
 
 
@@ -30,7 +31,8 @@ class Sim:
 def sampling_valid(s: common_pb2.SamplingParams) -> bool:
     """Whether the contract accepts these sampling parameters."""
     t, p = s.temperature, s.top_p
-    return math.isfinite(t) and t >= 0 and s.top_k >= 0 and (p == 0 or (not math.isnan(p) and 0 < p <= 1))
+    return (math.isfinite(t) and (t == 0 or t >= MIN_TEMPERATURE) and s.top_k >= 0
+            and (p == 0 or (not math.isnan(p) and 0 < p <= 1)))
 
 
 def ids_ok(ids, usable: int = USABLE_VOCAB) -> bool:
