@@ -18,3 +18,14 @@ class DrafterConfig:
     run_ahead: str = opt("auto", "model drafter: run a Propose's steps ahead on the device, each fed the step "
                          "before's tokens there and queued before the host reads them (auto: on a GPU)",
                          choices=("auto", "on", "off"))
+
+    def validate(self) -> "DrafterConfig":
+        """Raise ValueError for settings no drafter can run with: an n-gram
+        range that matches nothing (min past max, or 0) made a drafter that
+        proposed nothing, every round, and cost a round trip each."""
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"--ngram-min and --ngram-max must satisfy 1 <= min <= max, "
+                             f"got {self.ngram_min} and {self.ngram_max}")
+        if self.max_q_tokens < 1:
+            raise ValueError(f"--max-q-tokens must be >= 1, got {self.max_q_tokens}")
+        return self

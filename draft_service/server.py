@@ -20,6 +20,7 @@ SERVICE_NAME = "specdec.v1.DraftService"
 def build_drafter(engine_cfg: EngineConfig, drafter_cfg: DrafterConfig, limits: SessionLimits,
                   engine: ModelEngine | None = None):
     """A drafter from settings; `engine` may be passed pre-built (tests)."""
+    drafter_cfg.validate()
     if drafter_cfg.drafter == "ngram":
         vocab = engine.vocab_size if engine is not None else _vocab_size(engine_cfg.model)
         return NgramDrafter(vocab, max_context=engine_cfg.max_context, max_sessions=engine_cfg.max_sessions,

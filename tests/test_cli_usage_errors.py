@@ -235,6 +235,15 @@ def test_serve_target_refuses_a_nan_session_ttl(capsys, nothing_served):
         "specd serve target: error: --session-ttl-s must be a finite number >= 0, got nan"
 
 
+@pytest.mark.parametrize("flags", [["--ngram-min", "4", "--ngram-max", "3"], ["--ngram-min", "0"],
+                                   ["--ngram-max", "0"]])
+def test_serve_draft_refuses_an_ngram_range_that_matches_nothing(capsys, nothing_served, flags):
+    """min past max, or 0: the drafter proposed nothing, every round."""
+    rc, err = run_cli(["serve", "draft", "--drafter", "ngram", *flags], capsys)
+    assert rc == EXIT_USAGE and last_line(err).startswith(
+        "specd serve draft: error: --ngram-min and --ngram-max must satisfy 1 <= min <= max"), err
+
+
 def test_trace_refuses_a_directory_or_a_file_that_is_not_text(tmp_path, capsys):
     for action in ("list", "show"):
         rc, err = run_cli(["trace", action, "--file", str(tmp_path)], capsys)

@@ -80,7 +80,7 @@ def _settings(args: argparse.Namespace, role: str, *classes) -> list | None:
             _check_durations(cfg)
             if isinstance(cfg, OrchestratorConfig):
                 _check_max_tokens(cfg)
-            if isinstance(cfg, HttpConfig):
+            if isinstance(cfg, (HttpConfig, DrafterConfig)):
                 cfg.validate()
     except ValueError as exc:
         print(f"specd serve {role}: error: {exc}", file=sys.stderr)
