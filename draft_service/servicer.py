@@ -63,7 +63,7 @@ class DraftServicer(SessionServicer, draft_pb2_grpc.DraftServiceServicer):
         request = request.propose
         with self._span(request, metadata) as span:
             drafts = await self.steps.start_and_collect(functools.partial(_validate, self.backend, request),
-                                                        request.session_id)
+                                                        request.session_id, len(request.append_token_ids))
             span.set_attribute(A_TOKENS, len(drafts))
         return drafts_to_wire(drafts, request.packed_q)
 

@@ -29,6 +29,12 @@ CHAIN = "draft steps, run ahead"
 # may be drafting beside it: its steps go where they can share passes.
 ALONE_S = 1.0
 
+# A Propose whose first step appends more tokens than this (a request back to
+# speculating after plain rounds, a client's long append) runs on the engine
+# thread: `is_short` times one token's step, and that catch-up pass on the
+# event loop held every other call (health checks included) for all of it.
+LOOP_APPEND_TOKENS = 2
+
 
 class DraftStepBatcher:
     def __init__(self, worker, drafter, max_batch: int = 64):
@@ -110,16 +116,19 @@ class DraftStepBatcher:
         for session_id in session_ids:
             self._recent.pop(session_id, None)
 
-    async def start_and_collect(self, start, session_id: str = "") -> list[tuple[DraftToken, float]]:
+    async def start_and_collect(self, start, session_id: str = "",
+                                appended: int = 0) -> list[tuple[DraftToken, float]]:
         """`collect(start())`, where `start` makes the DraftStream on the
         engine thread. With no other stream active, the start and the steps
         run as ONE engine-thread job, which a stream arriving meanwhile stops
         after its current step, the rest of the call then joining the shared
         passes. When no other session has asked for drafts lately
         (`note_caller`), nothing could share them: if its steps are short
-        (`EngineWorker.is_short`), each runs right on the event loop, which
-        saves the two thread hand-offs of a job, and the loop serves other
-        calls between steps; otherwise the one job does."""
+        (`EngineWorker.is_short`) and its first appends at most
+        LOOP_APPEND_TOKENS (`appended`: tokens the call appends), each runs
+        right on the event loop, which saves the two thread hand-offs of a
+        job, and the loop serves other calls between steps; otherwise the one
+        job does."""
         alone = self.note_caller(session_id)
         if self._active or not alone:
             # Others draft now, or may any moment (their Verify batch answered
@@ -137,7 +146,7 @@ class DraftStepBatcher:
             return await self.collect(stream)  # registers it before the driver runs again
         arrivals = self._arrivals
         more = lambda: self._arrivals == arrivals  # noqa: E731
-        if alone and self.worker.is_short(CHAIN if self._run_ahead else STEP):
+        if alone and appended <= LOOP_APPEND_TOKENS and self.worker.is_short(CHAIN if self._run_ahead else STEP):
             return await self._steps_on_the_loop(start, arrivals, more)
         stream, steps = await self.worker.run(_start_and_step, start, self._job, more)
         if steps:  # what the loop path's is_short reads: one step, or a whole job run ahead
@@ -303,8 +312,10 @@ def _timed_steps(step_many, streams: list[DraftStream], more) -> list[tuple[list
         start = time.perf_counter()
         results = step_many(streams)
         steps.append((results, time.perf_counter() - start))
+        # A stream that is done leaves now: its tokens are delivered after the job, and
+        # another step would make it wait a forward pass it has no part in.
         if (more is None or any(not isinstance(r, DraftToken) for r in results)
-                or all(s.done for s in streams)):
+                or any(s.done for s in streams)):
             return steps
         if not more() and min(s.k - s.produced for s in streams) > 1:
             return steps

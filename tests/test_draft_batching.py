@@ -260,6 +260,12 @@ def test_a_lone_streams_short_steps_run_on_the_event_loop_as_many_as_fit_in_its_
             assert [t for t, _, _ in drafter.steps] == [loop_thread] * 4
             seen = [tick for _, _, tick in drafter.steps]
             assert seen[0] == seen[1] < seen[2] == seen[3], seen
+            # A first step that appends many tokens (a catch-up after plain rounds) is no
+            # short step: it ran on the loop and held every other call for all of it.
+            drafter.steps.clear()
+            caught_up = await batcher.start_and_collect(lambda: drafter.propose(2), "s", appended=500)
+            assert [d.index for d, _ in caught_up] == [0, 1]
+            assert {t for t, _, _ in drafter.steps} == {"eng_0"}
             # 30 ms steps: one a job, but a stream's last step is never left to a job of its own.
             step_s[0] = 0.03
             drafter.steps.clear()

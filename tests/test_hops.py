@@ -4,6 +4,8 @@ round through the lanes records its whole path, and the segments of a round
 add up to its wall time less the compute its replies report."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 
 from specdec import hops
@@ -86,7 +88,7 @@ def test_a_real_round_on_the_lanes_records_its_whole_path(recording):
     """The orchestrator, the draft and the target in this process, on their
     lanes: every round but the first's start records the path, and each
     segment is a duration (never negative)."""
-    with running_system(tiny_engine(model=TARGET_MODEL), tiny_engine(model=TARGET_MODEL)) as system:
+    with running_system(tiny_engine(model=TARGET_MODEL), tiny_engine(model=copy.deepcopy(TARGET_MODEL))) as system:
         for seed in (1, 2):
             system.client.complete([5, 6, 7, 8], max_tokens=24, temperature=0.0 if seed == 1 else 0.7, seed=seed,
                                    num_draft_tokens=3)

@@ -422,7 +422,7 @@ def test_a_failed_target_replica_is_replaced_by_a_live_one(monkeypatch):
     # replica stops mid-stream and the session moves to the other.
     target = without_eos(tiny_model(seed=0, init_range=0.3))
     ref = greedy_reference(target, GREEDY_PROMPTS[3], 30)
-    engine_a, engine_b = tiny_engine(model=target), tiny_engine(model=target)
+    engine_a, engine_b = tiny_engine(model=target), tiny_engine(model=copy.deepcopy(target))  # each fuses its own
     with target_replicas_behind_one_name(monkeypatch, engine_a, engine_b) as (port, (svc_a, loop_a), (svc_b, loop_b)):
         loop = BackgroundLoop()
         try:

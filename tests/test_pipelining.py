@@ -5,6 +5,7 @@ stream guard on the draft service, and cleanup. Services in-process on port 0.""
 from __future__ import annotations
 
 import concurrent.futures
+import copy
 
 import pytest
 import torch
@@ -77,7 +78,7 @@ def test_pipelining_is_the_servers_default_and_a_request_can_turn_it_off(system)
 
 def test_a_draft_equal_to_the_target_makes_every_later_round_pipelined_and_saves_round_trips():
     target = tiny_model(seed=0, init_range=0.3)
-    with running_system(tiny_engine(model=target), tiny_engine(model=target), pipeline_always=True) as s:
+    with running_system(tiny_engine(model=target), tiny_engine(model=copy.deepcopy(target)), pipeline_always=True) as s:
         ref = greedy_reference(target, GREEDY_PROMPTS[6], 30)
         stats = {}
         for pipeline in (False, True):
@@ -99,7 +100,7 @@ def test_a_draft_equal_to_the_target_makes_every_later_round_pipelined_and_saves
 
 def test_drafting_ahead_is_skipped_when_a_call_costs_more_than_it_can_save():
     target = tiny_model(seed=0, init_range=0.3)
-    with running_system(tiny_engine(model=target), tiny_engine(model=target), pipeline=True,
+    with running_system(tiny_engine(model=target), tiny_engine(model=copy.deepcopy(target)), pipeline=True,
                         pipeline_call_cost_ms=1000) as s:
         r = s.client.complete(GREEDY_PROMPTS[6], max_tokens=30, temperature=0, num_draft_tokens=4)
     assert r.token_ids == greedy_reference(target, GREEDY_PROMPTS[6], 30)[: len(r.token_ids)]
@@ -306,7 +307,8 @@ def test_a_draft_that_stops_while_drafting_ahead_falls_back_exactly():
     from tests.harness import running_draft
 
     target = tiny_model(seed=0, init_range=0.3)
-    draft_engine = tiny_engine(model=target)  # always accepted: every round drafts ahead
+    # A copy (an engine fuses its model in place): always accepted, so every round drafts ahead.
+    draft_engine = tiny_engine(model=copy.deepcopy(target))
     ref = greedy_reference(target, GREEDY_PROMPTS[2], 40)
     with running_system(tiny_engine(model=target), draft_engine, pipeline=True, pipeline_always=True,
                         draft_retry_s=0.05) as s:
