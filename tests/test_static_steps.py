@@ -100,7 +100,7 @@ def test_steps_larger_than_the_biggest_bucket_run_eagerly():
 
 
 def test_budget_exhaustion_and_a_bad_item_leave_static_sessions_untouched():
-    _, static = engines(max_kv_bytes=2 * 128 * 512)  # two slots of 128 tokens, 512 B per token
+    _, static = engines(max_kv_bytes=(2 * 128 + 1) * 512)  # two slots of 128 tokens and the scratch position, 512 B a token
     a = static.open_session(random_tokens(8, seed=6))
     b = static.open_session(random_tokens(8, seed=7))
     with pytest.raises(ResourceExhausted, match="all 2 session slots"):
