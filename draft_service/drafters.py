@@ -67,12 +67,14 @@ class DraftStream:
     drafter's `step_many` (alone or batched with other streams)."""
 
     def __init__(self, drafter: "Drafter", session_id: str, k: int, owner: object,
-                 first: ExtendItem | None = None, planned: Sequence[int] = (), min_confidence: float = 0.0):
+                 first: ExtendItem | None = None, planned: Sequence[int] = (), min_confidence: float = 0.0,
+                 first_is_guess: bool = False):
         self.drafter = drafter
         self.session_id = session_id
         self.k = k  # the most it drafts; lowered to what it made when it stops early
         self.min_confidence = min_confidence
-        self.belief = 1.0  # the product of its drafts' confidences
+        self.belief = 1.0  # the product of its drafts' confidences (a first that is a guess left out)
+        self.unscored = 1 if first_is_guess else 0  # leading drafts that are not in the product
         self.owner = owner  # the StreamGuard token this stream holds
         self.first = first  # a model drafter's first step (cut + append), None once taken
         self.planned = list(planned)  # tokens decided up front (prompt lookup)
@@ -86,15 +88,18 @@ class DraftStream:
         """Count a drafted token; the stream ends here once the draft's
         belief that all its drafts will be accepted is below min_confidence."""
         self.produced += 1
-        self.belief *= token.confidence
-        if self.belief < self.min_confidence:
-            self.k = self.produced
+        if self.produced > self.unscored:
+            self.belief *= token.confidence
+            if self.belief < self.min_confidence:
+                self.k = self.produced
         return token
 
     def ends_with(self, confidence: float) -> bool:
         """Whether the next token, drafted with this confidence, is the
         stream's last (`made` would end it)."""
-        return self.produced + 1 >= self.k or self.belief * confidence < self.min_confidence
+        if self.produced + 1 >= self.k:
+            return True
+        return self.produced >= self.unscored and self.belief * confidence < self.min_confidence
 
     def __iter__(self) -> Iterator[DraftToken]:
         return self
@@ -113,7 +118,8 @@ class Drafter(Protocol):
 
     def open(self, prompt: list[int], meta: SessionMeta, max_new_tokens: int) -> tuple[str, int, int]: ...
     def propose(self, session_id: str, keep_length: int, append: Sequence[int], k: int,
-                min_confidence: float = 0.0, call_number: int = 0) -> DraftStream: ...
+                min_confidence: float = 0.0, call_number: int = 0,
+                first_is_guess: bool = False) -> DraftStream: ...
     def step_many(self, streams: Sequence[DraftStream]) -> list[DraftToken | Exception | None]: ...
     def rollback(self, session_id: str, length: int) -> int: ...
     def close(self, session_id: str) -> bool: ...
@@ -202,11 +208,12 @@ class ModelDrafter(EngineBackend):
                 self._pick_graphs_decided = True
         return self._pick_graphs
 
-    def propose(self, session_id, keep_length, append, k, min_confidence=0.0, call_number=0):
+    def propose(self, session_id, keep_length, append, k, min_confidence=0.0, call_number=0, first_is_guess=False):
         """Validate now; the returned stream makes the k drafts one step at a
         time (`step_many`, or `next()` on it), ending early once the product
-        of their confidences is below `min_confidence`. `call_number`: the
-        caller's count of its Propose calls on the session (StreamGuard)."""
+        of their confidences (the first's left out when it is a guess) is
+        below `min_confidence`. `call_number`: the caller's count of its
+        Propose calls on the session (StreamGuard)."""
         check_num_draft_tokens(k, self.max_draft_tokens)
         check_min_confidence(min_confidence)
         session = self.engine.session(session_id)
@@ -221,7 +228,7 @@ class ModelDrafter(EngineBackend):
             raise OutOfRange(f"drafting {k} tokens would take the session beyond the context "
                              f"limit of {self.info.max_context} tokens")
         return DraftStream(self, session_id, k, self._streams.take(session_id, call_number), first,
-                           min_confidence=min_confidence)
+                           min_confidence=min_confidence, first_is_guess=first_is_guess)
 
     def step_many(self, streams):
         """One draft token for each stream, from one batched forward pass.

@@ -36,9 +36,10 @@ class NgramDrafter:
         session = self._sessions.add(Session(id=new_session_id(), tokens=list(prompt), meta=meta))
         return session.id, session.length, 0
 
-    def propose(self, session_id, keep_length, append, k, min_confidence=0.0, call_number=0):
+    def propose(self, session_id, keep_length, append, k, min_confidence=0.0, call_number=0, first_is_guess=False):
         """A looked-up token is certain (confidence 1): `min_confidence` never
-        ends it early. `call_number`: as the model drafter's (StreamGuard)."""
+        ends it early, a guess or not. `call_number`: as the model drafter's
+        (StreamGuard)."""
         check_num_draft_tokens(k, self.max_draft_tokens)
         check_min_confidence(min_confidence)
         session = self._sessions.get(session_id)

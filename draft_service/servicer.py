@@ -82,7 +82,7 @@ def _validate(backend, request):
     the event loop, which answers UNAVAILABLE while the model loads)."""
     return backend.propose(request.session_id, request.keep_length if request.HasField("keep_length") else None,
                            list(request.append_token_ids), request.num_draft_tokens, request.min_confidence,
-                           request.call_number)
+                           request.call_number, request.first_is_guess)
 
 
 def drafts_to_wire(drafts, packed_q: bool) -> draft_pb2.ProposeAllResponse:

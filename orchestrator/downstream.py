@@ -112,18 +112,21 @@ class DraftClient(ModelClient):
 
     async def propose(self, session_id: str, keep_length: int, append: list[int], k: int, timeout: float,
                       first: asyncio.Future | None = None, min_confidence: float = 0.0,
-                      packed_q: bool = False, call_number: int = 0) -> tuple[list[draft_pb2.ProposeResponse], CallCost]:
+                      packed_q: bool = False, call_number: int = 0,
+                      first_is_guess: bool = False) -> tuple[list[draft_pb2.ProposeResponse], CallCost]:
         """Up to k drafts (fewer when one's confidence is below
         `min_confidence`); `first`, if given, gets the first token id as soon
         as it arrives (or None if the stream ends without one) from a Propose
         stream; without it one ProposeAll answers with all of them.
         `packed_q`: their q's in the packed encoding (specdec/sampling/q_wire.py).
         `call_number`: the caller's count of its Propose calls on the session
-        (0: unnumbered; see ProposeRequest.call_number)."""
+        (0: unnumbered; see ProposeRequest.call_number). `first_is_guess`:
+        the first draft is a guess at an undecided token, left out of
+        min_confidence's product (ProposeRequest.first_is_guess)."""
         request = draft_pb2.ProposeRequest(session_id=session_id, keep_length=keep_length,
                                            append_token_ids=append, num_draft_tokens=k,
                                            min_confidence=min_confidence, packed_q=packed_q,
-                                           call_number=call_number)
+                                           call_number=call_number, first_is_guess=first_is_guess)
         start = time.perf_counter()
         if first is None:  # nothing wants a token early: one message, not a stream of k
             reply = await self.propose_all(draft_pb2.ProposeAllRequest(propose=request), timeout)

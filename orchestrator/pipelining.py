@@ -170,15 +170,17 @@ class Pipeline:
     def start(self, session_id: str, keep: int, k_next: int, timeout: float, min_confidence: float = 0.0,
               packed_q: bool = False, call_number: int = 0) -> None:
         """Start drafting a guess at this round's bonus token and then up to
-        k_next drafts of the next round (fewer after an unsure one, as any
-        Propose), on a draft session that holds `keep` tokens (history + this
+        k_next drafts of the next round (fewer after an unsure one, as the
+        Propose sent after the bonus would be: the guess is left out of the
+        early stop's product), on a draft session that holds `keep` tokens (history + this
         round's drafts). `call_number` orders it before the request's next
         Propose: dropped, it may still reach the draft after that one, which
         then refuses it."""
         self._first = asyncio.get_running_loop().create_future()
         self._ahead = asyncio.ensure_future(self.draft.propose(session_id, keep, [], k_next + 1, timeout,
                                                                first=self._first, min_confidence=min_confidence,
-                                                               packed_q=packed_q, call_number=call_number))
+                                                               packed_q=packed_q, call_number=call_number,
+                                                               first_is_guess=True))
 
     async def settle(self, k: int, accepted: int, bonus: int | None, eos_ids: frozenset[int]) -> Settled:
         """Keep the speculative drafts if the round (k drafts, `accepted` of

@@ -185,3 +185,19 @@ def test_sampled_output_is_distributed_as_the_target_when_rounds_end_early():
     first_k = [r.stats.k_per_round[0] for r in results]
     assert first_k.count(1) > SAMPLES // 10 and first_k.count(2) > SAMPLES // 10  # both kinds of round happen
     assert_matches(counts, exact, SAMPLES)
+
+
+def test_drafts_made_ahead_stop_where_a_propose_after_the_guess_would():
+    """A speculative Propose drafts a guess at the bonus token, then the next
+    round's drafts. The guess is left out of the early stop's product
+    (first_is_guess), so the drafts after it are those of a Propose sent once
+    the guess is known: counted, an unsure guess ended the call at once."""
+    drafter = ModelDrafter(tiny_engine(seed=0), max_draft_tokens=8)
+    meta = SessionMeta(params=SamplingParams(0.9, 0, 1.0), seed=7)
+    sid, n, _ = drafter.open([3, 10, 17, 24, 31, 38], meta, 64)
+    ahead = list(drafter.propose(sid, n, [], 5, min_confidence=0.05, first_is_guess=True))
+    fresh = list(drafter.propose(sid, n, [ahead[0].token_id], 4, min_confidence=0.05))
+    assert len(fresh) >= 1
+    assert [d.token_id for d in ahead[1:]] == [d.token_id for d in fresh]
+    counted = list(drafter.propose(sid, n, [], 5, min_confidence=0.05))
+    assert len(counted) < len(ahead)  # the guess's own confidence stopped it

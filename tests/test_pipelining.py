@@ -356,3 +356,25 @@ def test_a_request_cancelled_while_it_waits_for_the_drafts_made_ahead_cancels_th
         assert draft.running == 0 and draft.cancelled == 1  # before asyncio.run would cancel what is left
 
     asyncio.run(asyncio.wait_for(main(), 30))
+
+
+def test_seeded_tokens_with_an_early_stop_do_not_depend_on_drafting_ahead():
+    """With draft_min_confidence above 0 (the server's default is 0.5), the
+    speculative Propose counted its guess at the bonus token in the early
+    stop's product and drafted fewer tokens than the Propose the loop would
+    send after the round: a pipelined round's k differed, so a seeded
+    request's tokens depended on whether the (timing-driven) pipelining ran."""
+    target = tiny_model(seed=0, init_range=0.3)
+    with running_system(tiny_engine(model=target), tiny_engine(model=copy.deepcopy(target)),
+                        pipeline_always=True) as s:
+        pipelined, differ = 0, []
+        for seed in range(12):
+            settings = dict(max_tokens=24, temperature=0.9, seed=seed, policy="fixed", num_draft_tokens=4,
+                            draft_min_confidence=0.3)
+            on = s.client.complete(GREEDY_PROMPTS[seed % len(GREEDY_PROMPTS)], pipeline=True, **settings)
+            off = s.client.complete(GREEDY_PROMPTS[seed % len(GREEDY_PROMPTS)], pipeline=False, **settings)
+            pipelined += on.stats.pipelined_rounds
+            if on.token_ids != off.token_ids:
+                differ.append(seed)
+        assert pipelined > 0
+        assert differ == []
