@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import itertools
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
 import grpc
 
-from specdec.security.tls import ClientTls
+from specdec.security.tls import ClientTls, is_loopback
 from specdec.v1 import orchestrator_pb2 as pb
 from specdec.v1 import orchestrator_pb2_grpc
 
@@ -67,6 +68,16 @@ def build_request(prompt: str | Sequence[int] | Sequence[dict] | None = None, *,
     return request
 
 
+def _host_of(address: str) -> str:
+    """The host of a gRPC target ("host:port", "[v6]:port", "dns:///host:port")."""
+    target = address.split("///", 1)[-1]
+    if target.startswith("["):
+        return target[1:].split("]", 1)[0]
+    if target.count(":") == 1:
+        return target.split(":", 1)[0]
+    return target  # a bare host, or an IPv6 address without a port
+
+
 RETRY_S = 0.5  # between calls while a server that is up gets ready (wait_for_ready)
 
 
@@ -81,6 +92,10 @@ class Client:
         if tls is not None and tls.enabled:
             self.channel = grpc.secure_channel(address, tls.validate("the client's TLS").channel_credentials())
         else:
+            if api_key and not is_loopback(_host_of(address)):
+                warnings.warn(f"the API key goes to {address} in plaintext, readable by anyone on the way: "
+                              "give the server's CA (tls=ClientTls(ca=...); specd generate --ca-cert)",
+                              stacklevel=2)
             self.channel = grpc.insecure_channel(address)
         self.stub = orchestrator_pb2_grpc.OrchestratorServiceStub(self.channel)
         self.timeout_s = timeout_s

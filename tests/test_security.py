@@ -566,3 +566,17 @@ def test_a_comma_separated_list_of_replicas_is_judged_entry_by_entry():
     with pytest.raises(TlsSettingsError, match="10.1.2.3"):
         downstream_dialer(remote, insecure=False)
     downstream_dialer(remote, insecure=True)
+
+
+def test_the_client_warns_before_sending_an_api_key_in_plaintext_off_loopback():
+    import warnings
+
+    from orchestrator.client import Client
+
+    with pytest.warns(UserWarning, match="API key goes to example.com:50051 in plaintext"):
+        Client("example.com:50051", api_key="k").channel.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for address in ("127.0.0.1:50051", "[::1]:50051", "localhost:50051"):
+            Client(address, api_key="k").channel.close()
+        Client("example.com:50051").channel.close()  # no key, nothing to leak
