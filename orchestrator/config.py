@@ -55,10 +55,12 @@ class OrchestratorConfig:
     draft_retry_s: float = opt(2.0, "after a draft failure, retry it after this long, seconds")
     target_recovery_s: float = opt(30.0, "after a target failure, look this long for a replica to re-open the session "
                                          "on (a request's own deadline, when shorter, bounds it), seconds")
-    health_interval_s: float = opt(1.0, "check the target replicas' health this often: a replica that does not "
-                                        "answer gets no new requests, and NOT_SERVING while none answers, seconds")
+    health_interval_s: float = opt(1.0, "check the target and draft replicas' health this often: a replica that "
+                                        "does not answer gets no new requests, and readiness is NOT_SERVING while "
+                                        "no target answers, seconds")
     resolve_interval_s: float = opt(10.0, "re-resolve the services' names this often to find replicas, seconds")
-    connect_timeout_s: float = opt(600.0, "at start-up, wait this long for the target service, seconds")
+    connect_timeout_s: float = opt(600.0, "wait this long for a replica to answer: at start-up for the first "
+                                          "of each service, and for each replica that joins later, seconds")
     # Security (docs/security.md): the services are dialed over mutual TLS
     # when a CA is given, and the front doors require an API key when any is.
     downstream_ca: str = opt("", "PEM CA bundle to verify the draft's and target's certificates with (TLS to them; "

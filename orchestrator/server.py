@@ -15,7 +15,7 @@ from orchestrator.config import OrchestratorConfig
 from orchestrator.downstream import DraftClient, TargetClient
 from orchestrator.gamma_policy import make_policy
 from orchestrator.openai_api.config import HttpConfig
-from orchestrator.recovery import RecoverySettings, report_target_health
+from orchestrator.recovery import RecoverySettings, report_health
 from orchestrator.replicas import Replica, ReplicaPool, split_address
 from orchestrator.security import Dialer, downstream_dialer
 from orchestrator.servicer import Backends, OrchestratorServicer
@@ -24,7 +24,7 @@ from orchestrator.tokenizer import load_tokenizer
 from specdec.errors import FailedPrecondition, InvalidArgument, Unavailable
 from specdec.limits import check_min_confidence
 from specdec.rpc.auth import api_key_guard
-from specdec.rpc.serving import NOT_SERVING, SERVING, RunningServer, ServerConfig, start_server
+from specdec.rpc.serving import RunningServer, ServerConfig, start_server
 from specdec.security.api_keys import ApiKeyChecker, load_api_keys
 from specdec.security.tls import TlsConfig, refuse_plaintext
 from specdec.telemetry import NOOP, Telemetry
@@ -39,7 +39,7 @@ SERVICE_NAME = "specdec.v1.OrchestratorService"
 class Orchestrator:
     running: RunningServer
     backends: Backends
-    health_task: asyncio.Task | None = None  # NOT_SERVING while no target replica is reachable
+    health_task: asyncio.Task | None = None  # readiness NOT_SERVING while no target replica is reachable
     http: object | None = None  # the OpenAI-compatible front door (openai_api.server.HttpFrontDoor)
 
     @property
@@ -94,33 +94,39 @@ def usable_size_of(info) -> int:
 
 
 def check_compatible(draft_info, target_info) -> None:
-    """The draft's token ids must mean the same as the target's.
+    """The draft's token ids must mean the same as the target's (`check_same_ids`)."""
+    if draft_info.backend == "ngram":
+        if draft_info.vocab_size != target_info.vocab_size:
+            raise FailedPrecondition(f"the ngram drafter's vocabulary ({draft_info.vocab_size}) differs from the target's ({target_info.vocab_size})")
+        return
+    check_same_ids(draft_info, target_info, ("draft", "target"))
+
+
+def check_same_ids(a, b, roles: tuple[str, str]) -> None:
+    """Two models' token ids must mean the same: a draft and its target, or
+    two replicas of one service (a request moves between target replicas).
 
     Two models with tokenizers must share the tokenizer; their embedding rows
     may differ (Qwen2.5-0.5B pads to 151936 rows, the 7B to 152064), since each
     engine emits only the ids its tokenizer knows. Without a tokenizer, a model
     may name its family's ids (a synthetic Qwen2.5: `untokenized-qwen2.5-151665`),
     and two that name the same pair like tokenized ones; otherwise the ids are
-    all there is, so the vocabulary sizes must be equal.
+    all there is, so the vocabulary sizes must be equal. `roles` names the
+    two in the messages ("draft", "target").
     """
-    if draft_info.backend == "ngram":
-        if draft_info.vocab_size != target_info.vocab_size:
-            raise FailedPrecondition(f"the ngram drafter's vocabulary ({draft_info.vocab_size}) differs from the target's ({target_info.vocab_size})")
-        return
-    names = f"draft {draft_info.model_name!r} and target {target_info.model_name!r}"
-    fingerprints = (draft_info.tokenizer_fingerprint, target_info.tokenizer_fingerprint)
+    names = f"{roles[0]} {a.model_name!r} and {roles[1]} {b.model_name!r}"
+    fingerprints = (a.tokenizer_fingerprint, b.tokenizer_fingerprint)
     if all(fp and not fp.startswith("untokenized") for fp in fingerprints):
         if fingerprints[0] != fingerprints[1]:
             raise FailedPrecondition(f"{names} have different tokenizers: the two models must share a tokenizer")
-    elif draft_info.vocab_size != target_info.vocab_size and not (fingerprints[0] and len(set(fingerprints)) == 1):
+    elif a.vocab_size != b.vocab_size and not (fingerprints[0] and len(set(fingerprints)) == 1):
         raise FailedPrecondition(
-            f"{names}: draft vocabulary size {draft_info.vocab_size} != target's {target_info.vocab_size}: "
-            "the two models must share a tokenizer"
-        )
-    if usable_size_of(draft_info) != usable_size_of(target_info):
+            f"{names}: {roles[0]} vocabulary size {a.vocab_size} != {roles[1]}'s {b.vocab_size}: "
+            "the two models must share a tokenizer")
+    if usable_size_of(a) != usable_size_of(b):
         raise FailedPrecondition(
-            f"{names} read and emit different token ids ([0, {usable_size_of(draft_info)}) and "
-            f"[0, {usable_size_of(target_info)})): give both the same tokenizer, with an embedding row for each token"
+            f"{names} read and emit different token ids ([0, {usable_size_of(a)}) and "
+            f"[0, {usable_size_of(b)})): give both the same tokenizer, with an embedding row for each token"
         )
 
 
@@ -151,50 +157,75 @@ def gate_settings(cfg: OrchestratorConfig) -> GateSettings:
                         min_epoch_s=cfg.gate_epoch_ms / 1000, probe_cost=cfg.gate_probe_cost)
 
 
-async def build_backends(cfg: OrchestratorConfig, tokenizer=None, telemetry: Telemetry = NOOP,
-                         dial: Dialer | None = None) -> Backends:
-    """Resolve and connect every replica of both services (channels from
-    `dial`: plaintext by default), check that they fit together, and load the
-    tokenizer."""
-    dial = dial or Dialer()
-    gate = gate_settings(cfg)
-    # The clients put the trace context on each call themselves (no interceptors: they cost a call's worth).
-
-    async def make_target(address: str) -> Replica:
-        client = TargetClient(dial.channel(cfg.target, address), call_streams=cfg.call_streams)
+async def _connected(client, cfg: OrchestratorConfig, dial: Dialer, service_address: str, address: str):
+    """`client` once its replica answered GetModelInfo (it may still be
+    loading its model: up to connect_timeout_s), on its lane. A replica that
+    never answers, or whose wait is cancelled (its address left the name, the
+    orchestrator stops), has its channel closed here: nothing else holds it."""
+    try:
         await _wait_for_info(client, cfg.connect_timeout_s)
-        _use_lane(cfg, dial, client, cfg.target, address)
-        batcher = VerifyBatcher(client, max_batch=min(cfg.max_batch, client.info.max_verify_batch or cfg.max_batch),
-                                window_s=cfg.batch_window_ms / 1000, rpc_timeout_s=cfg.rpc_timeout_s,
-                                enabled=cfg.batching, telemetry=telemetry,
-                                max_in_flight=cfg.max_batches_in_flight, gate=SpeculationGate(gate))
-        return Replica(address, client, batcher)
+        _use_lane(cfg, dial, client, service_address, address)
+    except BaseException:
+        await client.aclose()
+        raise
+    return client
 
-    async def make_draft(address: str) -> Replica:
-        client = DraftClient(dial.channel(cfg.draft, address), call_streams=cfg.call_streams)
-        await _wait_for_info(client, cfg.connect_timeout_s)
-        _use_lane(cfg, dial, client, cfg.draft, address)
-        return Replica(address, client)
 
-    async def close(replica: Replica) -> None:
-        await replica.client.aclose()
+async def _start_pools(pools: list[ReplicaPool], timeout_s: float) -> None:
+    """Start the pools at once (draft and target load their models at the
+    same time); the first that fails stops the others."""
+    tasks = [asyncio.ensure_future(pool.start(timeout_s)) for pool in pools]
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
-    targets = ReplicaPool(cfg.target, make_target, close, refresh_s=cfg.resolve_interval_s)
-    await targets.refresh()
+
+def _infos(pool: ReplicaPool | None) -> list[tuple[str, object]]:
+    return [(r.address, r.client.info) for r in pool.replicas.values()] if pool else []
+
+
+def check_replicas(targets: ReplicaPool, drafts: ReplicaPool | None) -> None:
+    """Every replica connected at start-up must read and write the first
+    target's token ids: a request moves between target replicas, and any
+    draft replica drafts for any target replica."""
+    first = targets.any()
+    reference = first.client.info
+    for address, info in _infos(targets):
+        if address != first.address:
+            check_same_ids(info, reference, (f"target replica {address}", f"target replica {first.address}"))
+    for _, info in _infos(drafts):
+        check_compatible(info, reference)
+
+
+def admission(reference, settings: LoopSettings, draft: bool):
+    """The check a replica that joins after start-up must pass (the pool
+    refuses and closes it otherwise): the token ids start-up checked, and
+    limits no smaller than those the orchestrator already uses (it accepts
+    requests by them, and a request must fit on any replica)."""
+    def admit(replica: Replica) -> None:
+        info = replica.client.info
+        if draft:
+            check_compatible(info, reference)
+        else:
+            check_same_ids(info, reference, ("the new target replica", "the target"))
+        if info.max_context < settings.max_context or info.max_draft_tokens < settings.max_draft_tokens:
+            raise FailedPrecondition(
+                f"its limits (max_context {info.max_context}, max_draft_tokens {info.max_draft_tokens}) are below "
+                f"those the orchestrator uses ({settings.max_context}, {settings.max_draft_tokens}); "
+                "restart the orchestrator to serve with smaller limits")
+    return admit
+
+
+def _backends(cfg: OrchestratorConfig, targets: ReplicaPool, drafts: ReplicaPool | None, tokenizer) -> Backends:
+    """Check the replicas connected so far, take the limits from all of them
+    (the smallest), and have the pools check those that join later. Nothing
+    awaits here, so every replica is either checked now or by `admission`."""
+    check_replicas(targets, drafts)
     target_info = targets.any().client.info
-    drafts = None
-    if cfg.draft:
-        drafts = ReplicaPool(cfg.draft, make_draft, close, refresh_s=cfg.resolve_interval_s)
-        await drafts.refresh()
-        for replica in drafts.replicas.values():
-            check_compatible(replica.client.info, target_info)
-    if tokenizer is None:
-        tokenizer = await asyncio.get_running_loop().run_in_executor(
-            None, load_tokenizer, cfg.tokenizer or target_info.model_name)
-    eos = set(target_info.eos_token_ids)
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        eos.add(int(tokenizer.eos_token_id))
-    infos = [target_info] + ([drafts.any().client.info] if drafts else [])
+    infos = [info for _, info in _infos(targets) + _infos(drafts)]
     max_draft_tokens = min([cfg.max_draft_tokens] + [i.max_draft_tokens for i in infos])
     check_defaults(cfg, max_draft_tokens)
     settings = LoopSettings(rpc_timeout_s=cfg.rpc_timeout_s, draft_retry_s=cfg.draft_retry_s,
@@ -202,9 +233,60 @@ async def build_backends(cfg: OrchestratorConfig, tokenizer=None, telemetry: Tel
                             pipeline_always=cfg.pipeline_always,
                             max_context=min(i.max_context for i in infos),
                             max_draft_tokens=max_draft_tokens)
+    targets.admit = admission(target_info, settings, draft=False)
+    if drafts is not None:
+        drafts.admit = admission(target_info, settings, draft=True)
+    eos = set(target_info.eos_token_ids)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        eos.add(int(tokenizer.eos_token_id))
     return Backends(targets=targets, drafts=drafts, tokenizer=tokenizer, settings=settings,
                     eos_ids=frozenset(eos), vocab_size=usable_size_of(target_info),
                     recovery=RecoverySettings(window_s=cfg.target_recovery_s))
+
+
+async def build_backends(cfg: OrchestratorConfig, tokenizer=None, telemetry: Telemetry = NOOP,
+                         dial: Dialer | None = None) -> Backends:
+    """Resolve and connect every replica of both services (channels from
+    `dial`: plaintext by default), check that they fit together, and load the
+    tokenizer. Starts once a replica of each service answered (`ReplicaPool.
+    start`); the others join when they answer, and the pools re-resolve their
+    names from then on. Everything is closed if start-up fails."""
+    dial = dial or Dialer()
+    gate = gate_settings(cfg)
+    # The clients put the trace context on each call themselves (no interceptors: they cost a call's worth).
+
+    async def make_target(address: str) -> Replica:
+        client = await _connected(TargetClient(dial.channel(cfg.target, address), call_streams=cfg.call_streams),
+                                  cfg, dial, cfg.target, address)
+        batcher = VerifyBatcher(client, max_batch=min(cfg.max_batch, client.info.max_verify_batch or cfg.max_batch),
+                                window_s=cfg.batch_window_ms / 1000, rpc_timeout_s=cfg.rpc_timeout_s,
+                                enabled=cfg.batching, telemetry=telemetry,
+                                max_in_flight=cfg.max_batches_in_flight, gate=SpeculationGate(gate))
+        return Replica(address, client, batcher)
+
+    async def make_draft(address: str) -> Replica:
+        client = await _connected(DraftClient(dial.channel(cfg.draft, address), call_streams=cfg.call_streams),
+                                  cfg, dial, cfg.draft, address)
+        return Replica(address, client)
+
+    async def close(replica: Replica) -> None:
+        await replica.client.aclose()
+
+    targets = ReplicaPool(cfg.target, make_target, close, refresh_s=cfg.resolve_interval_s)
+    drafts = ReplicaPool(cfg.draft, make_draft, close, refresh_s=cfg.resolve_interval_s) if cfg.draft else None
+    pools = [pool for pool in (targets, drafts) if pool is not None]
+    try:
+        await _start_pools(pools, cfg.connect_timeout_s)
+        if tokenizer is None:
+            tokenizer = await asyncio.get_running_loop().run_in_executor(
+                None, load_tokenizer, cfg.tokenizer or targets.any().client.info.model_name)
+        backends = _backends(cfg, targets, drafts, tokenizer)
+    except BaseException:
+        await asyncio.gather(*(pool.close() for pool in pools))
+        raise
+    for pool in pools:
+        pool.start_refreshing()
+    return backends
 
 
 async def start_orchestrator(server_cfg: ServerConfig, cfg: OrchestratorConfig, tokenizer=None,
@@ -254,8 +336,12 @@ async def start_orchestrator(server_cfg: ServerConfig, cfg: OrchestratorConfig, 
     await running.set_serving()
 
     async def set_serving(serving: bool) -> None:
-        if not running.draining:
-            await running.set_status(SERVING if serving else NOT_SERVING)
+        """Readiness follows the targets at both front doors: the gRPC
+        service's status (not "", which liveness probes read) and HTTP /health."""
+        await running.set_readiness(serving)
+        if front is not None:
+            front.state.targets_serving = serving
 
-    health = asyncio.ensure_future(report_target_health(backends.targets, set_serving, cfg.health_interval_s))
+    health = asyncio.ensure_future(report_health(backends.targets, set_serving, cfg.health_interval_s,
+                                                 backends.drafts))
     return Orchestrator(running=running, backends=backends, health_task=health, http=front)

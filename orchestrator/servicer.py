@@ -104,6 +104,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         draft = self.b.drafts.acquire() if spec.speculate else None
         loop = SpeculativeRequest(spec, policy, target.client, target.batcher,
                                   draft.client if draft else None, self.b.settings, self.telemetry, lease=target)
+        if draft is not None:
+            loop.sessions.pin_draft(self.b.drafts, draft)  # a failed draft call marks it down
         if span.is_recording():
             span.set_attributes(_request_attributes(request, loop, policy))
         detok = IncrementalDetokenizer(self.b.tokenizer, prompt) if self.b.tokenizer else None

@@ -11,7 +11,9 @@ to it), and does everything to a session that is not a round:
   it expires);
 - the draft's fallback: a failed draft call closes its session, the rounds
   run with k = 0, and the draft is re-opened on the full history after
-  `draft_retry_s`;
+  `draft_retry_s`; a call that fails UNAVAILABLE marks the draft replica down
+  in its pool (`pin_draft`), so that new requests go to another, and an open
+  that succeeds marks it up again;
 - the target's recovery: when the target fails (UNAVAILABLE, or it lost the
   session), the request's `TargetLease` (`orchestrator/recovery.py`) re-opens
   the session on a live replica, and the request moves to that replica's
@@ -71,6 +73,15 @@ class RequestSessions:
         self.draft_prefix = 0
         self._draft_calls = 0  # Propose calls numbered so far (ProposeRequest.call_number)
         self._draft_down_since: float | None = None
+        self._draft_pool = None  # the draft's ReplicaPool and the request's Replica in it (`pin_draft`)
+        self._draft_replica = None
+
+    def pin_draft(self, pool, replica) -> None:
+        """The draft replica the request is pinned to, in its pool: marked
+        down there when a call to it fails UNAVAILABLE (the health loop may
+        not notice for a second, and meanwhile new requests would be pinned
+        to it), up again when an open succeeds."""
+        self._draft_pool, self._draft_replica = pool, replica
 
     def timeout(self) -> float:
         """The deadline of the next call: rpc_timeout_s, or what is left of
@@ -145,6 +156,8 @@ class RequestSessions:
         self.account(cost, "draft", "OpenSession")
         self.draft_prefix = len(self.history)
         self._draft_down_since = None
+        if self._draft_replica is not None and self._draft_replica.failures:
+            self._draft_pool.mark_up(self._draft_replica)
 
     async def open_draft_if_due(self) -> None:
         """Open the draft session where there is none: at once if it was
@@ -198,6 +211,8 @@ class RequestSessions:
             log.info("the request's own deadline passed while drafting (%s)", exc.code().name)
         else:
             log.warning("draft unavailable (%s: %s); decoding with the target alone", exc.code().name, exc.details())
+        if exc.code() == grpc.StatusCode.UNAVAILABLE and self._draft_replica is not None:
+            self._draft_pool.mark_down(self._draft_replica, f"{exc.code().name}: {exc.details()}")
         if self.draft_id is not None:
             self.close_later(self.draft, self.draft_id)
         self.draft_id = None

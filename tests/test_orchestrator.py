@@ -354,9 +354,12 @@ def test_target_failure_ends_the_request_with_unavailable_once_no_replica_comes_
                     s.target_loop.run(s.target.stop(0))
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "target" in err.value.details() and "re-open" in err.value.details()
-        # No target replica is reachable: the orchestrator says so.
-        assert _wait_until(lambda: health.Check(health_pb2.HealthCheckRequest(), timeout=5).status
+        # No target replica is reachable: the orchestrator says so, to readiness
+        # (its service's status); liveness ("") stays SERVING: the process is fine.
+        ready = health_pb2.HealthCheckRequest(service="specdec.v1.OrchestratorService")
+        assert _wait_until(lambda: health.Check(ready, timeout=5).status
                            == health_pb2.HealthCheckResponse.NOT_SERVING)
+        assert health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == health_pb2.HealthCheckResponse.SERVING
 
 
 def generate_restarting_the_target(s, target_model, prompt, n, engine_cfg=None, **kwargs):

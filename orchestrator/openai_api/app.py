@@ -3,7 +3,8 @@
     POST /v1/completions        prompt (text or token ids) -> text
     POST /v1/chat/completions   messages (the target tokenizer's chat template) -> message
     GET  /v1/models             the served model
-    GET  /health                200 while serving, 503 while connecting or draining
+    GET  /health                200 while serving; 503 while connecting, draining, or while no
+                                target replica answers (as the gRPC readiness status)
 
 With API keys configured, every route but /health needs `Authorization:
 Bearer KEY` (what `openai` clients send); a missing or wrong key is a 401 in
@@ -48,7 +49,8 @@ STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 @dataclass
 class FrontDoorState:
     """What the routes read; the orchestrator fills in the servicer once its
-    services are connected, and sets `draining` on shutdown."""
+    services are connected, sets `draining` on shutdown, and its health loop
+    sets `targets_serving` (whether some target replica answers)."""
 
     cfg: HttpConfig
     telemetry: Telemetry
@@ -56,6 +58,7 @@ class FrontDoorState:
     model: str = ""  # the served model name
     max_model_len: int = 0
     draining: bool = False
+    targets_serving: bool = True  # False: /health is 503, as gRPC readiness is NOT_SERVING
     api_keys: ApiKeyChecker | None = None  # None or no keys: no key required
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -80,7 +83,12 @@ def create_app(state: FrontDoorState) -> FastAPI:
 
     @app.get("/health")
     async def health():
+        """Readiness, for HTTP load balancers: 503 also while no target
+        replica is reachable. Requests are still taken then (they wait for a
+        replica, as on gRPC); /health only steers new traffic elsewhere."""
         state.ready()
+        if not state.targets_serving:
+            raise ApiError(503, "no target replica is reachable", code="unavailable")
         return {"status": "ok"}
 
     @app.get("/v1/models")

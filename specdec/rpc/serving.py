@@ -193,6 +193,16 @@ class RunningServer:
     async def set_serving(self) -> None:
         await self.set_status(SERVING)
 
+    async def set_readiness(self, serving: bool) -> None:
+        """The services' own statuses only (what readiness probes check):
+        SERVING or NOT_SERVING while the process stays healthy. The overall
+        "" status (what liveness probes check) is left SERVING, so that an
+        outage downstream takes the server out of rotation without getting
+        it restarted. Does nothing once draining: then all is NOT_SERVING."""
+        for name in self.service_names:
+            if name and not self.draining:
+                await self.health.set(name, SERVING if serving else NOT_SERVING)
+
     async def drain(self, grace_s: float) -> None:
         """NOT_SERVING first (so balancers stop routing), then stop accepting
         and let in-flight calls finish within the grace period."""
