@@ -275,9 +275,9 @@ class ModelDrafter(EngineBackend):
                 return out
             ended = {i for i in launched.where if not isinstance(results[i], DraftToken) or streams[i].done}
             if ended:
-                # As a job stepping one at a time: a stream that ended here (its k,
-                # min_confidence, an error) ends the job after the step already
-                # queued, so that its caller is not kept waiting for the others.
+                # A stream that ended here (its k, min_confidence, an error) ends
+                # the job after the step already queued (stepping one at a time
+                # ends it at once), so its caller is not kept waiting for the others.
                 more = None
             launched = ahead.only(lambda i: i not in ended)
             if not launched.where:

@@ -26,7 +26,7 @@ A replica that is still listed but not answering (a process that died while
 its name still resolves, or an address of a comma-separated `--target`) is
 marked down: by a failed call (`mark_down`, from the target's recovery) or
 a failed health check (the orchestrator's health loop checks every target
-replica each second). New requests go to the replicas that are up; one that
+and draft replica every --health-interval-s). New requests go to the replicas that are up; one that
 is down gets none until it answers again (`mark_up`) or its down window
 ends (1 s, doubled for each failure in a row, at most 30 s), when it gets
 one more try. Where every replica is down, they are all tried, least

@@ -28,7 +28,8 @@ def register(sub) -> None:
     p = sub.add_parser("trace", help="list traced requests or show one as a waterfall (local trace file)")
     actions = p.add_subparsers(dest="action", required=True)
     file_help = "trace file (default: $SPECD_TRACE_FILE, else ~/.cache/specdec/traces.jsonl)"
-    lst = actions.add_parser("list", help="recent requests: trace id, start, duration, tokens, acceptance")
+    lst = actions.add_parser("list", help="recent requests, one row each: trace id, start, duration, tokens, "
+                                                 "rounds, acceptance, spans, span id")
     lst.add_argument("--file", default=None, help=file_help)
     lst.add_argument("-n", "--limit", type=int, default=20, help="requests to list (default 20)")
     lst.set_defaults(func=_list)

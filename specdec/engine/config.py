@@ -36,7 +36,8 @@ class EngineConfig:
     # session reserves a KV slot of this many tokens.
     max_context: int = opt(4096, "tokens one session may hold (the size of its KV slot)")
     # Bytes of the KV store, allocated at start-up; it holds
-    # min(max_sessions, max_kv_bytes // slot bytes) sessions. 0: automatic
+    # min(max_sessions, (max_kv_bytes - one token's bytes) // slot bytes)
+    # sessions (that token: the scratch position padding reads). 0: automatic
     # (half of the free memory of the device after loading).
     max_kv_bytes: int = opt(0, "KV store bytes for all sessions (0: half the free device memory)")
     # Decode and verify steps at fixed shapes captured as CUDA graphs
