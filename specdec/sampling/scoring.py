@@ -206,14 +206,16 @@ def _score_sampled(jobs: Sequence[ScoreJob], params: SamplingParams):
         # A float32 softmax over a 152k vocabulary sums to 1 only within ~2e-5; target-only
         # decoding draws from p / sum(p) (pick_rows), so the accept test and the residual
         # use that p too, or the round's law would differ from it by as much (TV ~8e-6).
-        p_drafts = p_drafts / p_drafts.sum(dim=-1, keepdim=True, dtype=torch.float64).float()
+        # The residual max(0, p/s - q) is drawn from as s·max(0, p/s - q) = max(0, p - s·q):
+        # one pass, no [D, V] division.
+        mass = p_drafts.sum(dim=-1, keepdim=True)  # [D, 1] s, summed pairwise: within ~3e-8
         q = densify_many([q for job in jobs for q in job.draft_q], p.shape[-1], device)  # [D, V]
-        residual = (p_drafts - q).clamp_min(0.0)  # [D, V]
+        residual = torch.addcmul(p_drafts, q, mass, value=-1.0).clamp_min(0.0)  # [D, V]
         no_mass = ~(residual > 0).any(dim=-1, keepdim=True)  # [D, 1]
         residual = torch.where(no_mass, p_drafts, residual)
         drawn, ok = pick_rows(torch.cat([residual, p_bonus]), us_recovery + us_bonus)  # [D + J] each
         # float64 holds every float32 p_i(x_i) and every token id exactly
-        part = torch.cat([p_drafts.gather(-1, x[:, None])[:, 0].double(), drawn.double(), ok.double()])
+        part = torch.cat([(p_drafts.gather(-1, x[:, None]) / mass)[:, 0].double(), drawn.double(), ok.double()])
     else:  # plain rounds only: every row is a bonus row
         drawn, ok = pick_rows(p, us_bonus)
         part = torch.cat([drawn.double(), ok.double()])
