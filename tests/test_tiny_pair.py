@@ -132,7 +132,7 @@ def test_services_generate_with_the_pair(pair):
     from tests.harness import running_system
 
     _cache, draft_dir, target_dir = pair
-    engines = [ModelEngine.load(EngineConfig(model=str(d), dtype="float32", max_kv_bytes=1 << 26))
+    engines = [ModelEngine.load(EngineConfig(model=str(d), dtype="float32", max_kv_bytes=1 << 27))
                for d in (draft_dir, target_dir)]
     draft, target = engines
     for engine in engines:
