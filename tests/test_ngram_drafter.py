@@ -47,6 +47,16 @@ def test_ngram_proposes_the_continuation_of_a_repeated_pattern(ngram):
     close(stub, sid)
 
 
+def test_ngram_follows_the_latest_earlier_match(ngram):
+    """Two earlier occurrences of the suffix: the continuation of the most
+    recent one is proposed (every other test has one match, so scanning from
+    the earliest went unnoticed)."""
+    _, stub, _ = ngram
+    sid = open_session(stub, [1, 2, 9, 1, 3, 9, 1]).session_id
+    assert [d.token_id for d in propose(stub, sid, 2)] == [3, 9]
+    close(stub, sid)
+
+
 def test_ngram_refuses_bad_sessions(ngram):
     _, stub, _ = ngram
     expect_status(Code.INVALID_ARGUMENT, "max_new_tokens", open_session, stub, [1, 2], max_new_tokens=-1)

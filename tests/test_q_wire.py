@@ -128,18 +128,25 @@ BAD = {  # name: (ids, probs, drafted)
 
 
 @pytest.mark.parametrize("case", sorted(BAD))
-def test_a_bad_packed_q_is_refused_as_the_lists_are(case):
+@pytest.mark.parametrize("where", ["between good ones", "alone", "first", "every one"])
+def test_a_bad_packed_q_is_refused_as_the_lists_are(case, where):
+    """Wherever it sits: between two good q's of its size the batched check's
+    verdict never decided the outcome (a check inverted to pass bad q's went
+    unnoticed), so the bad one also comes alone, first, and as all of them."""
     ids, probs, x = BAD[case]
     good_ids, good_probs = _good()
-    wire = [packed(good_ids, good_probs), packed(ids, probs), packed(good_ids, good_probs)]
-    lists = [(good_ids, good_probs), (ids, probs), (good_ids, good_probs)]
-    drafted = [5, x, 5]
+    good, bad = ((good_ids, good_probs), 5), ((ids, probs), x)
+    layout = {"between good ones": [good, bad, good], "alone": [bad], "first": [bad, good],
+              "every one": [bad, bad]}[where]
+    lists = [q for q, _ in layout]
+    wire = [packed(*q) for q in lists]
+    drafted = [d for _, d in layout]
     with pytest.raises(ValueError) as from_lists:
         check_many(lists, drafted, VOCAB)
     with pytest.raises(ValueError) as from_packed:
         check_many(wire, drafted, VOCAB)
     assert str(from_packed.value) == str(from_lists.value)
-    assert str(from_packed.value).startswith("draft_q[1]: ")
+    assert str(from_packed.value).startswith(f"draft_q[{layout.index(bad)}]: ")
 
 
 def test_malformed_packed_fields_are_refused():

@@ -173,7 +173,11 @@ def test_transform_rows_are_independent_and_dtype_agnostic():
 
 def test_tiny_temperature_and_minus_inf_logits_stay_finite():
     logits = torch.tensor([[1.0, 1.5, float("-inf"), 0.0]])
-    probs = logits_to_probs(logits, SamplingParams(temperature=1e-30))
+    probs = logits_to_probs(logits, SamplingParams(temperature=1e-6))
+    assert probs.tolist() == [[0, 1, 0, 0]]
+    # Logits this large overflow once divided by the temperature, unless the top is shifted to 0 first.
+    large = torch.tensor([[1e33, 3e33, float("-inf"), -2e33]])
+    probs = logits_to_probs(large, SamplingParams(temperature=1e-6))
     assert probs.tolist() == [[0, 1, 0, 0]]
     probs = logits_to_probs(logits, SamplingParams(top_k=3, top_p=0.99))
     assert bool(torch.isfinite(probs).all()) and probs[0, 2] == 0
