@@ -196,3 +196,15 @@ def test_http_flags_of_serve_orchestrator():
     assert not from_args(HttpConfig, build_parser().parse_args(["serve", "orchestrator"])).enabled
     with pytest.raises(ValueError):
         HttpConfig(http_port=70000).validate()
+
+
+def test_max_tokens_and_max_completion_tokens_must_agree_when_both_are_sent():
+    from orchestrator.openai_api.translate import BadField
+    from orchestrator.openai_api.schemas import ChatCompletionRequest
+    from orchestrator.openai_api.translate import chat_request
+
+    messages = [{"role": "user", "content": "hi"}]
+    with pytest.raises(BadField, match="max_tokens and max_completion_tokens differ"):
+        chat_request(ChatCompletionRequest(messages=messages, max_tokens=5, max_completion_tokens=6))
+    assert chat_request(ChatCompletionRequest(messages=messages, max_tokens=6, max_completion_tokens=6)).max_tokens == 6
+    assert chat_request(ChatCompletionRequest(messages=messages, max_completion_tokens=7)).max_tokens == 7
