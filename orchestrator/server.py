@@ -187,6 +187,17 @@ def _infos(pool: ReplicaPool | None) -> list[tuple[str, object]]:
     return [(r.address, r.client.info) for r in pool.replicas.values()] if pool else []
 
 
+def check_replica_ids(info, reference, draft: bool, roles: tuple[str, str]) -> None:
+    """A replica's token ids against the reference target's: a draft must
+    draft for it (`check_compatible`), a target replica read and write the
+    same ids (a request moves between target replicas; `roles` names the
+    two in a message)."""
+    if draft:
+        check_compatible(info, reference)
+    else:
+        check_same_ids(info, reference, roles)
+
+
 def check_replicas(targets: ReplicaPool, drafts: ReplicaPool | None) -> None:
     """Every replica connected at start-up must read and write the first
     target's token ids: a request moves between target replicas, and any
@@ -195,9 +206,9 @@ def check_replicas(targets: ReplicaPool, drafts: ReplicaPool | None) -> None:
     reference = first.client.info
     for address, info in _infos(targets):
         if address != first.address:
-            check_same_ids(info, reference, (f"target replica {address}", f"target replica {first.address}"))
+            check_replica_ids(info, reference, False, (f"target replica {address}", f"target replica {first.address}"))
     for _, info in _infos(drafts):
-        check_compatible(info, reference)
+        check_replica_ids(info, reference, True, ("draft", "target"))
 
 
 def admission(reference, settings: LoopSettings, draft: bool):
@@ -207,10 +218,7 @@ def admission(reference, settings: LoopSettings, draft: bool):
     requests by them, and a request must fit on any replica)."""
     def admit(replica: Replica) -> None:
         info = replica.client.info
-        if draft:
-            check_compatible(info, reference)
-        else:
-            check_same_ids(info, reference, ("the new target replica", "the target"))
+        check_replica_ids(info, reference, draft, ("the new target replica", "the target"))
         if info.max_context < settings.max_context or info.max_draft_tokens < settings.max_draft_tokens:
             raise FailedPrecondition(
                 f"its limits (max_context {info.max_context}, max_draft_tokens {info.max_draft_tokens}) are below "

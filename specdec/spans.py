@@ -223,11 +223,17 @@ class CurrentSpan:
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         context_api.detach(self._token)
-        # Like the SDK: only Exceptions (a GeneratorExit or a cancellation is not an error).
-        if isinstance(exc, Exception) and self.span.is_recording():
-            record_error(self.span, exc)
-        on_next_turn(self.span.end, time.time_ns())
+        _end(self.span, exc)
         return False
+
+
+def _end(span: trace.Span, exc: BaseException | None) -> None:
+    """End a span a `with` held: its error recorded (like the SDK, only an
+    Exception: a GeneratorExit or a cancellation is not an error), its end
+    time now, handed to the processors on the loop's next turn."""
+    if isinstance(exc, Exception) and span.is_recording():
+        record_error(span, exc)
+    on_next_turn(span.end, time.time_ns())
 
 
 class OwnedSpan:
@@ -248,9 +254,7 @@ class OwnedSpan:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        if isinstance(exc, Exception) and self.span.is_recording():
-            record_error(self.span, exc)
-        on_next_turn(self.span.end, time.time_ns())
+        _end(self.span, exc)
         return False
 
 
