@@ -105,13 +105,20 @@ class Client:
 
     def generate(self, prompt, **kwargs) -> Iterator[Chunk]:
         """Stream chunks as tokens are accepted; `last_stats` is set at the end.
+        `prompt` and `kwargs` are `build_request`'s, or `prompt` is a
+        GenerateRequest already built (and no kwargs).
 
         With wait_for_ready, a server that is up but not ready yet (an
         orchestrator still connecting to its services answers UNAVAILABLE)
         is waited out too, within the deadline: the call is made again until
         its first reply arrives."""
         self.last_stats = None
-        request = build_request(prompt, **kwargs)
+        if isinstance(prompt, pb.GenerateRequest):
+            if kwargs:
+                raise TypeError(f"a built GenerateRequest takes no request settings ({', '.join(sorted(kwargs))})")
+            request = prompt
+        else:
+            request = build_request(prompt, **kwargs)
         deadline = time.monotonic() + self.timeout_s
         while True:
             replies = self.stub.Generate(request, timeout=max(0.0, deadline - time.monotonic()),

@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 
 LEAD_S = 0.0005  # polling starts this long before a wait is expected to end
 HISTORY = 8  # the waits `Expected` remembers
-AUTO = -1  # --busy-poll-us's default: `resolve` decides
+AUTO = -1  # --busy-poll-us's default: `choose` decides
 # AUTO's choices. On the H200 host (16 cores, 2026-11-28) every role polling
 # up to 50 ms a wait took a greedy round's overhead from 1.01-1.17 ms to 0.89
 # (docs/benchmarks.md); with 4 CPUs a polling role still leaves its process's
@@ -65,15 +65,11 @@ _pauses = 0  # `paused()` blocks open
 _pollers: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Poller]" = weakref.WeakKeyDictionary()
 
 
-def resolve(setting: int, models_on_gpu: bool) -> int:
+def choose(setting: int, models_on_gpu: bool) -> tuple[int, str]:
     """The microseconds a wait may be polled for a --busy-poll-us `setting`:
     itself, or for AUTO (any negative setting), AUTO_US where the role's
-    models run on a GPU and this process may use AUTO_MIN_CPUS CPUs, else 0."""
-    return choose(setting, models_on_gpu)[0]
-
-
-def choose(setting: int, models_on_gpu: bool) -> tuple[int, str]:
-    """`resolve`'s microseconds, and how they were chosen (for a log or a report)."""
+    models run on a GPU and this process may use AUTO_MIN_CPUS CPUs, else 0;
+    and how they were chosen (for a log or a report)."""
     if setting >= 0:
         return setting, f"--busy-poll-us {setting}"
     cpus = usable_cpus()

@@ -207,12 +207,12 @@ def test_rounds_with_every_role_polling_give_the_target_only_greedy_tokens(polli
 
 def test_auto_polls_only_with_the_models_on_a_gpu_and_cpus_to_spare(monkeypatch):
     monkeypatch.setattr(busy_poll, "usable_cpus", lambda: busy_poll.AUTO_MIN_CPUS)
-    assert busy_poll.resolve(busy_poll.AUTO, models_on_gpu=True) == busy_poll.AUTO_US
-    assert busy_poll.resolve(busy_poll.AUTO, models_on_gpu=False) == 0  # the models compute on these CPUs
-    assert busy_poll.resolve(0, models_on_gpu=True) == 0  # asked: off
-    assert busy_poll.resolve(3000, models_on_gpu=False) == 3000  # asked: on
+    assert busy_poll.choose(busy_poll.AUTO, models_on_gpu=True)[0] == busy_poll.AUTO_US
+    assert busy_poll.choose(busy_poll.AUTO, models_on_gpu=False)[0] == 0  # the models compute on these CPUs
+    assert busy_poll.choose(0, models_on_gpu=True)[0] == 0  # asked: off
+    assert busy_poll.choose(3000, models_on_gpu=False)[0] == 3000  # asked: on
     monkeypatch.setattr(busy_poll, "usable_cpus", lambda: busy_poll.AUTO_MIN_CPUS - 1)
-    assert busy_poll.resolve(busy_poll.AUTO, models_on_gpu=True) == 0
+    assert busy_poll.choose(busy_poll.AUTO, models_on_gpu=True)[0] == 0
     try:
         assert busy_poll.configure_auto(busy_poll.AUTO, models_on_gpu=True) == 0 and not busy_poll.enabled()
         monkeypatch.setattr(busy_poll, "usable_cpus", lambda: 16)

@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
         print("specd generate: --chat needs a text prompt, not --prompt-ids", file=sys.stderr)
         return EXIT_USAGE
     try:
-        prompt, kwargs = _request(args)
+        request = _request(args)
     except ValueError as exc:
         print(f"specd generate: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     # still connecting to its services.
     with Client(args.server, timeout_s=timeout, wait_for_ready=args.wait > 0, api_key=args.api_key, tls=tls) as client:
         try:
-            for chunk in client.generate(prompt, **kwargs):
+            for chunk in client.generate(request):
                 text.append(chunk.text)
                 tokens.extend(chunk.token_ids)
                 if not args.json:
@@ -113,8 +113,8 @@ def run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _request(args: argparse.Namespace) -> tuple:
-    """(prompt, the request's settings) for Client.generate, checked here:
+def _request(args: argparse.Namespace):
+    """The GenerateRequest for Client.generate, built and checked here:
     the flags' types caught most mistakes; what they cannot see (standard
     input that is not UTF-8, anything the request still refuses) raises
     ValueError, before a connection is made."""
@@ -136,5 +136,4 @@ def _request(args: argparse.Namespace) -> tuple:
                   seed=args.seed, stop=args.stop, policy=args.policy, num_draft_tokens=args.num_draft_tokens,
                   speculate=not args.no_speculation, pipeline=args.pipeline,
                   draft_min_confidence=args.draft_min_confidence)
-    build_request(prompt, **kwargs)  # protobuf's own checks (ValueError): the last word before the call
-    return prompt, kwargs
+    return build_request(prompt, **kwargs)  # protobuf's own checks (ValueError): the last word before the call
