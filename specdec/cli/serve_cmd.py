@@ -21,7 +21,7 @@ from specdec.errors import SpecdecError
 from specdec.metrics import prometheus_reader, start_metrics_server
 from specdec.models.catalog import DEFAULT_PAIR
 from specdec.rpc.session_limits import SessionLimits
-from specdec.rpc.serving import ServerConfig, install_drain_on_signals
+from specdec.rpc.serving import SERVICE_MAX_CONCURRENT_RPCS, ServerConfig, install_drain_on_signals
 from specdec.security.tls import TlsConfig
 from specdec.telemetry import SERVICE_DRAFT, SERVICE_ORCHESTRATOR, SERVICE_TARGET, setup_telemetry
 from target_service.config import DEFAULT_PORT as TARGET_PORT
@@ -38,7 +38,8 @@ def register(sub) -> None:
     roles = serve.add_subparsers(dest="role", required=True)
 
     draft = roles.add_parser("draft", help="the draft model service")
-    add_arguments(draft, ServerConfig, defaults={"port": DRAFT_PORT})
+    add_arguments(draft, ServerConfig,
+                  defaults={"port": DRAFT_PORT, "max_concurrent_rpcs": SERVICE_MAX_CONCURRENT_RPCS})
     add_arguments(draft, EngineConfig, defaults={"model": DEFAULT_PAIR.draft, "quantize": "auto"})
     add_arguments(draft, SessionLimits, skip=("max_verify_batch",))
     add_arguments(draft, DrafterConfig)
@@ -46,7 +47,8 @@ def register(sub) -> None:
     draft.set_defaults(func=_serve_draft)
 
     target = roles.add_parser("target", help="the target model service")
-    add_arguments(target, ServerConfig, defaults={"port": TARGET_PORT})
+    add_arguments(target, ServerConfig,
+                  defaults={"port": TARGET_PORT, "max_concurrent_rpcs": SERVICE_MAX_CONCURRENT_RPCS})
     add_arguments(target, EngineConfig, defaults={"model": DEFAULT_PAIR.target})
     add_arguments(target, SessionLimits)
     add_arguments(target, TlsConfig)

@@ -30,6 +30,31 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 # most that.
 INLINE_MAX_S = 0.010
 
+# Bounds on what callers may hold open (docs/security.md, "Bounded calls").
+# --max-concurrent-rpcs: calls one gRPC port serves at once, each stream
+# counting until it ends; the (N+1)th gets RESOURCE_EXHAUSTED from grpc itself
+# at once. The dataclass default is the orchestrator's: its Generate streams
+# are bounded by the targets' sessions (replicas x --max-sessions, 64 each by
+# default), so 4096 is 64 full replicas. `specd serve draft|target` default to
+# SERVICE_MAX_CONCURRENT_RPCS: each orchestrator holds one call stream to a
+# service plus, per request, at most a few unary calls (open, close; Propose
+# and Verify when call streams and lanes are off), so 1024 leaves room for
+# --max-sessions in the hundreds.
+MAX_CONCURRENT_RPCS = 4096
+SERVICE_MAX_CONCURRENT_RPCS = 1024
+# The plaintext health-only port (--health-port): a probe needs one call at a
+# time; anyone on the network can reach it.
+HEALTH_PORT_MAX_CONCURRENT_RPCS = 64
+# grpc.health.v1.Health/Watch streams are long-lived: on every port they may
+# hold at most this share of its concurrent calls, so Watches alone never
+# refuse a Check (the probes) or the port's real calls.
+WATCH_SHARE = 4  # at most 1/4
+# The health-only port closes each connection after this long (plus this
+# grace for its calls to end), so a call that never completes (a stalled
+# request, a Watch) gives its place back; probes open a connection per probe.
+HEALTH_PORT_MAX_CONNECTION_AGE_MS = 60_000
+HEALTH_PORT_MAX_CONNECTION_AGE_GRACE_MS = 10_000
+
 
 @dataclass
 class ServerConfig:
@@ -38,6 +63,14 @@ class ServerConfig:
     host: str = opt("127.0.0.1", "bind address (0.0.0.0 to listen on every interface)")
     port: int = opt(0, "gRPC port (0: pick a free one); the role's default is set by the CLI")
     max_message_bytes: int = opt(16 << 20, "largest gRPC message accepted or sent, bytes")
+    max_concurrent_rpcs: int = opt(MAX_CONCURRENT_RPCS, "calls the gRPC port serves at once (at least 1), each "
+                                   "stream (Generate, a call stream, Health/Watch) counting until it ends; the next "
+                                   "gets RESOURCE_EXHAUSTED at once. Keep it well above the load: a service sees one "
+                                   "call stream per orchestrator and a few calls per open session, the orchestrator "
+                                   "one Generate per request. Health/Watch streams may hold a quarter of it. The "
+                                   "--health-port has its own bound: "
+                                   f"{HEALTH_PORT_MAX_CONCURRENT_RPCS} calls, "
+                                   f"{HEALTH_PORT_MAX_CONCURRENT_RPCS // WATCH_SHARE} of them Watch streams")
     drain_grace_s: float = opt(20.0, "on SIGTERM: seconds in-flight calls get to finish")
     reflection: bool = opt(False, "enable gRPC server reflection")
     metrics_port: int = opt(0, "Prometheus metrics port, served at /metrics on the same host (0: off)")
@@ -64,6 +97,8 @@ class ServerConfig:
         check_port(self.metrics_port, "--metrics-port", meaning="0 (off)")
         check_port(self.health_port, "--health-port", lowest=-1, meaning="-1 (off), 0 (any free port)")
         check_port(self.lane_port, "--lane-port", lowest=-1, meaning="-1 (off), 0 (any free port)")
+        if not self.max_concurrent_rpcs >= 1:
+            raise ValueError(f"--max-concurrent-rpcs must be at least 1, got {self.max_concurrent_rpcs}")
 
     def channel_options(self) -> list[tuple[str, int]]:
         return [
@@ -222,6 +257,38 @@ class RunningServer:
         await self._stopped.wait()
 
 
+class BoundedHealth(health_pb2_grpc.HealthServicer):
+    """One port's view of the shared health servicer: Check as it is, and at
+    most `max_watches` Watch streams at once on this port, the next refused
+    RESOURCE_EXHAUSTED (a Watch lasts until its caller leaves; the statuses a
+    probe needs are one Check away). Other methods (List) are the base
+    class's, as the shared servicer does not implement them either."""
+
+    def __init__(self, health_servicer, max_watches: int):
+        self._health = health_servicer
+        self.max_watches = max_watches
+        self.watches = 0
+
+    async def Check(self, request, context):
+        return await self._health.Check(request, context)
+
+    async def Watch(self, request, context):
+        if self.watches >= self.max_watches:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"too many Health/Watch streams on this port (at most {self.max_watches} at once); "
+                                "use Health/Check")
+        self.watches += 1
+        try:
+            await self._health.Watch(request, context)
+        finally:
+            self.watches -= 1
+
+
+def watch_limit(max_concurrent_rpcs: int) -> int:
+    """Watch streams one port serves at once: its WATCH_SHARE, at least one."""
+    return max(1, max_concurrent_rpcs // WATCH_SHARE)
+
+
 def bind_address(host: str, port: int) -> str:
     """grpc's address for host and port: an IPv6 literal in brackets (`--host ::`,
     as an IPv6-only cluster needs, is `[::]:PORT`; the other listeners, the lane,
@@ -240,10 +307,12 @@ async def start_server(
     over TLS when `credentials` are given (plaintext otherwise), plus the
     plaintext health-only port when `cfg.health_port` asks for one."""
     # Innermost: undecodable request bytes get INVALID_ARGUMENT, not UNKNOWN.
-    server = grpc.aio.server(options=cfg.channel_options(), interceptors=[*interceptors, MalformedRequests()])
+    server = grpc.aio.server(options=cfg.channel_options(), interceptors=[*interceptors, MalformedRequests()],
+                             maximum_concurrent_rpcs=cfg.max_concurrent_rpcs)
     register(server)
     health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(
+        BoundedHealth(health_servicer, watch_limit(cfg.max_concurrent_rpcs)), server)
     if cfg.reflection:
         from grpc_reflection.v1alpha import reflection
 
@@ -266,9 +335,20 @@ async def _start_health_only(cfg: ServerConfig, health_servicer) -> tuple[grpc.a
     """Kubernetes' native gRPC probes speak plaintext and present no client
     certificate, so under mutual TLS they get this port: grpc.health.v1 and
     nothing else (it reveals only SERVING / NOT_SERVING), sharing the main
-    server's health statuses."""
-    server = grpc.aio.server()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    server's health statuses.
+
+    Anyone on the network may call it, so it is bounded: at most
+    HEALTH_PORT_MAX_CONCURRENT_RPCS calls at once (the next gets
+    RESOURCE_EXHAUSTED from grpc), a quarter of them Watch streams, so that
+    Watches alone never refuse a probe's Check; and each connection closes
+    after HEALTH_PORT_MAX_CONNECTION_AGE_MS, so calls that never end give
+    their places back."""
+    server = grpc.aio.server(
+        options=[("grpc.max_connection_age_ms", HEALTH_PORT_MAX_CONNECTION_AGE_MS),
+                 ("grpc.max_connection_age_grace_ms", HEALTH_PORT_MAX_CONNECTION_AGE_GRACE_MS)],
+        maximum_concurrent_rpcs=HEALTH_PORT_MAX_CONCURRENT_RPCS)
+    health_pb2_grpc.add_HealthServicer_to_server(
+        BoundedHealth(health_servicer, watch_limit(HEALTH_PORT_MAX_CONCURRENT_RPCS)), server)
     port = server.add_insecure_port(bind_address(cfg.host, cfg.health_port))
     if port == 0:
         raise OSError(f"cannot bind the health port {cfg.host}:{cfg.health_port}")
