@@ -30,7 +30,9 @@ and draft replica every --health-interval-s). New requests go to the replicas th
 is down gets none until it answers again (`mark_up`) or its down window
 ends (1 s, doubled for each failure in a row, at most 30 s), when it gets
 one more try. Where every replica is down, they are all tried, least
-loaded first, as before.
+loaded first, as before. A request pinned to a draft replica that failed
+moves, when it re-opens its draft session, to the replica a new request
+would get, if one is up (`move_from`; its count moves with it).
 """
 from __future__ import annotations
 
@@ -303,9 +305,31 @@ class ReplicaPool:
             raise Unavailable(f"no replica of {self.address} is connected")
         live = [r for r in self.replicas.values() if not r.retired] or list(self.replicas.values())
         up = [r for r in live if not r.is_down(now)]
-        replica = min(up or live, key=lambda r: r.active)
+        replica = self._least_loaded(up or live)
         replica.active += 1
         return replica
+
+    def move_from(self, replica: Replica) -> Replica | None:
+        """For a request pinned to `replica` that failed and has not answered
+        since (`failures`: marked down, whether or not its down window has
+        ended): the replica `acquire` would pin a new request to among the
+        others that are up and not retired, pinned to the request from now on
+        (the caller then `release`s `replica`: the request's count moves with
+        it). None, and nothing counted, when `replica` has not failed or no
+        other replica is up: the request stays where it is."""
+        if not replica.failures:
+            return None
+        now = time.monotonic()
+        up = [r for r in self.replicas.values() if r is not replica and not r.retired and not r.is_down(now)]
+        if not up:
+            return None
+        moved = self._least_loaded(up)
+        moved.active += 1
+        return moved
+
+    @staticmethod
+    def _least_loaded(replicas: list[Replica]) -> Replica:
+        return min(replicas, key=lambda r: r.active)
 
     def mark_down(self, replica: Replica, why: str) -> None:
         """`replica` failed a call or a health check: new requests avoid it

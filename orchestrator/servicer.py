@@ -132,8 +132,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         finally:
             loop.close()
             await target.release()
-            if draft is not None:
-                await self.b.drafts.release(draft)
+            await loop.sessions.release_draft()  # the replica it is on by now (a failed draft's request moves)
         stats = self._stats(loop, policy, start, first_token_s)
         self.telemetry.metrics.record_request(stats.duration_s, first_token_s, stats.completion_tokens,
                                               loop.finish_reason)

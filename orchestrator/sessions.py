@@ -13,7 +13,11 @@ to it), and does everything to a session that is not a round:
   run with k = 0, and the draft is re-opened on the full history after
   `draft_retry_s`; a call that fails UNAVAILABLE marks the draft replica down
   in its pool (`pin_draft`), so that new requests go to another, and an open
-  that succeeds marks it up again;
+  that succeeds marks it up again. The re-open itself moves the request to
+  the draft replica a new request would get when its own has not answered
+  since it failed and another is up (`ReplicaPool.move_from`), rather than
+  waiting on a dead address for the rest of the request; the request's
+  hold on the pool moves with it, and is let go once (`release_draft`);
 - the target's recovery: when the target fails (UNAVAILABLE, or it lost the
   session), the request's `TargetLease` (`orchestrator/recovery.py`) re-opens
   the session on a live replica, and the request moves to that replica's
@@ -77,11 +81,25 @@ class RequestSessions:
         self._draft_replica = None
 
     def pin_draft(self, pool, replica) -> None:
-        """The draft replica the request is pinned to, in its pool: marked
-        down there when a call to it fails UNAVAILABLE (the health loop may
-        not notice for a second, and meanwhile new requests would be pinned
-        to it), up again when an open succeeds."""
+        """The draft replica the request is pinned to, in its pool (acquired
+        there; the request's hold is now the sessions' to move and to let go:
+        `release_draft`): marked down there when a call to it fails
+        UNAVAILABLE (the health loop may not notice for a second, and
+        meanwhile new requests would be pinned to it), up again when an open
+        succeeds; left for a live replica at a re-open (`_move_draft`)."""
         self._draft_pool, self._draft_replica = pool, replica
+
+    @property
+    def draft_replica(self):
+        """The draft replica the request is pinned to now (None: none pinned, or released)."""
+        return self._draft_replica
+
+    async def release_draft(self) -> None:
+        """The request ended: let go of its draft replica in its pool, once,
+        whichever replica it is pinned to by now."""
+        replica, self._draft_replica = self._draft_replica, None
+        if replica is not None:
+            await self._draft_pool.release(replica)
 
     def timeout(self) -> float:
         """The deadline of the next call: rpc_timeout_s, or what is left of
@@ -143,6 +161,7 @@ class RequestSessions:
         in fallback and retry later."""
         if self.draft is None:
             return
+        await self._move_draft()
         with self.client_span(SPAN_SESSION_OPEN, "draft") as span:
             try:
                 self.draft_id, cost = await self._open_on(self.draft, self._open_request(), self.timeout())
@@ -158,6 +177,28 @@ class RequestSessions:
         self._draft_down_since = None
         if self._draft_replica is not None and self._draft_replica.failures:
             self._draft_pool.mark_up(self._draft_replica)
+
+    async def _move_draft(self) -> None:
+        """Before a draft re-open (the request's draft failed): where its
+        replica has not answered since it was marked down, and the pool has
+        another up, move the request there (the one `acquire` would give a
+        new request; its count in the pool moves too), so that the open
+        prefills the history on a live replica. Otherwise the open tries the
+        same replica again. The session on the failed replica was closed, in
+        the background, when its call failed (`draft_failed`). A first open
+        stays where `acquire` put the request: a replica whose down window
+        ended gets its one more try there."""
+        failed = self._draft_replica
+        if failed is None or self.draft_id is not None or self._draft_down_since is None:
+            return
+        moved = self._draft_pool.move_from(failed)
+        if moved is None:
+            return
+        # The request's before anything is awaited: a request cancelled from
+        # here on lets go of `moved`, and `failed` is let go of here.
+        self._draft_replica, self.draft, self.draft_prefix = moved, moved.client, 0
+        log.info("draft replica %s failed; the request moves to %s", failed.address, moved.address)
+        await self._draft_pool.release(failed)
 
     async def open_draft_if_due(self) -> None:
         """Open the draft session where there is none: at once if it was

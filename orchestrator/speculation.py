@@ -274,6 +274,7 @@ class SpeculativeRequest:
         # The draft holds history + the k drafts; k_next + 1 more: a guess at
         # the bonus token, then round r+1's drafts.
         self.stats.round_trips += 1
+        self._pipeline.draft = self.sessions.draft  # the replica the request is on now (a failed draft's moves)
         self._pipeline.start(self.sessions.draft_id, len(self.history) + k, k_next, self.sessions.timeout(),
                              self.policy.min_confidence(), self.sessions.packed_q, self.sessions.next_draft_call())
 
