@@ -188,20 +188,62 @@ def _infos(pool: ReplicaPool | None) -> list[tuple[str, object]]:
 
 
 def check_replica_ids(info, reference, draft: bool, roles: tuple[str, str]) -> None:
-    """A replica's token ids against the reference target's: a draft must
-    draft for it (`check_compatible`), a target replica read and write the
-    same ids (a request moves between target replicas; `roles` names the
-    two in a message)."""
+    """A replica against the reference target: a draft must draft for it
+    (`check_compatible`: its token ids, whatever its weights, since
+    rejection sampling is exact for any draft); a target replica must read
+    and write the same ids (`check_same_ids`) and be the same model
+    (`check_same_model`), since a request moves between target replicas.
+    `roles` names the two in a message. Start-up (`check_replicas`) and a
+    replica joining later (`admission`) both check here."""
     if draft:
         check_compatible(info, reference)
     else:
         check_same_ids(info, reference, roles)
+        check_same_model(info, reference, roles)
+
+
+def check_same_model(a, b, roles: tuple[str, str]) -> None:
+    """Two target replicas must compute one distribution: the same weights
+    (`weights_fingerprint`, specdec/models/fingerprint.py), at the same
+    dtype, in the same form (`weights`: int8 or not), ending generations on
+    the same EOS ids. A request moves between target replicas when one
+    fails, and its tokens must all come from one model: the output
+    distribution is the target model's own, exactly. Where either replica
+    reports no fingerprint (a service older than the field), only the
+    model names can be compared, with a warning."""
+    def differ(what: str, mine, theirs) -> FailedPrecondition:
+        return FailedPrecondition(
+            f"{roles[0]} ({a.model_name!r}) and {roles[1]} ({b.model_name!r}) are not the same model: "
+            f"{what} {mine} != {theirs}. Every target replica must serve the same model (a request moves "
+            "between them): give them all one checkpoint and settings, and to change the target model, "
+            "roll every replica and restart the orchestrator")
+
+    # The plainest difference first: other weights at another dtype differ in both.
+    if a.dtype != b.dtype:
+        raise differ("dtype", a.dtype, b.dtype)
+    if a.weights != b.weights:
+        raise differ("weights", repr(a.weights or "at dtype"), repr(b.weights or "at dtype"))
+    if set(a.eos_token_ids) != set(b.eos_token_ids):
+        raise differ("EOS token ids", sorted(set(a.eos_token_ids)), sorted(set(b.eos_token_ids)))
+    if a.weights_fingerprint and b.weights_fingerprint:
+        if a.weights_fingerprint != b.weights_fingerprint:
+            raise differ("weights fingerprint", _short(a.weights_fingerprint), _short(b.weights_fingerprint))
+        return
+    if a.model_name != b.model_name:
+        raise differ("model name", repr(a.model_name), repr(b.model_name))
+    log.warning("%s and %s: %s reports no weights fingerprint (a service older than the field), so only "
+                "their model names (%r) could be compared, not their weights", roles[0], roles[1],
+                " and ".join(r for r, i in zip(roles, (a, b)) if not i.weights_fingerprint), a.model_name)
+
+
+def _short(fingerprint: str) -> str:
+    return fingerprint if len(fingerprint) <= 19 else fingerprint[:19] + "..."
 
 
 def check_replicas(targets: ReplicaPool, drafts: ReplicaPool | None) -> None:
-    """Every replica connected at start-up must read and write the first
-    target's token ids: a request moves between target replicas, and any
-    draft replica drafts for any target replica."""
+    """Every replica connected at start-up must fit the first target
+    (`check_replica_ids`): target replicas read and write its token ids and
+    are its model, and any draft replica drafts for any target replica."""
     first = targets.any()
     reference = first.client.info
     for address, info in _infos(targets):
@@ -211,14 +253,18 @@ def check_replicas(targets: ReplicaPool, drafts: ReplicaPool | None) -> None:
         check_replica_ids(info, reference, True, ("draft", "target"))
 
 
-def admission(reference, settings: LoopSettings, draft: bool):
+def admission(reference, settings: LoopSettings, draft: bool, reference_address: str = ""):
     """The check a replica that joins after start-up must pass (the pool
-    refuses and closes it otherwise): the token ids start-up checked, and
-    limits no smaller than those the orchestrator already uses (it accepts
-    requests by them, and a request must fit on any replica)."""
+    refuses and closes it otherwise): what start-up checked
+    (`check_replica_ids`; `reference_address` names the reference target in
+    a message), and limits no smaller than those the orchestrator already
+    uses (it accepts requests by them, and a request must fit on any
+    replica)."""
     def admit(replica: Replica) -> None:
         info = replica.client.info
-        check_replica_ids(info, reference, draft, ("the new target replica", "the target"))
+        check_replica_ids(info, reference, draft, (
+            f"the new target replica {replica.address}",
+            f"target replica {reference_address}" if reference_address else "the target"))
         if info.max_context < settings.max_context or info.max_draft_tokens < settings.max_draft_tokens:
             raise FailedPrecondition(
                 f"its limits (max_context {info.max_context}, max_draft_tokens {info.max_draft_tokens}) are below "
@@ -232,7 +278,8 @@ def _backends(cfg: OrchestratorConfig, targets: ReplicaPool, drafts: ReplicaPool
     (the smallest), and have the pools check those that join later. Nothing
     awaits here, so every replica is either checked now or by `admission`."""
     check_replicas(targets, drafts)
-    target_info = targets.any().client.info
+    reference = targets.any()
+    target_info = reference.client.info
     infos = [info for _, info in _infos(targets) + _infos(drafts)]
     max_draft_tokens = min([cfg.max_draft_tokens] + [i.max_draft_tokens for i in infos])
     check_defaults(cfg, max_draft_tokens)
@@ -241,9 +288,9 @@ def _backends(cfg: OrchestratorConfig, targets: ReplicaPool, drafts: ReplicaPool
                             pipeline_always=cfg.pipeline_always,
                             max_context=min(i.max_context for i in infos),
                             max_draft_tokens=max_draft_tokens)
-    targets.admit = admission(target_info, settings, draft=False)
+    targets.admit = admission(target_info, settings, draft=False, reference_address=reference.address)
     if drafts is not None:
-        drafts.admit = admission(target_info, settings, draft=True)
+        drafts.admit = admission(target_info, settings, draft=True, reference_address=reference.address)
     eos = set(target_info.eos_token_ids)
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         eos.add(int(tokenizer.eos_token_id))

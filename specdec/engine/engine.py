@@ -45,6 +45,7 @@ from specdec.engine.static_steps import CaptureReport, StaticSteps
 from specdec.engine.weight_forms import WeightForms
 from specdec.errors import InvalidArgument
 from specdec.host_copy import to_device
+from specdec.models.fingerprint import timed_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +79,9 @@ class EngineInfo:
     usable_vocab_size: int = 0
     # "int8" once the linear layers run as int8 (quantize.py); "": at dtype.
     weights: str = ""
+    # The weights' content fingerprint as loaded (specdec/models/fingerprint.py):
+    # target replicas must agree on it.
+    weights_fingerprint: str = ""
 
 
 class ModelEngine(WeightForms):
@@ -97,6 +101,8 @@ class ModelEngine(WeightForms):
         self.usable_vocab_size = vocab.usable_size(self.vocab_size, tokenizer, id_space)
         self.max_context = context_limit(model.config, cfg.max_context)
         self.kv_shape = probe_kv_shape(self.model, self.device)
+        # Before the weights change form (fused below; packed or int8 in `load`).
+        fingerprint, took_s = timed_fingerprint(self.model)
         self.max_kv_bytes = cfg.max_kv_bytes or free_device_memory(self.device) // 2
         num_slots = slots_for_budget(self.kv_shape, self.max_context, self.max_kv_bytes, cfg.max_sessions)
         self.store = KVStore(self.kv_shape, num_slots, self.max_context)
@@ -126,7 +132,9 @@ class ModelEngine(WeightForms):
             dtype=str(self.dtype).removeprefix("torch."),
             kv_bytes_per_token=self.kv_shape.bytes_per_token,
             usable_vocab_size=self.usable_vocab_size,
+            weights_fingerprint=fingerprint,
         )
+        log.info("%s: weights fingerprint %s (%.0f ms)", self.name, fingerprint, took_s * 1000)
         log.info("KV store: %d session slots of %d tokens, %.1f MiB; attention kernel %s; fused layers %s",
                  num_slots, self.max_context, self.store.nbytes / 2**20, self.kernel, "on" if self.fused else "off")
 

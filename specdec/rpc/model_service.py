@@ -135,6 +135,7 @@ def info_to_wire(info: EngineInfo, limits: SessionLimits, backend: str) -> commo
         kv_bytes_per_token=info.kv_bytes_per_token,
         usable_vocab_size=info.usable_vocab_size or info.vocab_size,
         weights=info.weights,
+        weights_fingerprint=info.weights_fingerprint,
     )
 
 
