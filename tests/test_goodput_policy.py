@@ -109,6 +109,87 @@ def test_a_longer_round_trip_pushes_k_up_and_poor_acceptance_pulls_it_down():
     assert max(poor) <= 2
 
 
+def settled_k(a, t_draft, rtt_draft, rtt_target, c0=0.010, c1=0.001, k_max=12, rounds=80, seed=1):
+    """The k GoodputPolicy(4, 1, k_max) settles on over `rounds` timed rounds.
+    Each round's acceptance run comes from the same seeded draws whatever k
+    is (accepted = min(run, k)), so two loops whose policies choose the same
+    k's see the very same rounds."""
+    rng = random.Random(seed)
+    policy = GoodputPolicy(4, 1, k_max)
+    for _ in range(rounds):
+        k = policy.next_k()
+        run_length = 0
+        while run_length < k_max and rng.random() < a:
+            run_length += 1
+        compute, verify = k * t_draft, c0 + c1 * k
+        policy.observe(RoundObservation(k=k, accepted=min(run_length, k), draft_time_s=compute + rtt_draft,
+                                        verify_time_s=verify + rtt_target, verify_compute_s=verify, batch_size=1,
+                                        draft_rtt_s=rtt_draft, target_rtt_s=rtt_target, draft_compute_s=compute))
+    return policy.next_k()
+
+
+def test_a_dear_round_trip_to_either_service_pushes_k_up_alike_and_dear_draft_compute_pulls_it_down():
+    """cost(k) = rtt_draft + k * t_draft + rtt_target + t_verify(k) + overhead:
+    each service's round trip is paid once a round whatever k is, so a dear
+    one is amortized over more tokens and the best k grows, by as much for
+    the draft's round trip as for the target's (the same sum, the same
+    model); while draft time paid per drafted token (its compute) is paid k
+    times and pulls k down. The draft's wall time must be split as reported:
+    its round trip is not compute."""
+    a, t_draft, near, far = 0.85, 0.004, 0.010, 0.060
+
+    def goodput(k, rtt_draft, rtt_target, per_token=t_draft):  # the true one, of the loop settled_k runs
+        return expected_tokens_per_round(a, k) / (rtt_draft + rtt_target + 0.010 + k * (per_token + 0.001))
+
+    def best(*args, **kwargs):
+        return max(range(1, 13), key=lambda k: goodput(k, *args, **kwargs))
+
+    assert best(far, near) == best(near, far) > best(near, near) > best(near, near, per_token=0.020)
+    base = settled_k(a, t_draft, near, near, seed=1)
+    draft_far = settled_k(a, t_draft, far, near, seed=1)
+    target_far = settled_k(a, t_draft, near, far, seed=1)
+    dear_compute = settled_k(a, 0.020, near, near, seed=1)
+    assert draft_far > base, "a dear draft round trip is a per-round cost: k must grow"
+    assert target_far > base, "a dear target round trip is a per-round cost: k must grow"
+    assert draft_far == target_far, "the model charges either round trip the same"
+    assert dear_compute < base, "dear draft compute is paid per drafted token: k must shrink"
+    for k, costs in ((base, (near, near)), (draft_far, (far, near)), (target_far, (near, far))):
+        assert goodput(k, *costs) >= 0.95 * goodput(best(*costs), *costs), (k, best(*costs), costs)
+    assert goodput(dear_compute, near, near, 0.020) >= 0.95 * goodput(best(near, near, 0.020), near, near, 0.020)
+
+
+def test_every_k_it_chooses_is_within_its_bounds_over_a_long_varied_run():
+    """k stays in [k_min, k_max] whatever the estimates say: regimes whose
+    unconstrained best is far above k_max (cheap drafts always accepted
+    behind a far network) and far below k_min (every draft rejected, dear
+    drafts), changing every few rounds, under several bounds; also the k
+    pipelined drafting asks for (the what-if of a full acceptance), and with
+    an early stop, where k is the cap: k_max."""
+    rng = random.Random(11)
+    for k_min, k_max in ((1, 8), (2, 5), (3, 3), (1, 1), (4, 12), (1, 16)):
+        policy = make_policy("goodput", rng.randint(k_min, k_max), k_min, k_max, limit=16)
+        stopped = make_policy("goodput", k_min, k_min, k_max, limit=16, min_confidence=0.4)
+        sim, seen = Simulated(0.7), []
+        for r in range(600):
+            if r % 12 == 0:  # a new regime: the estimates are pulled far either way
+                sim = Simulated(rng.choice([0.0, 0.05, 0.3, 0.7, 0.9, 0.99, 1.0]),
+                                t_draft=rng.choice([1e-5, 0.001, 0.01, 0.2]), c0=rng.choice([0.001, 0.03, 0.3]),
+                                c1=rng.choice([0.0, 0.002, 0.05]), rtt_draft=rng.choice([0.0, 0.002, 0.3]),
+                                rtt_target=rng.choice([0.0, 0.002, 0.3]), seed=r)
+            overhead = rng.choice([0.0, 0.0, 0.01, 0.5])
+            for p in (policy, stopped):
+                k = p.next_k()
+                assert k_min <= k <= k_max, (k_min, k, k_max, r, p.min_confidence())
+                obs = RoundObservation(**{**sim.round(k).__dict__, "overhead_s": overhead})
+                full = RoundObservation(**{**obs.__dict__, "accepted": k})
+                assert k_min <= k_after_full_acceptance(p, full) <= k_max
+                p.observe(obs)
+            seen.append(policy.next_k())
+            assert stopped.next_k() == k_max
+        if k_min < k_max:  # the regimes did pull the choice to both ends
+            assert min(seen) == k_min and max(seen) == k_max, (k_min, k_max, sorted(set(seen)))
+
+
 def test_it_follows_a_jump_in_the_round_trip_time_within_a_few_rounds():
     sim = Simulated(0.75, t_draft=0.004, c0=0.010, seed=3)
     policy = GoodputPolicy(4, 1, 8)

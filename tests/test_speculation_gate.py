@@ -134,6 +134,54 @@ def test_a_new_concurrency_bucket_starts_from_its_own_best_mode():
     assert gate.speculate(8) is False
 
 
+def test_a_gated_round_reported_at_another_bucket_moves_the_gate_there_at_once():
+    """A round reports the load at its end: when requests finished during it,
+    that is another bucket than the one being measured. A round of a request
+    that follows the gate moves the gate there at once: the old bucket's
+    epoch is dropped unmeasured, the new bucket's best mode starts (with a
+    settling wave), and the moving round counts nowhere. A round of a request
+    that does not follow the gate moves nothing."""
+    gate, clock = make()
+    plain_wins, speculation_wins = ({True: 1.0, False: 0.25}, {True: 2.5, False: 1}), \
+        ({True: 0.5, False: 0.25}, {True: 3.0, False: 1})
+    simulate(gate, clock, 2, 60, *plain_wins)
+    simulate(gate, clock, 8, 60, *speculation_wins)
+    assert gate.buckets[2].best() is False and gate.buckets[8].best() is True
+    assert gate.describe()["bucket"] == 8
+    for _ in range(100):  # (until a re-measurement of plain decoding at 8 is over)
+        if gate.mode:
+            break
+        simulate(gate, clock, 8, 1, *speculation_wins)
+    # A wave of eight speculating rounds; six of the requests finish in it.
+    assert [gate.speculate(8) for _ in range(8)] == [True] * 8
+    clock.now += 0.5
+    for _ in range(6):
+        gate.record(8, True, 3)
+    before = gate.describe()
+    assert before["bucket"] == 8 and before["speculate"] is True
+    rates = {b: dict(r.rate) for b, r in gate.buckets.items()}
+
+    gate.record(2, None, 50)  # a request outside the gate, at two requests now
+    assert gate.describe() == before
+
+    gate.record(2, True, 3)  # one of the two left, which follow the gate
+    moved = gate.describe()
+    assert moved["bucket"] == 2 and moved["speculate"] is False, "bucket 2's best: plain decoding"
+    assert moved["switches"] == before["switches"] + 1 and moved["epochs"] == before["epochs"]
+    assert {b: dict(r.rate) for b, r in gate.buckets.items()} == rates, "the moving round counts nowhere"
+    gate.record(2, True, 3)  # the other: a round from before the switch
+    assert gate.describe() == moved
+
+    # Then bucket 2's plain epoch runs, and ends there: bucket 8's was dropped unmeasured.
+    modes = []
+    while gate.epochs == moved["epochs"] and len(modes) < 20:
+        modes += simulate(gate, clock, 2, 1, *plain_wins)
+    assert gate.epochs == moved["epochs"] + 1 and modes == [False] * len(modes), modes
+    assert len(modes) >= 4, "a settling wave, then 3 counted ones at least"
+    assert gate.buckets[2].rate[False] != rates[2][False] and gate.buckets[2].rate[True] == rates[2][True]
+    assert gate.buckets[8].rate == rates[8]
+
+
 def test_below_the_threshold_and_when_off_the_gate_stands_aside():
     gate, clock = make(min_streams=3)
     simulate(gate, clock, active=2, waves=50, cost={True: 1.0, False: 0.1}, tokens={True: 1, False: 1})
