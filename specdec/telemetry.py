@@ -25,6 +25,7 @@ from opentelemetry.trace import Link, SpanKind
 from specdec import trace_context
 from specdec.metrics import Metrics
 from specdec.spans import NO_OWNED_SPAN, NO_SPAN, CurrentSpan, LeafSpan, OwnedSpan, SpanSink
+from specdec.trace_file import DEFAULT_KEEP, DEFAULT_MAX_BYTES, keep_from_env, max_bytes_from_env
 
 # --------------------------------------------------------------- services
 
@@ -138,6 +139,8 @@ class TelemetrySettings:
 
     tracing: bool = True  # SPECD_TRACING=off: a no-op tracer, no spans at all
     trace_file: str = ""  # SPECD_TRACE_FILE: append spans as JSON lines here
+    trace_file_max_bytes: int = DEFAULT_MAX_BYTES  # SPECD_TRACE_FILE_MAX_BYTES: rotate it past this (0: never)
+    trace_file_keep: int = DEFAULT_KEEP  # SPECD_TRACE_FILE_KEEP: rotated files kept, <file>.1 ...
     traces_exporter: tuple[str, ...] = ()  # otlp, console
     metrics_exporter: tuple[str, ...] = ()  # otlp, console (Prometheus: --metrics-port)
     traces_protocol: str = "grpc"  # grpc | http/protobuf
@@ -150,6 +153,8 @@ class TelemetrySettings:
         return cls(
             tracing=not _off(env.get("SPECD_TRACING", "on")),
             trace_file=env.get("SPECD_TRACE_FILE", ""),
+            trace_file_max_bytes=max_bytes_from_env(env),
+            trace_file_keep=keep_from_env(env),
             traces_exporter=_exporter_names("OTEL_TRACES_EXPORTER", "TRACES", env),
             metrics_exporter=_exporter_names("OTEL_METRICS_EXPORTER", "METRICS", env),
             traces_protocol=env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", proto),
@@ -280,7 +285,9 @@ def _tracer_provider(resource, settings: TelemetrySettings, span_exporters: Sequ
         from specdec.trace_file import JsonLinesSpanExporter
 
         # A short delay so `specd trace show` sees a request soon after it ends.
-        processors.append(BatchSpanProcessor(JsonLinesSpanExporter(settings.trace_file), schedule_delay_millis=500))
+        processors.append(BatchSpanProcessor(JsonLinesSpanExporter(settings.trace_file, settings.trace_file_max_bytes,
+                                                                     settings.trace_file_keep),
+                                               schedule_delay_millis=500))
     if not processors:
         return None, ()
     provider = TracerProvider(resource=resource)  # sampler: OTEL_TRACES_SAMPLER, default parent-based always-on

@@ -173,3 +173,20 @@ def test_spans_under_no_generate_are_one_request_per_span_they_hang_from(tmp_pat
     rows = [row.split() for row in capsys.readouterr().out.splitlines()[1:]]
     assert [row[-3:] for row in rows] == [["1", "f" * 16, "(prefill)"], ["1", "e" * 16, "(prefill)"],
                                           ["4", "d" * 16, "(round)"]]
+
+
+def test_span_tree_roots_the_spans_whose_parent_is_missing_and_takes_a_span_once():
+    """`show`'s tree: depth first, siblings by start; a span whose parent is
+    not in the request starts a root of its own; a span listed twice (one
+    copy its own parent) is shown once rather than looping."""
+    from specdec.cli.trace_cmd import span_tree
+
+    spans = [_span(SHARED, "b" * 16, "a" * 16, "round", 20, 5),
+             _span(SHARED, "a" * 16, None, "generate", 0, 100),
+             _span(SHARED, "c" * 16, "a" * 16, "round", 10, 5),
+             _span(SHARED, "d" * 16, "c" * 16, "propose", 11, 2, service="draft"),
+             _span(SHARED, "e" * 16, "f" * 16, "orphan", 5, 1)]
+    assert [(depth, s["span_id"][0]) for depth, s in span_tree(spans)] == [
+        (0, "a"), (1, "c"), (2, "d"), (1, "b"), (0, "e")]
+    twice = [_span(SHARED, "a" * 16, None, "generate", 0, 100), _span(SHARED, "a" * 16, "a" * 16, "generate", 0, 100)]
+    assert [(depth, s["parent_id"]) for depth, s in span_tree(twice)] == [(0, None)]

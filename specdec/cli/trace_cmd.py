@@ -9,13 +9,17 @@
 A request is one `generate` span and the spans under it, not a trace: a
 caller that sends one traceparent with several Generate calls puts them all
 in its trace, and each is still a request of its own.
+
+The files the trace file was rotated to (`<file>.N` ... `<file>.1`, see
+SPECD_TRACE_FILE_MAX_BYTES) are read with it, oldest first, so a request
+whose spans straddle a rotation shows whole.
 """
 from __future__ import annotations
 
 import argparse
 import sys
 from datetime import datetime
-from typing import NamedTuple
+from typing import Iterator, NamedTuple
 
 from specdec.telemetry import (A_ACCEPTANCE_RATE, A_ACCEPTED, A_K, A_ROUNDS, GEN_AI_OUTPUT_TOKENS,
                                SPAN_GENERATE)
@@ -27,7 +31,8 @@ PHASE_WIDTH = 30
 def register(sub) -> None:
     p = sub.add_parser("trace", help="list traced requests or show one as a waterfall (local trace file)")
     actions = p.add_subparsers(dest="action", required=True)
-    file_help = "trace file (default: $SPECD_TRACE_FILE, else ~/.cache/specdec/traces.jsonl)"
+    file_help = ("trace file (default: $SPECD_TRACE_FILE, else ~/.cache/specdec/traces.jsonl); the files it "
+                 "was rotated to, FILE.1 ..., are read too")
     lst = actions.add_parser("list", help="recent requests, one row each: trace id, start, duration, tokens, "
                                                  "rounds, acceptance, spans, span id")
     lst.add_argument("--file", default=None, help=file_help)
@@ -53,11 +58,38 @@ class Request(NamedTuple):
     spans: list[dict]  # the root's subtree, in start order
 
 
-def _children(spans: list[dict]) -> dict[str | None, list[dict]]:
+def _children(spans: list[dict], reroot: bool = False) -> dict[str | None, list[dict]]:
+    """Spans by parent span id, each list in file order; with `reroot`, a
+    span whose parent is not among `spans` is filed under None, as a root."""
+    ids = {s["span_id"] for s in spans} if reroot else None
     children: dict[str | None, list[dict]] = {}
     for span in spans:
-        children.setdefault(span.get("parent_id"), []).append(span)
+        parent = span.get("parent_id")
+        if ids is not None and parent not in ids:
+            parent = None
+        children.setdefault(parent, []).append(span)
     return children
+
+
+def walk(roots: list[dict], children: dict[str | None, list[dict]], key=None) -> Iterator[tuple[int, dict]]:
+    """(depth, span) depth first from `roots` through `children`, each span
+    before its children; siblings in `key` order, or, with no key, in no
+    order worth relying on. A span id is taken once, so a file with a cycle
+    of parent ids (or a span listed twice) cannot loop."""
+    seen: set[str] = set()
+    stack: list[tuple[int, dict]] = []
+
+    def push(depth: int, spans) -> None:
+        for span in sorted(spans, key=key, reverse=True) if key else spans:  # popped last first
+            if span["span_id"] not in seen:
+                seen.add(span["span_id"])
+                stack.append((depth, span))
+
+    push(0, roots)
+    while stack:
+        depth, span = stack.pop()
+        yield depth, span
+        push(depth + 1, children.get(span["span_id"], ()))
 
 
 def subtree(root: dict, children: dict[str | None, list[dict]]) -> list[dict]:
@@ -65,15 +97,7 @@ def subtree(root: dict, children: dict[str | None, list[dict]]) -> list[dict]:
     draft's and target's spans are among them, children of the
     orchestrator's client spans through the propagated context. A span is
     taken once, so a file with a cycle of parent ids cannot loop."""
-    seen, stack, found = {root["span_id"]}, [root], []
-    while stack:
-        span = stack.pop()
-        found.append(span)
-        for kid in children.get(span["span_id"], ()):
-            if kid["span_id"] not in seen:
-                seen.add(kid["span_id"])
-                stack.append(kid)
-    return sorted(found, key=lambda s: s.get("start_ns") or 0)
+    return sorted((span for _, span in walk([root], children)), key=lambda s: s.get("start_ns") or 0)
 
 
 def requests(trace_id: str, spans: list[dict]) -> list[Request]:
@@ -152,19 +176,8 @@ def format_list(summaries: list[dict]) -> list[str]:
 def span_tree(spans: list[dict]) -> list[tuple[int, dict]]:
     """(depth, span) in depth-first order, siblings by start time; spans whose
     parent is not in the trace start new roots."""
-    ids = {s["span_id"] for s in spans}
-    children: dict[str | None, list[dict]] = {}
-    for span in spans:
-        parent = span.get("parent_id") if span.get("parent_id") in ids else None
-        children.setdefault(parent, []).append(span)
-    ordered: list[tuple[int, dict]] = []
-    stack = [(0, s) for s in sorted(children.get(None, []), key=lambda s: s["start_ns"], reverse=True)]
-    while stack:
-        depth, span = stack.pop()
-        ordered.append((depth, span))
-        kids = sorted(children.get(span["span_id"], []), key=lambda s: s["start_ns"], reverse=True)
-        stack.extend((depth + 1, kid) for kid in kids)
-    return ordered
+    children = _children(spans, reroot=True)
+    return list(walk(children.get(None, []), children, key=lambda s: s["start_ns"]))
 
 
 def _bar(start: int, end: int, t0: int, total: int, width: int) -> str:
