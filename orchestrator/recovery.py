@@ -124,6 +124,15 @@ class TargetLease:
                 if left <= 0:
                     break
                 tried += 1
+                if replica.failures:  # it failed: it may be back as another model (`_refused`)
+                    why = await _refused(self.pool, replica, min(left, self.settings.attempt_s))
+                    if why is not None:
+                        last_error = f"{replica.address}: {why}"
+                        if why.startswith("refused"):
+                            refused += 1
+                        else:
+                            self.pool.mark_down(replica, last_error)
+                        continue
                 try:
                     session_id, cost = await open_on(replica.client, open_request, min(left, self.settings.attempt_s))
                 except DeadlineExceeded:
@@ -231,6 +240,10 @@ async def replica_serving(pool: ReplicaPool, replica: Replica, timeout_s: float)
         status, why = None, f"health check: {exc.code().name}"
     except Exception as exc:  # noqa: BLE001 - a UsageError (closed channel), whatever else: down
         status, why = None, f"health check: {type(exc).__name__}: {exc}"
+    if status == health_pb2.HealthCheckResponse.SERVING and replica.failures:
+        why = await _refused(pool, replica, timeout_s)  # it may have restarted as another model
+        if why is not None:
+            status = None
     if replica.retired:
         return False
     if status != health_pb2.HealthCheckResponse.SERVING:
@@ -238,6 +251,19 @@ async def replica_serving(pool: ReplicaPool, replica: Replica, timeout_s: float)
         return False
     pool.mark_up(replica)
     return True
+
+
+async def _refused(pool: ReplicaPool, replica: Replica, timeout_s: float) -> str | None:
+    """Why a replica that failed and answers again may not take requests
+    (`ReplicaPool.recheck`: restarted in place as another model, version
+    or with smaller limits), or None."""
+    try:
+        refusal = await pool.recheck(replica, timeout_s)
+    except grpc.aio.AioRpcError as exc:
+        return f"model info: {exc.code().name}"
+    except Exception as exc:  # noqa: BLE001 - a closed channel (UsageError), whatever else: not back
+        return f"model info: {type(exc).__name__}: {exc}"
+    return None if refusal is None else f"refused: {refusal}"
 
 
 async def any_serving(pool: ReplicaPool, timeout_s: float) -> bool:

@@ -58,6 +58,7 @@ class Replica:
     retired: bool = False
     down_until: float = 0.0  # monotonic time before which new requests avoid it (`ReplicaPool.mark_down`)
     failures: int = 0  # failed calls or health checks in a row
+    refusal: str = ""  # why `ReplicaPool.recheck` last refused it ("": it did not)
 
     def is_down(self, now: float) -> bool:
         return now < self.down_until
@@ -272,13 +273,7 @@ class ReplicaPool:
         """Why `replica` may not join (\"\": no need to say), or None."""
         if self._closed or replica.address in self.replicas:
             return ""
-        if self.admit is not None:
-            try:
-                self.admit(replica)
-            except Exception as exc:  # noqa: BLE001 - the check's own message says why
-                self.last_error = exc
-                return str(exc)
-        return None
+        return self._refusal_of(replica)
 
     async def _close_idle(self, only: Replica | None = None) -> None:
         """Close the retired replicas (or `only`) that no request holds,
@@ -297,13 +292,17 @@ class ReplicaPool:
 
     def acquire(self) -> Replica:
         """The least-loaded live replica that is not down (any live one if
-        all are), pinned until `release`."""
+        all are), pinned until `release`. A replica `recheck` refused (back
+        as another model) gets no request: Unavailable if all are refused."""
         now = time.monotonic()
         if now - self._resolved_at > self.refresh_s:
             self.refresh_soon()
         if not self.replicas:
             raise Unavailable(f"no replica of {self.address} is connected")
-        live = [r for r in self.replicas.values() if not r.retired] or list(self.replicas.values())
+        allowed = [r for r in self.replicas.values() if not r.refusal]
+        if not allowed:
+            raise Unavailable(f"every replica of {self.address} is refused: {self.replicas_refusal()}")
+        live = [r for r in allowed if not r.retired] or allowed
         up = [r for r in live if not r.is_down(now)]
         replica = self._least_loaded(up or live)
         replica.active += 1
@@ -320,7 +319,8 @@ class ReplicaPool:
         if not replica.failures:
             return None
         now = time.monotonic()
-        up = [r for r in self.replicas.values() if r is not replica and not r.retired and not r.is_down(now)]
+        up = [r for r in self.replicas.values()
+              if r is not replica and not r.retired and not r.refusal and not r.is_down(now)]
         if not up:
             return None
         moved = self._least_loaded(up)
@@ -330,6 +330,37 @@ class ReplicaPool:
     @staticmethod
     def _least_loaded(replicas: list[Replica]) -> Replica:
         return min(replicas, key=lambda r: r.active)
+
+    async def recheck(self, replica: Replica, timeout_s: float) -> str | None:
+        """For a replica that failed and answers again: it may be a process
+        restarted at the same address as another version, another model or
+        with smaller limits, so its ModelInfo is read again and `admit` runs
+        on it as on a replica that joins. Why it is refused (logged once per
+        reason), or None. Raises grpc.aio.AioRpcError when the read fails.
+        A pool with no `admit` has nothing to check: None, nothing read."""
+        if self.admit is None:
+            return None
+        await replica.client.fetch_info(timeout_s)
+        refusal = self._refusal_of(replica)
+        if refusal and refusal != replica.refusal:
+            log.warning("%s: replica %s answers again but is refused: %s", self.address, replica.address, refusal)
+        replica.refusal = refusal or ""
+        return refusal
+
+    def replicas_refusal(self) -> str:
+        """A refused replica's reason (`recheck`), for a message."""
+        return next((f"{r.address}: {r.refusal}" for r in self.replicas.values() if r.refusal), "")
+
+    def _refusal_of(self, replica: Replica) -> str | None:
+        """`admit`'s refusal of `replica`, or None."""
+        if self.admit is None:
+            return None
+        try:
+            self.admit(replica)
+        except Exception as exc:  # noqa: BLE001 - the check's own message says why
+            self.last_error = exc
+            return str(exc)
+        return None
 
     def mark_down(self, replica: Replica, why: str) -> None:
         """`replica` failed a call or a health check: new requests avoid it

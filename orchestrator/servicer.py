@@ -2,6 +2,7 @@
 stream text as soon as tokens are accepted, end with the request's statistics."""
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -15,7 +16,7 @@ from orchestrator.reply_relay import written_behind
 from orchestrator.request_stats import RequestSpec
 from orchestrator.speculation import LoopSettings, SpeculativeRequest
 from orchestrator.stop import StopMatcher, validate_stops
-from specdec.errors import InvalidArgument
+from specdec.errors import InvalidArgument, Unavailable
 from specdec.rpc import grpc_errors
 from specdec.sampling.params import SamplingParams
 from specdec.sampling.rng import random_seed
@@ -26,6 +27,8 @@ from specdec.telemetry import (A_ACCEPTANCE_RATE, A_ACCEPTED_TOKENS, A_DRAFT_MOD
                                GEN_AI_TOP_P, NOOP, SPAN_GENERATE, Telemetry)
 from specdec.v1 import orchestrator_pb2 as pb
 from specdec.v1 import orchestrator_pb2_grpc
+
+log = logging.getLogger(__name__)
 
 _FINISH = {"length": pb.FINISH_REASON_LENGTH, "stop": pb.FINISH_REASON_STOP, "eos": pb.FINISH_REASON_EOS}
 
@@ -95,13 +98,22 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         finally:
             self.in_flight -= 1
 
+    def _draft_replica(self):
+        """The request's draft replica, or None (target-only rounds, as while
+        a draft is down) when every draft replica is refused (`ReplicaPool.recheck`)."""
+        try:
+            return self.b.drafts.acquire()
+        except Unavailable as exc:
+            log.warning("decoding with the target alone: %s", exc)
+            return None
+
     async def _generate(self, request: pb.GenerateRequest, span, time_remaining: float | None):
         start = time.perf_counter()
         prompt = await prompt_tokens(request, self.b.tokenizer, self.b.vocab_size, self.b.settings.max_context,
                                      self._longest_token)
         spec, policy, stops = self._parse(request, prompt, time_remaining)
         target = TargetLease(self.b.targets, self.b.recovery)
-        draft = self.b.drafts.acquire() if spec.speculate else None
+        draft = self._draft_replica() if spec.speculate else None
         loop = SpeculativeRequest(spec, policy, target.client, target.batcher,
                                   draft.client if draft else None, self.b.settings, self.telemetry, lease=target)
         if draft is not None:

@@ -243,3 +243,104 @@ def test_a_replica_of_another_model_that_joins_later_is_refused(what, caplog):
                 loop.run(orch.stop(0))
         finally:
             loop.close()
+
+
+# ------------------------------------------------------------------ a replica back as another model
+
+def test_a_target_restarted_in_place_as_another_model_takes_no_request():
+    """One target at a fixed address stops, and a fine-tune of its model
+    starts at the same address: the health loop reads its ModelInfo again
+    before marking it up (`ReplicaPool.recheck`), refuses it, and a new
+    request fails UNAVAILABLE saying why instead of running on the other
+    model. Once the first model is back there, requests are served again,
+    as target-only decoding of that model."""
+    from orchestrator.client import Client
+
+    model = tiny_model("llama", seed=0)
+    port = _free_port()
+    address = f"127.0.0.1:{port}"
+    prompt = [3, 4, 5, 6]
+
+    def at_port():
+        cfg = local_config()
+        cfg.port = port
+        return cfg
+
+    loop = BackgroundLoop()
+    orch = None
+    try:
+        with running_target(engine(model), server_cfg=at_port()):
+            orch = loop.run(S.start_orchestrator(local_config(), OrchestratorConfig(
+                target=address, draft="", connect_timeout_s=5, health_interval_s=0.1, target_recovery_s=1),
+                tls=TlsConfig(insecure=True)))
+            with Client(f"127.0.0.1:{orch.port}", timeout_s=60) as client:
+                before = client.complete(prompt, max_tokens=12, temperature=0).token_ids
+        replica = orch.backends.targets.replicas[address]
+        wait_until(lambda: replica.failures > 0, 20)
+        with running_target(engine(fine_tuned(model, scale=0.5)), server_cfg=at_port()):
+            wait_until(lambda: replica.refusal, 20)
+            assert "weights fingerprint" in replica.refusal, replica.refusal
+            assert replica.failures > 0  # kept down: new requests avoid it
+            with Client(f"127.0.0.1:{orch.port}", timeout_s=60) as client:
+                with pytest.raises(grpc.RpcError) as refused:
+                    client.complete(prompt, max_tokens=12, temperature=0)
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "refused" in refused.value.details() and "not the same model" in refused.value.details()
+        with running_target(engine(model), server_cfg=at_port()):
+            wait_until(lambda: not replica.refusal and replica.failures == 0, 20)
+            with Client(f"127.0.0.1:{orch.port}", timeout_s=60) as client:
+                assert client.complete(prompt, max_tokens=12, temperature=0).token_ids == before
+    finally:
+        if orch is not None:
+            loop.run(orch.stop(0))
+        loop.close()
+
+
+def test_a_recovery_does_not_reopen_on_a_replica_back_as_another_model():
+    """A request's target fails; the only other replica is dead, and the
+    failed one answers again as another model: the recovery reads its
+    ModelInfo before opening there, and the request fails rather than
+    continue on the other model."""
+    import asyncio
+
+    from orchestrator.recovery import RecoverySettings, TargetLease
+    from specdec.errors import Unavailable
+    from tests.test_target_recovery import FakeTarget, _Batcher
+
+    class BackAs(FakeTarget):
+        """A replica whose ModelInfo, read again, is `model_info`."""
+
+        def __init__(self, label, model_info, **kw):
+            super().__init__(label, **kw)
+            self.info, self.next_info = info(), model_info
+
+        async def fetch_info(self, timeout):
+            self.info = self.next_info
+            return self.info
+
+    async def run():
+        a = BackAs("a", info(weights_fingerprint="w1:" + "b" * 64))
+        b = FakeTarget("b", refuse=grpc.StatusCode.UNAVAILABLE)
+        b.info = info()
+        p = pool(R.Replica(A, client=a, batcher=_Batcher()), R.Replica(B, client=b, batcher=_Batcher()))
+        p.refresh_s, p._resolved_at = 3600, time.monotonic()
+        p.replicas[B].active = 5
+        p.admit = S.admission(info(), LoopSettings(max_context=1024, max_draft_tokens=8), draft=False,
+                              reference_address=A)
+        lease = TargetLease(p, RecoverySettings(window_s=0.5, retry_initial_s=0.01, retry_max_s=0.05))
+        assert lease.client is a
+        session, _ = await a.open(None, 1.0)
+        with pytest.raises(Unavailable, match="refused: .*not the same model: weights fingerprint"):
+            await lease.reopen(None, None, Unavailable("lane broke"), lambda c, r, t: c.open(r, t))
+        assert len(a.requests) == 1, "no session re-opened on the other model"
+        assert p.replicas[A].refusal and not p.replicas[B].refusal
+        assert p.acquire() is p.replicas[B], "a refused replica gets no request, even with the others down"
+        p.replicas[B].refusal = "another model too"
+        with pytest.raises(Unavailable, match="every replica of target.svc:1 is refused"):
+            p.acquire()
+        p.replicas[B].refusal = ""
+        # Back as the reference model: admitted again.
+        a.next_info = info()
+        assert await p.recheck(p.replicas[A], 1.0) is None and not p.replicas[A].refusal
+
+    asyncio.run(run())
