@@ -44,11 +44,12 @@ class AcceptPrep:
 
     def _make_ahead(self) -> None:
         # A proposal that cannot be read (a packed q of a length no entries
-        # make) fails the round where the accept test reads it, if the target
-        # has not refused it first: not here, as the loop's error log.
+        # make, probabilities summing to 0) fails the round where the accept
+        # test reads it, if the target has not refused it first: not here,
+        # as the loop's error log.
         try:
             self.make()
-        except ValueError:
+        except (ValueError, ArithmeticError):
             self.q_of_x = self.uniforms = None
 
     def make(self) -> None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from dataclasses import dataclass
 
@@ -36,9 +37,11 @@ from opentelemetry.trace import Link, SpanKind
 from orchestrator.downstream import TargetClient, unavailable
 from orchestrator.speculation_gate import GateSettings, SpeculationGate
 from specdec.rpc import grpc_errors
-from specdec.errors import DeadlineExceeded, NotFound, SpecdecError
+from specdec.errors import DeadlineExceeded, NotFound, SpecdecError, Unavailable
 from specdec.telemetry import A_BATCH_ITEMS, A_BATCH_SESSIONS, A_PEER, NOOP, SPAN_VERIFY_BATCH, Telemetry
 from specdec.v1 import target_pb2
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -85,7 +88,9 @@ class VerifyBatcher:
 
     async def verify(self, item: target_pb2.VerifyItem, timeout: float | None = None) -> VerifyReply:
         """`item`'s reply, from the batch that carries it. `timeout`: how long
-        the caller waits for it, then DeadlineExceeded. The deadline is a
+        the caller waits for it, then DeadlineExceeded (Unavailable when it is
+        no shorter than `rpc_timeout_s`: then it is the call's limit, not a
+        deadline of the request's own). The deadline is a
         timer that fails the reply's future, not asyncio.wait_for: on every
         round that saves a task, and the two turns of the event loop it
         takes to start and to hand the reply back (~0.1 ms on the dev VM)."""
@@ -94,17 +99,36 @@ class VerifyBatcher:
         caller = otel_context.get_current() if self.telemetry.tracing else None
         if self._active <= 1 and not self._pending and self._in_flight < self.max_in_flight:
             return await self._send_alone((item, future, caller), timeout)
-        self._pending.append((item, future, caller))
+        entry = (item, future, caller)
+        self._pending.append(entry)
         self._maybe_flush()
         if self._pending and self._timer is None:
             self._timer = loop.call_later(self.window_s, self._flush)
-        if timeout is None:
-            return await future
-        deadline = loop.call_later(timeout, _expire, future)
+        # Past a timeout as long as the call's own limit (the request has no
+        # shorter deadline), the target did not answer in time: its failure,
+        # as a call alone ends (`_send_batch`), not the request's deadline.
+        deadline = (loop.call_later(timeout, _expire, future, timeout >= self.rpc_timeout_s)
+                    if timeout is not None else None)
         try:
             return await future
+        except BaseException:
+            # Cancelled, or past its time: an item still pending is nobody's
+            # now (its request ends, or moves to a new session), and goes to
+            # no batch.
+            self._withdraw(entry)
+            raise
         finally:
-            deadline.cancel()
+            if deadline is not None:
+                deadline.cancel()
+
+    def _withdraw(self, entry) -> None:
+        for i, pending in enumerate(self._pending):
+            if pending is entry:
+                del self._pending[i]
+                if not self._pending and self._timer is not None:
+                    self._timer.cancel()
+                    self._timer = None
+                return
 
     def _maybe_flush(self) -> None:
         if self._pending and (len(self._pending) >= self.max_batch or len(self._pending) >= self._active):
@@ -167,9 +191,16 @@ class VerifyBatcher:
                     error = _deadline_passed()
                 else:
                     error = unavailable("target", exc)
-                for _, future, _ in batch:
-                    if not future.done():
-                        future.set_exception(error)
+                _fail(batch, error)
+                return
+            except grpc.aio.UsageError as exc:  # the channel was closed under the call: the replica is gone
+                span.set_status(trace.Status(trace.StatusCode.ERROR, type(exc).__name__))
+                _fail(batch, Unavailable(f"the target service's channel failed: {exc}"))
+                return
+            except Exception as exc:  # noqa: BLE001 - our bug: the batch's items fail with it, none waits on
+                log.exception("a Verify of %d items failed", len(batch))
+                span.set_status(trace.Status(trace.StatusCode.ERROR, type(exc).__name__))
+                _fail(batch, SpecdecError(f"verifying failed: {type(exc).__name__}: {exc}"))
                 return
             rtt = time.perf_counter() - start
             span.set_attribute(A_BATCH_SESSIONS, reply.batch_size)
@@ -211,13 +242,20 @@ class VerifyBatcher:
             yield span
 
 
+def _fail(batch, error: Exception) -> None:
+    for _, future, _ in batch:
+        if not future.done():
+            future.set_exception(error)
+
+
 def _deadline_passed() -> DeadlineExceeded:
     return DeadlineExceeded("the request's deadline passed while verifying")
 
 
-def _expire(future: asyncio.Future) -> None:
+def _expire(future: asyncio.Future, call_limit: bool) -> None:
     if not future.done():  # its batch, when it returns, skips it
-        future.set_exception(_deadline_passed())
+        future.set_exception(Unavailable("the target service did not answer within the call's time limit")
+                             if call_limit else _deadline_passed())
 
 
 def _item_error(error: target_pb2.ItemError) -> SpecdecError:
