@@ -7,12 +7,19 @@ from dataclasses import dataclass
 from specdec.config import opt
 
 DEFAULT_PORT = 50052
+# The most entries one proposal q may keep. A Verify carries up to
+# --max-verify-batch (64) items of up to --max-draft-tokens (8) proposals:
+# at 2048 entries of 8 bytes that is 8 MiB, within the 16 MiB message limit.
+# A q of the whole 152k vocabulary is 1.2 MB: a batched Verify of two items
+# of 8 drafts went over the limit, failed, and sent each of its requests
+# through target recovery, again and again.
+MAX_Q_TOKENS = 2048
 
 
 @dataclass
 class DrafterConfig:
     drafter: str = opt("model", "model: a draft LM; ngram: prompt lookup, no model", choices=("model", "ngram"))
-    max_q_tokens: int = opt(32, "tokens kept in each sent proposal distribution q")
+    max_q_tokens: int = opt(32, f"tokens kept in each sent proposal distribution q (1 to {MAX_Q_TOKENS})")
     ngram_min: int = opt(1, "ngram drafter: shortest suffix to match")
     ngram_max: int = opt(3, "ngram drafter: longest suffix to match")
     run_ahead: str = opt("auto", "model drafter: run a Propose's steps ahead on the device, each fed the step "
@@ -26,6 +33,7 @@ class DrafterConfig:
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"--ngram-min and --ngram-max must satisfy 1 <= min <= max, "
                              f"got {self.ngram_min} and {self.ngram_max}")
-        if self.max_q_tokens < 1:
-            raise ValueError(f"--max-q-tokens must be >= 1, got {self.max_q_tokens}")
+        if not 1 <= self.max_q_tokens <= MAX_Q_TOKENS:
+            raise ValueError(f"--max-q-tokens must be between 1 and {MAX_Q_TOKENS} (a Verify of several "
+                             f"sessions must fit in one message), got {self.max_q_tokens}")
         return self

@@ -244,6 +244,15 @@ def test_serve_draft_refuses_an_ngram_range_that_matches_nothing(capsys, nothing
         "specd serve draft: error: --ngram-min and --ngram-max must satisfy 1 <= min <= max"), err
 
 
+@pytest.mark.parametrize("value", ["0", "2049", "151936"])
+def test_serve_draft_refuses_a_q_that_would_not_fit_a_verify(capsys, nothing_served, value):
+    """A q of the whole vocabulary made a batched Verify too large to send."""
+    rc, err = run_cli(["serve", "draft", "--max-q-tokens", value], capsys)
+    assert rc == EXIT_USAGE and last_line(err) == (
+        "specd serve draft: error: --max-q-tokens must be between 1 and 2048 (a Verify of several sessions "
+        f"must fit in one message), got {value}"), err
+
+
 def test_trace_refuses_a_directory_or_a_file_that_is_not_text(tmp_path, capsys):
     for action in ("list", "show"):
         rc, err = run_cli(["trace", action, "--file", str(tmp_path)], capsys)
