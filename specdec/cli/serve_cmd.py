@@ -6,7 +6,10 @@ import contextlib
 import dataclasses
 import logging
 import math
+import os
+import signal
 import sys
+import threading
 
 from draft_service.config import DEFAULT_PORT as DRAFT_PORT
 from draft_service.config import DrafterConfig
@@ -133,30 +136,61 @@ def _die_with_launcher() -> None:
     die_with_parent()
 
 
+@contextlib.contextmanager
+def _exiting_at_once_on_signals():
+    """Until the role serves (`_serve_forever` installs the drain): SIGTERM
+    and SIGINT end the process at once. A role importing torch, loading its
+    model on the engine thread (minutes for a 7B with its CUDA graphs) or
+    waiting for its backends serves nothing yet, so there is nothing to
+    drain; and as PID 1 of a container (no init process) a SIGTERM with no
+    handler is ignored, so kubelet waited out the whole grace period (45 s)
+    to delete a pod still starting. The handlers before are restored after
+    (the main thread only installs them)."""
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            previous[sig] = signal.signal(sig, _exit_now)
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _exit_now(signum, _frame) -> None:
+    name = signal.Signals(signum).name
+    log.warning("%s while starting: exiting at once (nothing is served yet)", name)
+    for handler in logging.getLogger().handlers + log.handlers:
+        with contextlib.suppress(Exception):
+            handler.flush()
+    os._exit(128 + signum)
+
+
 def _serve_draft(args: argparse.Namespace) -> int:
     _die_with_launcher()
     settings = _settings(args, "draft", ServerConfig, EngineConfig, SessionLimits, DrafterConfig)
     if settings is None:
         return EXIT_USAGE
     server_cfg, engine_cfg, limits, drafter_cfg = settings
-    with heap.importing():
-        from draft_service.server import build_drafter, start_draft_service
+    with _exiting_at_once_on_signals():
+        with heap.importing():
+            from draft_service.server import build_drafter, start_draft_service
 
-    if not _valid_engine(engine_cfg, "draft"):
-        return EXIT_USAGE
-    tls = from_args(TlsConfig, args)  # checked before anything binds, by start_model_service
+        if not _valid_engine(engine_cfg, "draft"):
+            return EXIT_USAGE
+        tls = from_args(TlsConfig, args)  # checked before anything binds, by start_model_service
 
-    async def main():
-        with role_telemetry("draft", server_cfg) as telemetry:
-            service = await start_draft_service(
-                server_cfg, limits, lambda: build_drafter(engine_cfg, drafter_cfg, limits),
-                backend_kind=drafter_cfg.drafter, telemetry=telemetry, tls=tls)
-            await _serve_forever(service.running, server_cfg, "draft", engine_cfg.model,
-                                 models_on_gpu=engine_cfg.device != "cpu")
-            service.servicer.stop_reaper()
-            service.worker.shutdown()
+        async def main():
+            with role_telemetry("draft", server_cfg) as telemetry:
+                service = await start_draft_service(
+                    server_cfg, limits, lambda: build_drafter(engine_cfg, drafter_cfg, limits),
+                    backend_kind=drafter_cfg.drafter, telemetry=telemetry, tls=tls)
+                await _serve_forever(service.running, server_cfg, "draft", engine_cfg.model,
+                                     models_on_gpu=engine_cfg.device != "cpu")
+                service.servicer.stop_reaper()
+                service.worker.shutdown()
 
-    return _run(main())
+        return _run(main())
 
 
 def _serve_target(args: argparse.Namespace) -> int:
@@ -165,24 +199,25 @@ def _serve_target(args: argparse.Namespace) -> int:
     if settings is None:
         return EXIT_USAGE
     server_cfg, engine_cfg, limits = settings
-    with heap.importing():
-        from specdec.engine.quantize import refuse_for_target
-        from target_service.server import build_verifier, start_target_service
+    with _exiting_at_once_on_signals():
+        with heap.importing():
+            from specdec.engine.quantize import refuse_for_target
+            from target_service.server import build_verifier, start_target_service
 
-    if not _valid_engine(engine_cfg, "target", refuse_for_target):
-        return EXIT_USAGE
-    tls = from_args(TlsConfig, args)
+        if not _valid_engine(engine_cfg, "target", refuse_for_target):
+            return EXIT_USAGE
+        tls = from_args(TlsConfig, args)
 
-    async def main():
-        with role_telemetry("target", server_cfg) as telemetry:
-            service = await start_target_service(server_cfg, limits, lambda: build_verifier(engine_cfg, limits),
-                                                 telemetry=telemetry, tls=tls)
-            await _serve_forever(service.running, server_cfg, "target", engine_cfg.model,
-                                 models_on_gpu=engine_cfg.device != "cpu")
-            service.servicer.stop_reaper()
-            service.worker.shutdown()
+        async def main():
+            with role_telemetry("target", server_cfg) as telemetry:
+                service = await start_target_service(server_cfg, limits, lambda: build_verifier(engine_cfg, limits),
+                                                     telemetry=telemetry, tls=tls)
+                await _serve_forever(service.running, server_cfg, "target", engine_cfg.model,
+                                     models_on_gpu=engine_cfg.device != "cpu")
+                service.servicer.stop_reaper()
+                service.worker.shutdown()
 
-    return _run(main())
+        return _run(main())
 
 
 def _serve_orchestrator(args: argparse.Namespace) -> int:
@@ -191,21 +226,22 @@ def _serve_orchestrator(args: argparse.Namespace) -> int:
     if settings is None:
         return EXIT_USAGE
     server_cfg, cfg, http_cfg = settings
-    with heap.importing():
-        from orchestrator.server import start_orchestrator
+    with _exiting_at_once_on_signals():
+        with heap.importing():
+            from orchestrator.server import start_orchestrator
 
-    tls = from_args(TlsConfig, args)  # so are these
+        tls = from_args(TlsConfig, args)  # so are these
 
-    async def main():
-        with role_telemetry("orchestrator", server_cfg) as telemetry:
-            orch = await start_orchestrator(server_cfg, cfg, telemetry=telemetry, http=http_cfg, tls=tls)
-            http = f", HTTP on {orch.http.host}:{orch.http.port}" if orch.http else ""
-            # Draining the orchestrator drains both front doors.
-            await _serve_forever(orch, server_cfg, "orchestrator", f"draft={cfg.draft} target={cfg.target}{http}",
-                                 models_on_gpu=orch.backends.on_gpus())
-            await orch.close_channels()
+        async def main():
+            with role_telemetry("orchestrator", server_cfg) as telemetry:
+                orch = await start_orchestrator(server_cfg, cfg, telemetry=telemetry, http=http_cfg, tls=tls)
+                http = f", HTTP on {orch.http.host}:{orch.http.port}" if orch.http else ""
+                # Draining the orchestrator drains both front doors.
+                await _serve_forever(orch, server_cfg, "orchestrator", f"draft={cfg.draft} target={cfg.target}{http}",
+                                     models_on_gpu=orch.backends.on_gpus())
+                await orch.close_channels()
 
-    return _run(main())
+        return _run(main())
 
 
 @contextlib.contextmanager
