@@ -189,6 +189,7 @@ def _serve_draft(args: argparse.Namespace) -> int:
                                      models_on_gpu=engine_cfg.device != "cpu")
                 service.servicer.stop_reaper()
                 service.worker.shutdown()
+                _raise_if_failed(service.running)
 
         return _run(main())
 
@@ -216,6 +217,7 @@ def _serve_target(args: argparse.Namespace) -> int:
                                      models_on_gpu=engine_cfg.device != "cpu")
                 service.servicer.stop_reaper()
                 service.worker.shutdown()
+                _raise_if_failed(service.running)
 
         return _run(main())
 
@@ -242,6 +244,13 @@ def _serve_orchestrator(args: argparse.Namespace) -> int:
                 await orch.close_channels()
 
         return _run(main())
+
+
+def _raise_if_failed(running) -> None:
+    """A service that drained itself (its device failed) exits non-zero, so
+    that `specd up` or its pod's restartPolicy restarts it."""
+    if running.failure is not None:
+        raise SpecdecError(f"stopped: {running.failure}")
 
 
 @contextlib.contextmanager

@@ -76,6 +76,11 @@ async def start_model_service(
         await running.drain(0)
         worker.shutdown()
         raise
+    async def device_failed(why: str) -> None:
+        running.failure = why  # the role exits non-zero once drained (`specd serve`)
+        await running.drain(0)  # every status NOT_SERVING, liveness's too: its calls fail anyway
+
+    servicer.on_device_failure = device_failed
     servicer.attach(backend)
     await running.set_serving()
     return ModelService(running=running, servicer=servicer, worker=worker, lane=lane)

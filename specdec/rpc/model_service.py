@@ -6,8 +6,9 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
-from typing import Callable
+from typing import Awaitable, Callable
 
+from specdec.engine import device_health
 from specdec.engine.engine import EngineInfo
 from specdec.engine.prefill import PrefillJob
 from specdec.errors import DeadlineExceeded, InvalidArgument, Unavailable
@@ -162,6 +163,10 @@ class SessionServicer:
         self.call_streams = ServedStreams()  # the service's long-lived call streams, ended by a drain
         self.opens = OpenBatcher(worker, lambda: self.backend)  # OpenSession calls arriving together share prefill passes
         self.lane_port = 0  # the lane's port once it listens (0: none)
+        # Called once the device stops computing (specdec/engine/device_health.py);
+        # start_model_service makes it drain the service so the process exits.
+        self.on_device_failure: Callable[[str], Awaitable[None]] | None = None
+        self._device_watch: asyncio.Task | None = None
 
     def lane_call(self) -> LaneCall:
         """The call this service's lane answers (the round's one call to it)."""
@@ -171,6 +176,9 @@ class SessionServicer:
         self._backend = backend
         self.telemetry.metrics.observe_sessions(backend.usage)
         self.start_reaper()
+        device = getattr(getattr(backend, "engine", None), "device", None)
+        if device_health.watched(device):
+            self._device_watch = asyncio.ensure_future(self._watch_device(device))
 
     @property
     def backend(self):
@@ -182,8 +190,24 @@ class SessionServicer:
         self._reaper = asyncio.ensure_future(self._reap_idle_sessions())
 
     def stop_reaper(self) -> None:
-        if self._reaper is not None:
-            self._reaper.cancel()
+        """Stop the background tasks: the idle-session reaper and the device watch."""
+        for task in (self._reaper, self._device_watch):
+            if task is not None:
+                task.cancel()
+
+    async def _watch_device(self, device) -> None:
+        """Every PROBE_INTERVAL_S, whether the model's device still computes
+        (`device_health.probe`, queued on the engine thread like any job);
+        the first time it does not, `on_device_failure`, and the watch ends."""
+        while True:
+            await asyncio.sleep(device_health.PROBE_INTERVAL_S)
+            why = await self.worker.run(device_health.probe, device)
+            if why is not None:
+                log.critical("the model's device %s no longer computes (%s): this service stops serving and "
+                             "exits, to be restarted", device, why)
+                if self.on_device_failure is not None:
+                    await self.on_device_failure(f"the model's device {device} failed: {why}")
+                return
 
     async def _reap_idle_sessions(self) -> None:
         period = max(0.05, min(self.limits.session_ttl_s / 4, 30.0))

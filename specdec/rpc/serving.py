@@ -213,6 +213,7 @@ class RunningServer:
         self.health = health_servicer
         self.service_names = ("", *service_names)
         self._stopped = asyncio.Event()
+        self.failure: str | None = None  # why it was drained by itself (a device that failed), if it was
         self.draining = False  # once set, nothing may report SERVING again
         # Run when a drain stops accepting calls: what must end for the grace
         # period to be able to end (the servicers' long-lived call streams).
