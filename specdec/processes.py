@@ -47,23 +47,29 @@ def wait_serving(port: int, procs: list[subprocess.Popen], timeout_s: float, cre
     raise RuntimeError(f"the service on port {port} was not SERVING after {timeout_s:.0f} s")
 
 
-def stop_processes(procs: list[subprocess.Popen], grace_s: float = 30.0) -> None:
+def stop_processes(procs: list[subprocess.Popen], grace_s: float = 30.0,
+                   first: Sequence[subprocess.Popen] = ()) -> None:
     """SIGTERM every process (they drain), then SIGKILL what is left after
-    grace_s. A Ctrl-C or SIGTERM meanwhile kills them at once (see
-    `_signals_kill`) rather than interrupting the stop."""
+    grace_s. Those of `first` are stopped, and waited for, before the others
+    are signalled: a front that drains needs its backends meanwhile. A Ctrl-C
+    or SIGTERM meanwhile kills them all at once (see `_signals_kill`) rather
+    than interrupting the stop."""
+    first_ids = {id(p) for p in first}
+    stages = [[p for p in procs if id(p) in first_ids], [p for p in procs if id(p) not in first_ids]]
     with _signals_kill(procs):
-        for p in procs:
-            if p.poll() is None:
+        for stage in stages:
+            for p in stage:
+                if p.poll() is None:
+                    try:
+                        p.send_signal(signal.SIGTERM)
+                    except ProcessLookupError:
+                        pass
+            for p in stage:
                 try:
-                    p.send_signal(signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
-        for p in procs:
-            try:
-                p.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(timeout=10)
+                    p.wait(timeout=grace_s)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait(timeout=10)
 
 
 @contextmanager
@@ -328,11 +334,14 @@ class Supervisor:
                 self._log(f"specd up: restarting {child.role} (restart {child.restarts})")
                 self._spawn(child)
 
-    def stop(self, grace_s: float = 30.0) -> None:
+    def stop(self, grace_s: float = 30.0, first: Sequence[str] = ()) -> None:
+        """Stop every child; the roles in `first` are stopped, and waited
+        for, before the others (`stop_processes`)."""
         self._stopped = True
         for child in self.children.values():
             child.restart_at = None
-        stop_processes(self.processes, grace_s)
+        stop_processes(self.processes, grace_s,
+                       first=[c.proc for c in self.children.values() if c.role in first and c.proc is not None])
 
     def _spawn(self, child: Child) -> None:
         # The children stop when this process dies, however (`die_with_parent`):

@@ -9,6 +9,7 @@ import http.client
 import json
 import socket
 import threading
+import time
 import urllib.error
 import urllib.request
 from contextlib import contextmanager
@@ -276,7 +277,46 @@ def test_malformed_bodies_and_unknown_routes(http_system):
     assert status == 404 and error["error"]["type"] == "not_found_error"
 
 
+def test_an_empty_body_is_a_400_that_says_so(http_system):
+    # `curl -X POST` without -d: the message read "None is required".
+    status, error = post(http_system, "/v1/completions", b"")
+    assert status == 400 and error["error"]["message"].startswith("the request body is empty")
+    assert error["error"]["param"] is None
+
+
 # ------------------------------------------------------ lifecycle, errors
+
+def test_requests_over_the_http_bound_get_503_at_once_and_health_still_answers(http_system):
+    """The gRPC port is bounded (--max-concurrent-rpcs); the HTTP port admitted
+    any number of requests, each waiting as long as the one before it."""
+    s = http_system
+    cfg = s.orchestrator.http.state.cfg
+    body = {"model": s.model, "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+    cfg.http_max_concurrent_requests = 1
+    try:
+        replies = []
+        with s.target_gate.shut() as gate:
+            first = threading.Thread(target=lambda: replies.append(post(s, "/v1/completions", body)))
+            first.start()
+            assert gate.holding.wait(20), "the first request never reached a verify"
+            started = time.monotonic()
+            with openai_client(s, timeout_s=10) as client, pytest.raises(openai.InternalServerError) as err:
+                client.completions.create(**body)  # a 503 at once, not a wait behind the first
+            assert time.monotonic() - started < 5
+            assert err.value.status_code == 503 and err.value.code == "unavailable"
+            assert "--http-max-concurrent-requests" in err.value.message
+            assert err.value.response.headers["retry-after"] == "1"
+            url = f"http://127.0.0.1:{s.orchestrator.http.port}/health"
+            with urllib.request.urlopen(url, timeout=5) as response:  # probes are not counted
+                assert response.status == 200
+        first.join(60)
+        assert replies and replies[0][0] == 200
+        assert post(s, "/v1/completions", body)[0] == 200  # the place was given back
+    finally:
+        cfg.http_max_concurrent_requests = HttpConfig.http_max_concurrent_requests
+    with pytest.raises(ValueError, match="--http-max-concurrent-requests"):
+        HttpConfig(http_max_concurrent_requests=0).validate()
+
 
 def test_a_client_that_disconnects_mid_stream_frees_both_sessions(http_system):
     s = http_system
@@ -371,3 +411,39 @@ def test_draining_lets_requests_in_flight_finish_and_refuses_new_ones():
         with pytest.raises(openai.APIConnectionError):
             client.completions.create(model="tiny-llama-0", prompt="hi", max_tokens=2)
         client.close()
+
+
+def test_a_request_still_running_when_the_drain_grace_ends_gets_a_503_in_openai_json():
+    """uvicorn cancels what is left when the grace is over, and answered a
+    request not yet answered with its own plain-text 500 (and an "Exception in
+    ASGI application" traceback in the log): a shutdown, not our bug; a 503
+    tells the client to retry it elsewhere."""
+    tokenizer, target, _ = tiny_text_pair()
+    engine = tiny_engine(model=target)
+    slow = threading.Event()
+    engine.forward_model.register_forward_hook(lambda *_: slow.is_set() and time.sleep(0.05))
+    with running_system(engine, tokenizer=tokenizer, http=HttpConfig(http_port=0)) as s:
+        replies = []
+        body = {"model": "tiny-llama-0", "prompt": PROMPT, "max_tokens": 900, "temperature": 0}
+
+        def send():
+            connection = http.client.HTTPConnection("127.0.0.1", s.orchestrator.http.port, timeout=60)
+            connection.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+            response = connection.getresponse()
+            replies.append((response.status, response.getheader("content-type"), response.read().decode()))
+            connection.close()
+
+        worker = threading.Thread(target=send)
+        slow.set()
+        worker.start()
+        try:
+            assert _wait_until(lambda: s.orchestrator.backends.targets.any().active == 1)
+            s.loop.run(s.orchestrator.http.stop(0.2))  # 900 tokens take far longer
+        finally:
+            worker.join(60)
+            slow.clear()
+        status, content_type, text = replies[0]
+        assert (status, content_type) == (503, "application/json"), replies[0]
+        error = json.loads(text)["error"]
+        assert error["code"] == "unavailable" and "shut down" in error["message"]
+        assert _wait_until(lambda: s.orchestrator.backends.targets.any().active == 0, timeout=20)

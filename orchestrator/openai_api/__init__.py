@@ -11,5 +11,7 @@ one loop, one set of checks, one set of statistics.
 - `translate.py`: request -> GenerateRequest, statistics -> usage and metrics (pure);
 - `errors.py`: the core's errors -> HTTP status and the OpenAI error JSON;
 - `runner.py`: one request on the shared path, in a task of its own, traced;
-- `app.py`: the routes and the SSE stream; `server.py`: uvicorn in our loop.
+- `app.py`: the routes and the SSE stream; `server.py`: uvicorn in our loop;
+- `body_limit.py`, `concurrency.py`: ASGI middleware bounding a request's body
+  (413) and the requests in flight (503).
 """

@@ -19,6 +19,7 @@ request is watched for the disconnect while it runs, a stream by Starlette
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 import time
@@ -36,6 +37,7 @@ from specdec.telemetry import (CLIENT_ADDRESS, HTTP_REQUEST_METHOD, HTTP_ROUTE, 
 
 from . import responses, translate
 from .body_limit import BodyLimit
+from .concurrency import ConcurrencyLimit
 from .config import HttpConfig
 from .errors import ApiError, api_error
 from .runner import ClientGone, RequestRun, unless_gone
@@ -75,8 +77,11 @@ def create_app(state: FrontDoorState) -> FastAPI:
                   description="Speculative decoding over gRPC services; output distributed as the target model's.")
     app.state.front_door = state
     _install_error_handlers(app)
-    # Outermost last: the metrics, then the key (a 401 reads no body), then the body's size.
+    # Outermost last: the metrics, then the key (a 401 reads no body), then the
+    # bound on requests in flight (a 503 reads no body), then the body's size.
     app.add_middleware(BodyLimit, max_bytes=state.cfg.http_max_body_bytes, refuse=_error_response)
+    app.add_middleware(ConcurrencyLimit, max_requests=lambda: state.cfg.http_max_concurrent_requests,
+                       refuse=_error_response)
     if state.api_keys is not None and state.api_keys.required:
         app.add_middleware(_ApiKeyGate, checker=state.api_keys)
     app.add_middleware(_HttpMetrics, telemetry=state.telemetry)
@@ -133,6 +138,17 @@ async def _generate(state: FrontDoorState, request: Request, body, chat: bool) -
         first = await unless_gone(run.next(), request.receive, run)
     except ClientGone:
         return Response(status_code=499)  # nobody reads it; the request has been ended
+    except asyncio.CancelledError:
+        if not state.draining:
+            raise
+        # The drain's grace is over and uvicorn cancels what is left: it would
+        # answer with its own plain-text 500 and log a traceback. The request
+        # has been ended (unless_gone); a 503 tells the client to retry it.
+        task = asyncio.current_task()
+        if hasattr(task, "uncancel"):  # Python 3.11+: this cancellation is handled
+            task.uncancel()
+        return _error_response(ApiError(503, "the server shut down before this request finished "
+                                             "(its --drain-grace-s ran out): retry it", code="unavailable"))
     return StreamingResponse(_events(run, head, first), media_type="text/event-stream",
                              headers={**headers, **STREAM_HEADERS})
 
@@ -215,6 +231,8 @@ def validation_error(errors: list[dict]) -> ApiError:
         param = None
     elif kind in ("model_attributes_type", "dict_type") and not loc:
         message = "the request body must be a JSON object (Content-Type: application/json)"
+    elif kind == "missing" and not loc:  # no body at all (FastAPI's loc is ("body",))
+        message = "the request body is empty: send a JSON object (Content-Type: application/json)"
     elif kind == "missing":
         message = f"{param} is required"
     else:

@@ -6,8 +6,10 @@ and then supervises the three (`specdec.processes.Supervisor`): a role that
 exits is restarted with backoff while the others keep serving; requests in
 flight survive it (the orchestrator decodes without the draft, and re-opens
 a lost target session by prefilling the history). Ctrl-C (or SIGTERM) stops
-all three and waits for them to drain; a second one kills them at once. A role that exits during start-up still stops
-everything: that is a configuration error, not a crash.
+all three and waits for them to drain, the orchestrator first (its requests
+in flight need draft and target to finish); a second one kills them at once.
+A role that exits during start-up still stops everything: that is a
+configuration error, not a crash.
 
 `--tls` creates a throwaway CA in a temporary directory (deleted on exit):
 the orchestrator then dials draft and target over mutual TLS and serves TLS
@@ -17,14 +19,16 @@ orchestrator through the environment.
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import time
 
-from specdec.cli.flag_types import duration, int_in, port_or_off
+from specdec.cli.flag_types import duration, int_in
 from specdec.cli.model_flags import add_device, add_dtype, add_role_devices, add_threads
 from specdec.config import MAX_PORT
 from specdec.engine.config import QUANTIZE_CHOICES
@@ -36,6 +40,21 @@ from specdec.trace_file import TRACE_FILE_ENV, default_trace_file
 # Ports `specd up` waits on until their role serves: 0 (any free port) would
 # leave it nothing to wait on.
 SERVED_PORT = int_in(1, MAX_PORT, "specd up waits on it: not 0")
+
+
+_HTTP_PORT_NOTE = "-1: off; not 0: specd up prints where it serves"
+_http_port_in_range = int_in(-1, MAX_PORT, _HTTP_PORT_NOTE)
+
+
+def HTTP_PORT(text: str) -> int:
+    """Nor for the HTTP port: 0 printed http://127.0.0.1:0/v1 as where to connect."""
+    value = _http_port_in_range(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"must be in [-1, {MAX_PORT}] ({_HTTP_PORT_NOTE}), got 0")
+    return value
+
+
+HTTP_PORT.__name__ = _http_port_in_range.__name__  # argparse's name for it in other messages
 # The orchestrator's metrics port; the draft's is one above, the target's two.
 METRICS_PORT = int_in(0, MAX_PORT - 2, "0: off; the draft's is this + 1, the target's + 2")
 
@@ -53,7 +72,7 @@ def register(sub) -> None:
                    help="the draft's linear layers as int8 (CPU only; see docs/benchmarks.md \"An int8 draft\"); "
                         "auto: int8 for a draft on a CPU with VNNI whose hidden size is >= 512 (default auto)")
     p.add_argument("--port", type=SERVED_PORT, default=50051, help="orchestrator port")
-    p.add_argument("--http-port", type=port_or_off, default=8000,
+    p.add_argument("--http-port", type=HTTP_PORT, default=8000,
                    help="the orchestrator's OpenAI-compatible HTTP API (/v1) port (-1: off)")
     p.add_argument("--draft-port", type=SERVED_PORT, default=50052)
     p.add_argument("--target-port", type=SERVED_PORT, default=50053)
@@ -91,11 +110,57 @@ def _metrics_flag(args, offset: int) -> list[str]:
     return ["--metrics-port", str(args.metrics_port + offset if args.metrics_port else 0)]
 
 
+def _port_problems(args) -> list[str]:
+    """The ports the three roles will bind that are taken (or named twice).
+    grpc binds with SO_REUSEPORT, so a role started on a port another server
+    listens on does not fail: both serve it, the kernel splitting the
+    connections between them, and the start-up's health checks were answered
+    by the other one (a `specd up` still running in another terminal)."""
+    wanted = [("--port", args.port), ("--draft-port", args.draft_port), ("--target-port", args.target_port)]
+    if args.http_port > 0:
+        wanted.append(("--http-port", args.http_port))
+    if args.metrics_port:
+        wanted += [("--metrics-port", args.metrics_port), ("the draft's metrics port (--metrics-port + 1)",
+                                                           args.metrics_port + 1),
+                   ("the target's metrics port (--metrics-port + 2)", args.metrics_port + 2)]
+    problems, named = [], {}
+    for flag, port in wanted:
+        if port in named:
+            problems.append(f"{flag} and {named[port]} are both {port}")
+            continue
+        named[port] = flag
+        problem = _bind_problem(port)
+        if problem:
+            problems.append(f"{flag} {port} {problem}")
+    return problems
+
+
+def _bind_problem(port: int) -> str:
+    """Why 127.0.0.1:PORT cannot be bound ("" if it can). Without
+    SO_REUSEPORT, a port some socket listens on (with SO_REUSEPORT or not, on
+    127.0.0.1 or on every address) is refused; one only in TIME_WAIT is not
+    (SO_REUSEADDR, as the servers bind)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return "is in use on 127.0.0.1 (another `specd up`?)"
+            return f"cannot be bound on 127.0.0.1: {exc.strerror}"
+    return ""
+
+
 def _serve_cmd(role: str, extra: list[str]) -> list[str]:
     return [sys.executable, "-m", "specdec.cli.main", "serve", role, *extra]
 
 
 def run(args: argparse.Namespace) -> int:
+    problems = _port_problems(args)
+    if problems:
+        print("specd up: cannot start: " + "; ".join(problems) + ". Free them, or choose other ports (--port, "
+              "--draft-port, --target-port, --http-port, --metrics-port).", file=sys.stderr)
+        return 1
     try:
         _fetch_missing(args)
     except Exception as exc:  # noqa: BLE001 - one clear line for the user
@@ -172,6 +237,9 @@ def run(args: argparse.Namespace) -> int:
         return 1
     finally:
         print("specd up: stopping...", file=sys.stderr)
-        supervisor.stop()
+        # The orchestrator first: its requests in flight finish within its
+        # drain grace only while draft and target still serve them. Stopped
+        # together, the target went at once and those requests failed.
+        supervisor.stop(first=("orchestrator",))
         if tls_dir is not None:
             shutil.rmtree(tls_dir, ignore_errors=True)
