@@ -294,3 +294,24 @@ def test_the_health_port_ends_calls_that_outlive_its_connection_age(monkeypatch)
             assert await check(channel) == Status.SERVING  # a new connection serves
 
     asyncio.run(run())
+
+
+def test_a_port_in_use_is_refused_not_shared():
+    """grpc binds with SO_REUSEPORT unless told not to: a second server on a
+    port in use bound it too, and the kernel split the connections between
+    the two processes. Now the second start fails, saying which port."""
+    import asyncio
+
+    from specdec.rpc.serving import ServerConfig, start_server
+
+    async def run():
+        first = await start_server(ServerConfig(port=0, health_port=0), lambda s: None, [])
+        try:
+            with pytest.raises(OSError, match=rf"cannot bind 127.0.0.1:{first.port}: another process"):
+                await start_server(ServerConfig(port=first.port), lambda s: None, [])
+            with pytest.raises(OSError, match=rf"cannot bind the health port 127.0.0.1:{first.health_port}"):
+                await start_server(ServerConfig(port=0, health_port=first.health_port), lambda s: None, [])
+        finally:
+            await first.drain(0)
+
+    asyncio.run(run())

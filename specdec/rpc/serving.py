@@ -30,6 +30,12 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 # most that.
 INLINE_MAX_S = 0.010
 
+# grpc binds its ports with SO_REUSEPORT unless told not to: a second
+# server on a port in use (a `specd serve` started twice) bound it too, and
+# the kernel split the connections between two processes, silently. Without
+# it, the second bind fails ("cannot bind").
+NO_REUSEPORT = ("grpc.so_reuseport", 0)
+
 # Bounds on what callers may hold open (docs/security.md, "Bounded calls").
 # --max-concurrent-rpcs: calls one gRPC port serves at once, each stream
 # counting until it ends; the (N+1)th gets RESOURCE_EXHAUSTED from grpc itself
@@ -101,9 +107,11 @@ class ServerConfig:
             raise ValueError(f"--max-concurrent-rpcs must be at least 1, got {self.max_concurrent_rpcs}")
 
     def channel_options(self) -> list[tuple[str, int]]:
+        """The server's options: its message limits, and no SO_REUSEPORT."""
         return [
             ("grpc.max_receive_message_length", self.max_message_bytes),
             ("grpc.max_send_message_length", self.max_message_bytes),
+            NO_REUSEPORT,
         ]
 
 
@@ -321,15 +329,26 @@ async def start_server(
                  reflection.SERVICE_NAME]
         reflection.enable_server_reflection(names, server)
     address = bind_address(cfg.host, cfg.port)
-    port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
-    if port == 0:
-        raise OSError(f"cannot bind {cfg.host}:{cfg.port}")
+    port = _bind(lambda: server.add_secure_port(address, credentials) if credentials
+                 else server.add_insecure_port(address), f"{cfg.host}:{cfg.port}")
     health_server, health_port = (await _start_health_only(cfg, health_servicer)) if cfg.health_port >= 0 else (None, -1)
     running = RunningServer(server, port, health_servicer, service_names, health_server, health_port)
     await running.set_status(NOT_SERVING)
     await server.start()
     log.info("listening on %s%s", bind_address(cfg.host, port), " (TLS)" if credentials else "")
     return running
+
+
+def _bind(add_port: Callable[[], int], what: str) -> int:
+    """The port grpc bound, or OSError saying which could not be (grpc
+    answers 0 or raises RuntimeError, by version)."""
+    try:
+        port = add_port()
+    except RuntimeError:
+        port = 0
+    if port == 0:
+        raise OSError(f"cannot bind {what}: another process may be using it")
+    return port
 
 
 async def _start_health_only(cfg: ServerConfig, health_servicer) -> tuple[grpc.aio.Server, int]:
@@ -345,14 +364,13 @@ async def _start_health_only(cfg: ServerConfig, health_servicer) -> tuple[grpc.a
     after HEALTH_PORT_MAX_CONNECTION_AGE_MS, so calls that never end give
     their places back."""
     server = grpc.aio.server(
-        options=[("grpc.max_connection_age_ms", HEALTH_PORT_MAX_CONNECTION_AGE_MS),
+        options=[NO_REUSEPORT, ("grpc.max_connection_age_ms", HEALTH_PORT_MAX_CONNECTION_AGE_MS),
                  ("grpc.max_connection_age_grace_ms", HEALTH_PORT_MAX_CONNECTION_AGE_GRACE_MS)],
         maximum_concurrent_rpcs=HEALTH_PORT_MAX_CONCURRENT_RPCS)
     health_pb2_grpc.add_HealthServicer_to_server(
         BoundedHealth(health_servicer, watch_limit(HEALTH_PORT_MAX_CONCURRENT_RPCS)), server)
-    port = server.add_insecure_port(bind_address(cfg.host, cfg.health_port))
-    if port == 0:
-        raise OSError(f"cannot bind the health port {cfg.host}:{cfg.health_port}")
+    port = _bind(lambda: server.add_insecure_port(bind_address(cfg.host, cfg.health_port)),
+                 f"the health port {cfg.host}:{cfg.health_port}")
     await server.start()
     log.info("health checks (plaintext, grpc.health.v1 only) on %s:%d", cfg.host, port)
     return server, port
