@@ -190,6 +190,21 @@ def test_seeded_sampling_and_speculation_options(http_system):
     assert off.model_extra["metrics"]["speculative_decoding"]["num_spec_steps"] == 0
 
 
+def test_a_negative_seed_is_its_uint64_bits(http_system):
+    """OpenAI's and vLLM's seed is any int64: -1 is taken, as the seed 2^64 - 1."""
+    s = http_system
+    kwargs = dict(model=s.model, prompt=PROMPT, max_tokens=12, temperature=0.9)
+    negative = s.openai.completions.create(seed=-1, **kwargs)
+    assert negative.model_extra["metrics"]["specdec"]["seed"] == 2**64 - 1
+    assert negative.choices[0].text == s.openai.completions.create(seed=2**64 - 1, **kwargs).choices[0].text
+
+
+def test_health_answers_head_as_get(http_system):
+    request = urllib.request.Request(f"http://127.0.0.1:{http_system.orchestrator.http.port}/health", method="HEAD")
+    with urllib.request.urlopen(request, timeout=10) as reply:
+        assert reply.status == 200 and reply.read() == b""
+
+
 def test_stop_strings_truncate_and_finish_with_stop(http_system):
     s = http_system
     full = s.openai.completions.create(model=s.model, prompt="abc", max_tokens=40, temperature=0).choices[0].text

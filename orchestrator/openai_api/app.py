@@ -86,7 +86,7 @@ def create_app(state: FrontDoorState) -> FastAPI:
         app.add_middleware(_ApiKeyGate, checker=state.api_keys)
     app.add_middleware(_HttpMetrics, telemetry=state.telemetry)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # some load balancers probe with HEAD
     async def health():
         """Readiness, for HTTP load balancers: 503 also while no target
         replica is reachable. Requests are still taken then (they wait for a

@@ -52,7 +52,7 @@ class GenerationRequest(_Strict):
     temperature: float | None = None  # null: 1.0; 0: greedy
     top_p: float | None = None
     top_k: Int32 | None = None  # extension; 0 or -1: off
-    seed: int | None = Field(None, ge=0, le=2**64 - 1)
+    seed: int | None = Field(None, ge=-2**63, le=2**64 - 1)  # OpenAI's and vLLM's int64, or our uint64
     stop: str | list[str] | None = None
     stream: Switch | None = False
     stream_options: StreamOptions | None = None

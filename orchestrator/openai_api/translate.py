@@ -122,7 +122,7 @@ def _common(body: GenerationRequest, max_tokens: int, request_id: str) -> pb.Gen
     if body.top_p is not None:
         request.top_p = body.top_p
     if body.seed is not None:
-        request.seed = body.seed
+        request.seed = body.seed % 2**64  # a negative int64 seed (vLLM takes any) as its uint64 bits
     if body.speculation is not None:
         s = body.speculation
         request.speculation.CopyFrom(pb.SpeculationOptions(
