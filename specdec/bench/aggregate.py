@@ -32,9 +32,15 @@ def _units(records: Iterable[dict]) -> dict[int, list[dict]]:
 def _repeat_figures(records: list[dict]) -> dict:
     """tokens/s (tokens of the successful requests over the summed wall time of
     their units: aggregate for concurrency > 1), median TTFT, and per-token
-    latency percentiles for one repeat of one run."""
+    latency percentiles for one repeat of one run.
+
+    A unit none of whose requests succeeded adds no tokens, so it adds no
+    time either (counting it added a failed request's wall time, up to its
+    deadline, to the successful ones' tokens); the errors are reported on
+    their own. A repeat with no successful request has no rate (None, left
+    out of the median), not 0."""
     ok = [r for r in records if r["ok"]]
-    units = _units(records)
+    units = _units(ok)
     wall = sum(rs[0]["unit_wall_s"] for rs in units.values())
     tokens = sum(r["completion_tokens"] for r in ok)
     samples = [s for r in ok for s in A.inter_token_samples([tuple(a) for a in r["arrivals"]])]

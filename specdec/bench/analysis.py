@@ -178,17 +178,29 @@ def time_split(pooled: dict) -> dict:
     other = network + orchestration = duration − draft − target − prefill:
     gRPC and serialization, the verify batcher's window, session closes,
     acceptance, and any added network delay. Shares are of the summed
-    duration; with pipelined drafting draft and target overlap, so other is
-    floored at 0.
+    duration. With pipelined drafting the draft computes while the target
+    verifies: draft and target then overlap, their shares can add up to more
+    than the request's time, and other is the system's own time less that
+    overlap, negative when the overlap is the larger. It is reported as it
+    is (it was floored at 0, which showed a pipelined run's overlap as an
+    "other" of 0%); overlap_s says how far the three model terms exceed the
+    request's time (0 when they do not).
+
+    At concurrency > 1 a batched Verify (or draft step) reports the whole
+    pass's compute to each request it carried: each request did wait that
+    long, so the shares of request time hold, but the seconds summed over
+    requests are request time, not the services' busy time (a pass shared
+    by 8 requests counts 8 times).
     """
     duration = pooled.get("duration_s") or 0.0
     reported = (pooled.get("draft_compute_time_s") or 0.0) > 0 or not pooled.get("proposed_tokens")
     draft = (pooled.get("draft_compute_time_s") or 0.0) if reported else (pooled.get("draft_time_s") or 0.0)
     target = pooled.get("target_compute_time_s") or 0.0
     prefill = pooled.get("prefill_time_s") or 0.0
-    other = max(0.0, duration - draft - target - prefill)
+    other = duration - draft - target - prefill
     return {
         "draft_s": draft, "target_s": target, "prefill_s": prefill, "other_s": other, "duration_s": duration,
+        "overlap_s": max(0.0, -other),
         "draft_share": ratio(draft, duration), "target_share": ratio(target, duration),
         "prefill_share": ratio(prefill, duration), "other_share": ratio(other, duration),
         "draft_compute_reported": reported,

@@ -14,6 +14,13 @@ difference, the flip is a numerical tie, not a logic error; fp32 should then
 agree. (Any flip has a top-2 gap of at most twice the paths' difference;
 what tells rounding from a logic error is the size of that difference: one
 or two bf16 steps at the logits' magnitude, or more.)
+
+Both paths run `max_tokens` forwards whatever they emit, but a request ends
+at its first end-of-sequence token (the orchestrator emits nothing from it
+on): the outputs compared are the served ones, each cut at its first EOS id
+of the target (its generation config's and its tokenizer's, as the
+orchestrator counts them). A difference past an EOS both paths emitted at
+the same place is not one a client could see.
 """
 from __future__ import annotations
 
@@ -111,21 +118,43 @@ def speculative(target, draft, prompt: list[int], n: int, k: int) -> tuple[list[
     return out[:n], rows[:n]
 
 
+def eos_ids_of(engine) -> frozenset[int]:
+    """The ids that end a request on this target: its model's EOS ids and its
+    tokenizer's, as the orchestrator takes them (orchestrator/server.py)."""
+    ids = set(engine.info.eos_token_ids)
+    tokenizer = getattr(engine, "tokenizer", None)
+    if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return frozenset(ids)
+
+
+def served(tokens: list[int], eos_ids=frozenset()) -> list[int]:
+    """The tokens a client receives: those before the first EOS id."""
+    return next((tokens[:i] for i, t in enumerate(tokens) if t in eos_ids), tokens)
+
+
 def first_difference(ref: list[int], ref_rows: list[torch.Tensor], spec: list[int],
-                     spec_rows: list[torch.Tensor]) -> Difference | None:
-    t = next((j for j, (a, b) in enumerate(zip(ref, spec)) if a != b), None)
-    if t is None:
+                     spec_rows: list[torch.Tensor], eos_ids=frozenset()) -> Difference | None:
+    """Where the served outputs (each cut at its first EOS id) first differ,
+    over the whole of both: a token against another, or one output ending
+    where the other goes on (compared as prefixes, one ending early would
+    read as identical). None when they are equal."""
+    ref_out, spec_out = served(ref, eos_ids), served(spec, eos_ids)
+    if ref_out == spec_out:
         return None
+    t = next((j for j, (a, b) in enumerate(zip(ref_out, spec_out)) if a != b), min(len(ref_out), len(spec_out)))
     a, b = ref_rows[t], spec_rows[t]
     return Difference(t, ref[t], spec[t], TopTwo.of(a), TopTwo.of(b), float((a - b).abs().max()))
 
 
 def diagnose(target, draft, prompts: list[list[int]], max_tokens: int, k: int, first_index: int = 0):
-    """Yields a PromptResult per prompt, as each is done (numbered from first_index)."""
+    """Yields a PromptResult per prompt, as each is done (numbered from first_index);
+    its tokens: the target-only output's, as served (up to its first EOS)."""
+    eos = eos_ids_of(target)
     for i, prompt in enumerate(prompts, start=first_index):
         ref, ref_rows = target_only(target, prompt, max_tokens)
         spec, spec_rows = speculative(target, draft, prompt, max_tokens, k)
-        yield PromptResult(i, len(ref), first_difference(ref, ref_rows, spec, spec_rows))
+        yield PromptResult(i, len(served(ref, eos)), first_difference(ref, ref_rows, spec, spec_rows, eos))
 
 
 def describe(result: PromptResult) -> str:

@@ -14,6 +14,26 @@ def _style(temperature: float) -> str:
     return "o-" if temperature == 0 else "s--"
 
 
+def config_variant(name: str) -> str:
+    """What a config's name says after its base (fixed-k4/v16384/c0.5: "v16384/c0.5"): its draft head,
+    batcher, gate and min-confidence variant; "" for the plain config."""
+    return name.split("/", 1)[1] if "/" in name else ""
+
+
+def speedup_vs_k_lines(fixed: list[dict], temperature: float) -> dict[str, list[tuple]]:
+    """The speedup-vs-k plot's lines at one temperature: one per variant
+    (config_variant), each [(k, measured speedup, expected speedup)] in
+    order of k. Runs of one k on several draft heads or min confidences are
+    other configs, not other points of one line (drawn as one, the line went
+    back and forth between them at each k)."""
+    lines: dict[str, list[tuple]] = {}
+    for r in fixed:
+        if r["temperature"] == temperature and r["speedup_vs_target_only"] is not None:
+            lines.setdefault(config_variant(r["config"]), []).append(
+                (r["k"], r["speedup_vs_target_only"], r.get("expected_speedup")))
+    return {variant: sorted(pts, key=lambda p: p[0]) for variant, pts in lines.items()}
+
+
 def write_plots(runs: list[dict], out_dir: Path | str) -> list[str]:
     """PNG plots into out_dir; returns their file names."""
     import matplotlib
@@ -48,23 +68,24 @@ def write_plots(runs: list[dict], out_dir: Path | str) -> list[str]:
     ax.legend(fontsize=7)
     save(fig, "tokens_per_s_per_config.png")
 
-    # speedup vs k, per temperature
+    # speedup vs k, one line per temperature and variant (draft head, min confidence)
     fixed = [r for r in one if r["policy"] == "fixed" and not r["pipeline"]]
     if fixed:
         fig, ax = plt.subplots(figsize=(6.4, 4.2))
         for temp in temps:
-            pts = sorted((r["k"], r["speedup_vs_target_only"], r.get("expected_speedup")) for r in fixed
-                         if r["temperature"] == temp and r["speedup_vs_target_only"] is not None)
-            if not pts:
-                continue
-            line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"measured, {temperature_label(temp)}")
-            exp = [(p[0], p[2]) for p in pts if p[2] is not None]
-            if exp:
-                ax.plot([p[0] for p in exp], [p[1] for p in exp], "x--", color=line.get_color(),
-                        label=f"expected (bound), {temperature_label(temp)}")
+            colors = {}  # each line's colour, by variant
+            for variant, pts in speedup_vs_k_lines(fixed, temp).items():
+                what = temperature_label(temp) + (f", {variant}" if variant else "")
+                line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"measured, {what}")
+                colors[variant] = line.get_color()
+                exp = [(p[0], p[2]) for p in pts if p[2] is not None]
+                if exp:
+                    ax.plot([p[0] for p in exp], [p[1] for p in exp], "x--", color=line.get_color(),
+                            label=f"expected (bound), {what}")
             for r in one:
                 if r["temperature"] == temp and r["kind"] == HF_ASSISTED and r["speedup_vs_target_only"]:
-                    ax.axhline(r["speedup_vs_target_only"], color=line.get_color(), linestyle=":",
+                    ax.axhline(r["speedup_vs_target_only"], color=colors.get("", next(iter(colors.values()), None)),
+                               linestyle=":",
                                label=f"HF assisted, {temperature_label(temp)}")
         ax.axhline(1.0, color="grey", linewidth=0.8)
         ax.set_xticks(sorted({r["k"] for r in fixed}))

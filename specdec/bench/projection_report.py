@@ -46,10 +46,12 @@ def draft_heads(runs: list[dict]) -> list[int | None]:
 
 def request_tokens(run: dict) -> int | None:
     """The run's mean completion tokens per request: the length its requests
-    are projected at (a short request makes fewer tokens per round)."""
-    if not run.get("requests") or not run.get("completion_tokens"):
+    are projected at (a short request makes fewer tokens per round). Over
+    the requests that succeeded: completion_tokens counts only theirs."""
+    succeeded = (run.get("requests") or 0) - (run.get("errors") or 0)
+    if succeeded <= 0 or not run.get("completion_tokens"):
         return None
-    return max(1, round(run["completion_tokens"] / run["requests"]))
+    return max(1, round(run["completion_tokens"] / succeeded))
 
 
 def measured_costs(runs: list[dict], temperature: float,

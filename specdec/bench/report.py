@@ -273,7 +273,9 @@ def summary_markdown(runs: list[dict], *, meta: dict) -> str:
 
 DEFINITIONS = (
     "tok/s: emitted tokens over client-side wall time, per repeat, median across repeats; at concurrency c, "
-    "all tokens of a wave of requests over the wave's wall time (aggregate).",
+    "all tokens of a wave of requests over the wave's wall time (aggregate). The tokens are those of the "
+    "requests that succeeded, the time that of the requests (or waves) in which one did: a failed request's "
+    "time is not charged to the others' tokens; the errors are listed apart.",
     "target-only: the same orchestrator and target service with speculation disabled; hf: transformers "
     "generate with the target in the bench process; hf-assisted: generate(..., assistant_model=draft) with "
     "transformers' default assistant settings. All get identical prompt token ids.",
@@ -284,7 +286,10 @@ DEFINITIONS = (
     "forward time (draft_compute_time_s; * = not reported, the propose RPC time instead), the target's verify "
     "compute (target_compute_time_s), the session opens the request waited for (prefill_time_s: both "
     "prefills at once, re-opens included; model time, not overhead), and the rest = network + orchestration "
-    "(gRPC, batching window, session close, acceptance, added network delay).",
+    "(gRPC, batching window, session close, acceptance, added network delay). With pipelined drafting the "
+    "draft computes while the target verifies: the model shares can add up past 100%, and other, the rest, is "
+    "then the system's own time less that overlap, negative when the overlap is larger (shown as it is, not "
+    "floored at 0).",
     "α̂: per-draft acceptance MLE = accepted / (accepted + rounds ending in a rejection), with the "
     "rejections counted by the orchestrator (GenerateStats.rejected_rounds); for records without that count, "
     "the rejections of smaller rounds are estimated from the k histogram (acceptance.estimate_alpha).",

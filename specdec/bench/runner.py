@@ -287,6 +287,24 @@ class Runner:
                                                timeout_s=self.request_timeout_s)
         return self._clients[(route, i)]
 
+    def _connect(self, route: Route, n: int, timeout_s: float = 10.0) -> None:
+        """Clients 0..n-1 of `route`, made and their channels connected: a
+        wave's clock starts after this, so its first wave does not time the
+        making and connecting of clients that the warm-up never used (only
+        client 0 is warmed). A channel that does not connect in time is left
+        to its first request, which then fails or waits as it would (and the
+        others are not waited for: they go to the same server)."""
+        import grpc
+
+        for i in range(n):
+            channel = getattr(self._client(route, i), "channel", None)
+            if channel is None:
+                continue
+            try:
+                grpc.channel_ready_future(channel).result(timeout=timeout_s)
+            except grpc.FutureTimeoutError:
+                return
+
     def _keep(self, record: dict) -> None:
         self.records.append(record)
         if self.on_record is not None:
@@ -302,6 +320,8 @@ class Runner:
         if cfg.kind == SERVICE:
             self.services.reset_peaks()
             bytes_before = self.services.proxy_bytes()
+            if unit.concurrency > 1:
+                self._connect(cfg.route, unit.concurrency)  # before the clock: made and connected once
             start = time.perf_counter()
             if unit.concurrency == 1:
                 results = [_service_request(self._client(cfg.route, 0), cfg, unit.jobs[0], unit.temperature,
@@ -363,8 +383,6 @@ class Runner:
                     results.append(res)
                     bar.update(1)
 
-        for i in range(unit.concurrency):  # channels exist before the clock starts
-            self._client(unit.config.route, i)
         with concurrent.futures.ThreadPoolExecutor(unit.concurrency) as pool:
             for f in [pool.submit(worker, i) for i in range(unit.concurrency)]:
                 f.result()
