@@ -44,7 +44,13 @@ class IncrementalDetokenizer:
       a window is not a prefix of the decode of a longer window.
     - Text that legitimately ends in U+FFFD (a model emitting invalid UTF-8) is held
       back until a later token, ``flush``, or more than MAX_CHAR_TOKENS tokens
-      are held (then all but the last few are emitted, as U+FFFD).
+      are held (then the held text up to its unfinished last character is
+      emitted, bytes that are no UTF-8 as U+FFFD, if one of the last few
+      tokens ends there).
+    - SentencePiece's byte fallback decodes a run of byte tokens that is no
+      UTF-8 as one U+FFFD per byte, even the bytes before the run went wrong:
+      text streamed before a later byte broke the run (valid then) differs
+      from the full decode. Only output that is no UTF-8 is affected.
     - If the prompt itself ends inside a multi-byte character, the first generated
       text may be garbled; prompts are whole text in practice.
     """
@@ -76,19 +82,35 @@ class IncrementalDetokenizer:
         # a whole character, so one partial character does not hold back a chunk.
         # Only the last few ends can be that: a character spans at most
         # MAX_CHAR_TOKENS tokens.
-        last = len(self._ids)
+        last, full_text, ends = len(self._ids), new_text, []
         for end in range(last - 1, max(self._read_offset, last - MAX_CHAR_TOKENS), -1):
             new_text = self._decode(self._ids[self._prefix_offset:end])
             if not new_text.endswith(REPLACEMENT_CHAR):
                 return self._emit(prefix_text, new_text, end)
+            ends.append((end, new_text))
         if last - self._read_offset > MAX_CHAR_TOKENS:
             # More tokens held than a character spans, and still no whole one:
             # the model emitted bytes that are no UTF-8 (each U+FFFD for good).
             # Emit them as such, holding back only what may yet be a character's
             # start. Held for good instead, they were decoded again on every
             # add, and on every end: cubic in their number (800 of them took 3 s).
-            end = last - (MAX_CHAR_TOKENS - 1)
-            return self._emit(prefix_text, self._decode(self._ids[self._prefix_offset:end]), end, final=True)
+            # What is final is the held text but its unfinished last
+            # character. A cut at a fixed distance from the end could fall
+            # inside a character (a token may end one character and start
+            # the next, as 92 e1 9e does in Qwen's vocabulary), streaming it
+            # as U+FFFD for good: valid text held longer than a character's
+            # tokens lost characters. So the cut is at an end whose window
+            # text is final, or ends in a character split there that the
+            # tokens after complete: that U+FFFD (one, for the split
+            # character's bytes) then stands for the character, emitted
+            # whole, in this window's text and the next ones' prefix text.
+            # Holding such runs instead decoded them whole on every add.
+            final_text = full_text[:-1]
+            for end, text in ends:
+                if final_text.startswith(text):
+                    return self._emit(prefix_text, text, end)
+                if len(text) <= len(final_text) and final_text.startswith(text[:-1]):
+                    return self._emit(prefix_text, final_text[:len(text)], end)
         return ""
 
     def flush(self) -> str:

@@ -7,13 +7,16 @@ loop, one 15 MB prompt froze every stream and both doors' health checks for
 
 - a text that no prompt of `max_context` tokens can be as long as is refused
   before it is tokenized: a token covers at most the longest token's
-  characters (`max_token_chars`), and normalization (NFC composes at most
-  three code points into one) cannot shrink a text by more than a further
-  factor of 3; the bound allows 4;
+  characters (`max_token_chars`), and normalization cannot shrink a text
+  by more than a further factor of 4 (NFC composes at most four code
+  points into one: "ᾂ" is α and three combining marks), which the bound
+  allows;
 - a long text is tokenized on a worker thread (the `tokenizers` library's
   batch encoding releases the GIL: orchestrator/tokenizer.py), so the loop
   serves the other requests meanwhile; a short one inline, where a thread's
-  hand-off would cost more than the tokenizing.
+  hand-off would cost more than the tokenizing. A chat's length counts its
+  messages' template text too (`MESSAGE_CHARS`): 100,000 empty messages
+  (800 kB) held the loop for 2.7 s.
 """
 from __future__ import annotations
 
@@ -24,6 +27,11 @@ from jinja2.exceptions import TemplateError
 from specdec.errors import InvalidArgument
 
 INLINE_CHARS = 16384  # texts up to this long are tokenized on the loop (~10 ms at most)
+# What a chat message costs besides its content, in characters of text: its
+# template's text, and rendering it (~40 us a message through Qwen2.5's
+# template and tokenizer on the dev VM, as much as ~80 characters of text).
+# Counted toward INLINE_CHARS only: a template may render a message as nothing.
+MESSAGE_CHARS = 64
 NORMALIZATION_SLACK = 4  # how much shorter than its characters a text may tokenize (see the docstring)
 
 
@@ -41,7 +49,7 @@ async def prompt_tokens(request, tokenizer, vocab_size: int, max_context: int, l
         if longest_token and chars > NORMALIZATION_SLACK * longest_token * max_context:
             raise InvalidArgument(f"the prompt ({chars} characters) is longer than any prompt within the context "
                                   f"limit of {max_context} tokens can be")
-        if chars > INLINE_CHARS:
+        if chars + (MESSAGE_CHARS * len(request.messages.messages) if which == "messages" else 0) > INLINE_CHARS:
             tokens = await asyncio.to_thread(_tokenize, tokenizer, request, which)
         else:
             tokens = _tokenize(tokenizer, request, which)
