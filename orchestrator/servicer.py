@@ -127,7 +127,10 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
             async for tokens in loop.run():
                 if first_token_s is None:
                     first_token_s = time.perf_counter() - start
-                text, stopped = stop.feed(detok.add(tokens)) if detok else ("", False)
+                text, stopped, kept = _feed(detok, stop, tokens, bool(stops))
+                if kept < len(tokens):  # a stop completed mid-round: the tokens after it are not the output
+                    loop.stats.completion_tokens -= len(tokens) - kept
+                    tokens = tokens[:kept]
                 yield pb.GenerateResponse(chunk=pb.TextChunk(text=text, token_ids=tokens))
                 if stopped:
                     loop.finish_reason = "stop"
@@ -239,6 +242,29 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
             target_model=loop.target.info.model_name if loop.target.info else "",
             policy=policy.name if loop.spec.speculate else "none",
         )
+
+
+def _feed(detok, stop: StopMatcher, tokens: list[int], has_stops: bool) -> tuple[str, bool, int]:
+    """A round's tokens through the detokenizer and the stop strings: (the
+    text to send, whether a stop matched, how many of the tokens are output).
+    With stop strings they go one at a time, so that a stop completed by a
+    round's second token ends the output there: the tokens after it were
+    reported (token_ids, completion_tokens, usage) though their text was not.
+    The text is the same either way (the detokenizer's and the matcher's
+    output do not depend on how the tokens are grouped); one at a time costs
+    about 1 µs a token more, so only requests with stop strings pay it."""
+    if detok is None:
+        return "", False, len(tokens)
+    if not has_stops or len(tokens) == 1:
+        text, stopped = stop.feed(detok.add(tokens))
+        return text, stopped, len(tokens)
+    pieces = []
+    for kept, token in enumerate(tokens, 1):
+        piece, stopped = stop.feed(detok.add([token]))
+        pieces.append(piece)
+        if stopped:
+            return "".join(pieces), True, kept
+    return "".join(pieces), False, len(tokens)
 
 
 def _request_attributes(request, loop: SpeculativeRequest, policy) -> dict:
