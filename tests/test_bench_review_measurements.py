@@ -192,3 +192,15 @@ def test_identity_takes_the_targets_eos_ids_as_the_orchestrator_does():
     assert eos_ids_of(engine) == {151643, 151645}
     no_tokenizer = types.SimpleNamespace(info=types.SimpleNamespace(eos_token_ids=(2,)), tokenizer=None)
     assert eos_ids_of(no_tokenizer) == {2}
+
+
+def test_identitys_logit_difference_ignores_the_padding_rows_both_paths_mask():
+    """The real pair's rows past the usable vocabulary are -inf in both paths:
+    the printed maximum difference read "nan" at every difference."""
+    import torch
+
+    from specdec.bench.identity import max_abs_difference
+
+    a = torch.tensor([17.375, 17.25, -float("inf"), -float("inf")])
+    b = torch.tensor([17.375, 17.375, -float("inf"), -float("inf")])
+    assert max_abs_difference(a, b) == 0.125

@@ -144,7 +144,15 @@ def first_difference(ref: list[int], ref_rows: list[torch.Tensor], spec: list[in
         return None
     t = next((j for j, (a, b) in enumerate(zip(ref_out, spec_out)) if a != b), min(len(ref_out), len(spec_out)))
     a, b = ref_rows[t], spec_rows[t]
-    return Difference(t, ref[t], spec[t], TopTwo.of(a), TopTwo.of(b), float((a - b).abs().max()))
+    return Difference(t, ref[t], spec[t], TopTwo.of(a), TopTwo.of(b), max_abs_difference(a, b))
+
+
+def max_abs_difference(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The largest |a - b| over the entries finite in both: the rows past the
+    usable vocabulary are -inf in both paths, and -inf - -inf (NaN) made the
+    maximum NaN ("nan" printed for every real-pair difference)."""
+    finite = torch.isfinite(a) & torch.isfinite(b)
+    return float((a[finite] - b[finite]).abs().max()) if bool(finite.any()) else float("nan")
 
 
 def diagnose(target, draft, prompts: list[list[int]], max_tokens: int, k: int, first_index: int = 0):
