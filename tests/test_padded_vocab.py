@@ -11,7 +11,7 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-from orchestrator.server import check_compatible, usable_size_of
+from orchestrator.replica_checks import check_compatible, usable_size_of
 from specdec.engine.config import EngineConfig
 from specdec.engine.engine import ExtendItem, ModelEngine
 from specdec.engine.loading import tokenizer_fingerprint

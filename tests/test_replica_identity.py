@@ -4,7 +4,7 @@ the target model's own distribution. The weights' fingerprint
 (specdec/models/fingerprint.py, ModelInfo.weights_fingerprint) tells two
 checkpoints of one architecture apart; the orchestrator refuses a target
 replica whose fingerprint, dtype, weight form or EOS ids differ, at start-up
-and when it joins later (orchestrator/server.py `check_same_model`, through
+and when it joins later (orchestrator/replica_checks.py `check_same_model`, through
 `check_replica_ids`). Drafts need not be the target's model."""
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import grpc
 import pytest
 import torch
 
-from orchestrator import replicas as R, server as S
+from orchestrator import replica_checks as C, replicas as R, server as S
 from orchestrator.config import OrchestratorConfig
 from orchestrator.speculation import LoopSettings
 from specdec.engine.config import EngineConfig
@@ -127,12 +127,12 @@ def pool(*replicas):
 
 
 def at_start_up(reference, other):
-    S.check_replicas(pool(replica(A, reference), replica(B, other)), None)
+    C.check_replicas(pool(replica(A, reference), replica(B, other)), None)
 
 
 def at_admission(reference, other):
     settings = LoopSettings(max_context=1024, max_draft_tokens=8)
-    S.admission(reference, settings, draft=False, reference_address=A)(replica(B, other))
+    C.admission(reference, settings, draft=False, reference_address=A)(replica(B, other))
 
 
 WHEN = {"start-up": at_start_up, "admission": at_admission}
@@ -163,7 +163,7 @@ def test_the_same_model_is_admitted_whatever_the_order_of_its_eos_ids(when):
 @pytest.mark.parametrize("when", WHEN)
 def test_without_a_fingerprint_the_model_names_are_compared_with_a_warning(when, caplog):
     old = info(weights_fingerprint="")  # a service older than the field
-    with caplog.at_level(logging.WARNING, logger="orchestrator.server"):
+    with caplog.at_level(logging.WARNING, logger="orchestrator.replica_checks"):
         WHEN[when](info(), old)
     assert any("no weights fingerprint" in r.getMessage() and "only their model names" in r.getMessage()
                for r in caplog.records)
@@ -177,9 +177,9 @@ def test_a_draft_need_not_be_the_targets_model():
     """Rejection sampling is exact for any draft: only its token ids are checked."""
     draft = info(weights_fingerprint="w1:" + "d" * 64, dtype="float32", weights="int8", eos_token_ids=[2],
                  model_name="small")
-    S.check_replica_ids(draft, info(), True, ("draft", "target"))
-    S.check_replicas(pool(replica(A, info())), pool(replica(B, draft)))
-    S.admission(info(), LoopSettings(max_context=1024, max_draft_tokens=8), draft=True)(replica(B, draft))
+    C.check_replica_ids(draft, info(), True, ("draft", "target"))
+    C.check_replicas(pool(replica(A, info())), pool(replica(B, draft)))
+    C.admission(info(), LoopSettings(max_context=1024, max_draft_tokens=8), draft=True)(replica(B, draft))
 
 
 # ------------------------------------------------------------------ end to end
@@ -325,7 +325,7 @@ def test_a_recovery_does_not_reopen_on_a_replica_back_as_another_model():
         p = pool(R.Replica(A, client=a, batcher=_Batcher()), R.Replica(B, client=b, batcher=_Batcher()))
         p.refresh_s, p._resolved_at = 3600, time.monotonic()
         p.replicas[B].active = 5
-        p.admit = S.admission(info(), LoopSettings(max_context=1024, max_draft_tokens=8), draft=False,
+        p.admit = C.admission(info(), LoopSettings(max_context=1024, max_draft_tokens=8), draft=False,
                               reference_address=A)
         lease = TargetLease(p, RecoverySettings(window_s=0.5, retry_initial_s=0.01, retry_max_s=0.05))
         assert lease.client is a

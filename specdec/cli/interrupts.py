@@ -20,15 +20,24 @@ def interrupted_by_signals():
     shell starting `specd bench &` leaves SIGINT ignored); the handlers
     before are restored after. Only the main thread can install handlers:
     elsewhere this does nothing."""
+    def on_signal(*_):
+        raise KeyboardInterrupt
+
+    with handling_signals(on_signal):
+        yield
+
+
+@contextlib.contextmanager
+def handling_signals(handler):
+    """SIGTERM and SIGINT call `handler(signum, frame)` meanwhile; the
+    handlers before are restored after. Only the main thread can install
+    handlers: elsewhere this does nothing."""
     previous = {}
     if threading.current_thread() is threading.main_thread():
-        def on_signal(*_):
-            raise KeyboardInterrupt
-
         for sig in (signal.SIGTERM, signal.SIGINT):
-            previous[sig] = signal.signal(sig, on_signal)
+            previous[sig] = signal.signal(sig, handler)
     try:
         yield
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        for sig, old in previous.items():
+            signal.signal(sig, old)

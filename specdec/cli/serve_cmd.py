@@ -9,7 +9,6 @@ import math
 import os
 import signal
 import sys
-import threading
 
 from draft_service.config import DEFAULT_PORT as DRAFT_PORT
 from draft_service.config import DrafterConfig
@@ -18,6 +17,7 @@ from orchestrator.config import OrchestratorConfig
 from orchestrator.openai_api.config import HttpConfig
 from specdec import busy_poll, cpu_latency, eventloop, heap
 from specdec.cli.exits import EXIT_USAGE
+from specdec.cli.interrupts import handling_signals
 from specdec.config import add_arguments, from_args
 from specdec.engine.config import EngineConfig
 from specdec.errors import SpecdecError
@@ -146,15 +146,8 @@ def _exiting_at_once_on_signals():
     handler is ignored, so kubelet waited out the whole grace period (45 s)
     to delete a pod still starting. The handlers before are restored after
     (the main thread only installs them)."""
-    previous = {}
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            previous[sig] = signal.signal(sig, _exit_now)
-    try:
+    with handling_signals(_exit_now):
         yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 def _exit_now(signum, _frame) -> None:
@@ -185,11 +178,7 @@ def _serve_draft(args: argparse.Namespace) -> int:
                 service = await start_draft_service(
                     server_cfg, limits, lambda: build_drafter(engine_cfg, drafter_cfg, limits),
                     backend_kind=drafter_cfg.drafter, telemetry=telemetry, tls=tls)
-                await _serve_forever(service.running, server_cfg, "draft", engine_cfg.model,
-                                     models_on_gpu=engine_cfg.device != "cpu")
-                service.servicer.stop_reaper()
-                service.worker.shutdown()
-                _raise_if_failed(service.running)
+                await _serve_model_service(service, server_cfg, "draft", engine_cfg)
 
         return _run(main())
 
@@ -213,11 +202,7 @@ def _serve_target(args: argparse.Namespace) -> int:
             with role_telemetry("target", server_cfg) as telemetry:
                 service = await start_target_service(server_cfg, limits, lambda: build_verifier(engine_cfg, limits),
                                                      telemetry=telemetry, tls=tls)
-                await _serve_forever(service.running, server_cfg, "target", engine_cfg.model,
-                                     models_on_gpu=engine_cfg.device != "cpu")
-                service.servicer.stop_reaper()
-                service.worker.shutdown()
-                _raise_if_failed(service.running)
+                await _serve_model_service(service, server_cfg, "target", engine_cfg)
 
         return _run(main())
 
@@ -244,6 +229,16 @@ def _serve_orchestrator(args: argparse.Namespace) -> int:
                 await orch.close_channels()
 
         return _run(main())
+
+
+async def _serve_model_service(service, server_cfg: ServerConfig, role: str, engine_cfg: EngineConfig) -> None:
+    """A draft or target service from SERVING to its drain's end; raises
+    (exit 1) when it drained itself (`_raise_if_failed`)."""
+    await _serve_forever(service.running, server_cfg, role, engine_cfg.model,
+                         models_on_gpu=engine_cfg.device != "cpu")
+    service.servicer.stop_reaper()
+    service.worker.shutdown()
+    _raise_if_failed(service.running)
 
 
 def _raise_if_failed(running) -> None:
