@@ -52,12 +52,15 @@ class OrchestratorConfig:
     default_max_tokens: int = opt(256, "max_tokens when a request leaves it 0")
     max_tokens_limit: int = opt(8192, "largest max_tokens a request may ask for")
     rpc_timeout_s: float = opt(60.0, "deadline of each downstream call, seconds")
-    draft_retry_s: float = opt(2.0, "after a draft failure, retry it after this long, seconds")
+    draft_retry_s: float = opt(2.0, "after a draft failure, re-open the request's draft session after this long, "
+                                    "on another draft replica that is up when its own has not answered since, "
+                                    "seconds")
     target_recovery_s: float = opt(30.0, "after a target failure, look this long for a replica to re-open the session "
                                          "on (a request's own deadline, when shorter, bounds it), seconds")
     health_interval_s: float = opt(1.0, "check the target and draft replicas' health this often: a replica that "
-                                        "does not answer gets no new requests, and readiness is NOT_SERVING while "
-                                        "no target answers, seconds")
+                                        "does not answer, or that failed and answers again as another model or "
+                                        "with smaller limits (its ModelInfo is re-checked), gets no new requests, "
+                                        "and readiness is NOT_SERVING while no target answers, seconds")
     resolve_interval_s: float = opt(10.0, "re-resolve the services' names this often to find replicas, seconds")
     connect_timeout_s: float = opt(600.0, "wait this long for a replica to answer: at start-up for the first "
                                           "of each service, and for each replica that joins later, seconds")

@@ -22,8 +22,10 @@ from specdec.models.catalog import DEFAULT_PAIR
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("identity", help="greedy identity of speculative vs target-only output, with the tie diagnosis",
                        description="In one process, over the engine: target-only greedy (one token per forward) vs "
-                       "speculative greedy (k drafts scored in one target forward). At the first differing token, "
-                       "print the target's top-2 logits under each path and how far the two paths' logits differ.")
+                       "speculative greedy (k drafts scored in one target forward). Each output is compared as "
+                       "served, cut at its first EOS. At the first difference (a token against another, or one "
+                       "output ending where the other goes on), print the target's top-2 logits under each path "
+                       "and how far the two paths' finite logits differ.")
     p.add_argument("--prompts", type=int, default=10, help="number of prompts (default 10)")
     p.add_argument("--first-prompt", type=int, default=0, help="index of the first prompt (default 0)")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens generated per prompt (default 128)")

@@ -73,7 +73,8 @@ def register(sub) -> None:
                         "auto: int8 for a draft on a CPU with VNNI whose hidden size is >= 512 (default auto)")
     p.add_argument("--port", type=SERVED_PORT, default=50051, help="orchestrator port")
     p.add_argument("--http-port", type=HTTP_PORT, default=8000,
-                   help="the orchestrator's OpenAI-compatible HTTP API (/v1) port (-1: off)")
+                   help="the orchestrator's OpenAI-compatible HTTP API (/v1) port (-1: off; not 0). specd up "
+                        "refuses to start when any of its ports is in use")
     p.add_argument("--draft-port", type=SERVED_PORT, default=50052)
     p.add_argument("--target-port", type=SERVED_PORT, default=50053)
     from orchestrator.config import OrchestratorConfig
@@ -112,10 +113,11 @@ def _metrics_flag(args, offset: int) -> list[str]:
 
 def _port_problems(args) -> list[str]:
     """The ports the three roles will bind that are taken (or named twice).
-    grpc binds with SO_REUSEPORT, so a role started on a port another server
-    listens on does not fail: both serve it, the kernel splitting the
-    connections between them, and the start-up's health checks were answered
-    by the other one (a `specd up` still running in another terminal)."""
+    The roles' gRPC servers bind without SO_REUSEPORT (specdec/rpc/serving.py
+    NO_REUSEPORT), so a taken port would fail a role's bind ("cannot bind")
+    partway through start-up; this check says so in one clear line before
+    anything starts, naming the likely cause: a `specd up` still running in
+    another terminal."""
     wanted = [("--port", args.port), ("--draft-port", args.draft_port), ("--target-port", args.target_port)]
     if args.http_port > 0:
         wanted.append(("--http-port", args.http_port))

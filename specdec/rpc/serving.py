@@ -77,11 +77,17 @@ class ServerConfig:
                                    "--health-port has its own bound: "
                                    f"{HEALTH_PORT_MAX_CONCURRENT_RPCS} calls, "
                                    f"{HEALTH_PORT_MAX_CONCURRENT_RPCS // WATCH_SHARE} of them Watch streams")
-    drain_grace_s: float = opt(20.0, "on SIGTERM: seconds in-flight calls get to finish")
+    drain_grace_s: float = opt(20.0, "on SIGTERM once serving: seconds in-flight calls get to finish (the "
+                                     "orchestrator's HTTP requests still running then get 503); while still "
+                                     "starting, SIGTERM exits at once")
     reflection: bool = opt(False, "enable gRPC server reflection")
     metrics_port: int = opt(0, "Prometheus metrics port, served at /metrics on the same host (0: off)")
     health_port: int = opt(-1, "a plaintext port on the same host serving grpc.health.v1 only, for probes that "
-                               "cannot present a client certificate (-1: off; 0: pick a free one)")
+                               "cannot present a client certificate; at most "
+                               f"{HEALTH_PORT_MAX_CONCURRENT_RPCS} calls at once "
+                               f"({HEALTH_PORT_MAX_CONCURRENT_RPCS // WATCH_SHARE} Watch streams), each connection "
+                               f"closed after {HEALTH_PORT_MAX_CONNECTION_AGE_MS // 1000} s "
+                               "(-1: off; 0: pick a free one)")
     cpu_wake_latency_us: int = opt(-1, "hold every CPU's wake-up latency at most this many microseconds while "
                                        "serving (0: idle CPUs poll; costs power; needs write access to "
                                        "/dev/cpu_dma_latency; specdec/cpu_latency.py); -1: leave the machine's")
