@@ -15,6 +15,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from specdec.config import check_port, opt
+from specdec.errors import Unavailable
 from specdec.rpc.malformed import MalformedRequests
 
 log = logging.getLogger(__name__)
@@ -144,6 +145,7 @@ class EngineWorker:
         self._cancelled = 0
         self.inline_max_s = inline_max_s
         self._last_s: dict[object, float] = {}  # the last duration of each kind of short job
+        self._shut_down = False
 
     @property
     def pending(self) -> int:
@@ -165,8 +167,12 @@ class EngineWorker:
         self._submitted += 1
         try:
             future = self._pool.submit(self._job, fn, args, kwargs)
-        except BaseException:
+        except BaseException as exc:
             self._cancelled += 1
+            if isinstance(exc, RuntimeError) and self._shut_down:
+                # A job after the drain stopped the engine thread (an open's next
+                # pass, say): the service is going away, not broken.
+                raise Unavailable("the service is shutting down") from None
             raise
         future.add_done_callback(self._count_cancelled)
         return await asyncio.wrap_future(future)
@@ -212,6 +218,7 @@ class EngineWorker:
             self._last_s[kind] = time.perf_counter() - start
 
     def shutdown(self) -> None:
+        self._shut_down = True
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
