@@ -150,3 +150,44 @@ def test_a_job_after_the_engine_thread_stopped_is_unavailable_not_internal():
         assert worker.pending == 0
 
     asyncio.run(run())
+
+
+def test_an_open_cancelled_mid_prefill_leaves_the_job_at_the_next_pass():
+    """A long prompt whose caller went away while it was being computed used
+    to hold the engine for all its passes, for nobody; now it leaves the job
+    at the next pass, its session closed, and an open sharing the job is
+    answered as before."""
+    engine = tiny_engine(max_context=256, prefill_chunk=4, max_sessions=4)
+    rng = random.Random(3)
+    long_prompt, short = _prompt(rng, 200), _prompt(rng, 9)
+    passes = []
+    compute = engine.compute_up_to
+
+    def counted(batch, stops):
+        passes.append([len(s.tokens) for s in batch])
+        return compute(batch, stops)
+
+    engine.compute_up_to = counted
+
+    async def main():
+        worker = EngineWorker()
+        backend = EngineBackend(engine)
+        batcher = OpenBatcher(worker, lambda: backend)
+        gone = asyncio.ensure_future(batcher.open(long_prompt, None, 0))
+        kept = asyncio.ensure_future(batcher.open(short, None, 0))
+        while len(passes) < 3:  # a few passes into the long prompt's 50
+            await asyncio.sleep(0.001)
+        gone.cancel()
+        result = await kept
+        with pytest.raises(asyncio.CancelledError):
+            await gone
+        left = await _settle(worker, engine, 1)
+        done_passes = len(passes)
+        await asyncio.sleep(0.1)
+        worker.shutdown()
+        return result, left, done_passes
+
+    (sid, *_), left, done_passes = asyncio.run(main())
+    assert left == 1 and engine.store.slots_in_use == 1, "the abandoned open's session is closed"
+    assert done_passes < 20, f"{done_passes} passes: the cancelled prompt's 200 tokens were computed anyway"
+    check_next_logits(engine, sid, short)

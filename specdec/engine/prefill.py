@@ -119,6 +119,15 @@ class PrefillJob:
             self.step()
         return list(self._out)
 
+    def drop(self, indexes) -> None:
+        """Close the sessions of these requests that are not ready yet (their
+        callers went away): the passes after compute only the others."""
+        for i in indexes:
+            if i in self._sessions:
+                self.engine.close(self._sessions.pop(i).id)
+                self._order.remove(i)
+                self._settle(i, RuntimeError("its open was abandoned"))
+
     def abandon(self) -> None:
         """Close the sessions not ready yet (their opens will not be answered)."""
         for i in self._order:

@@ -26,7 +26,10 @@ next pass (specdec/engine/prefill.py).
 What a job cannot take goes in the next one. There is no waiting window: a
 lone open's job starts as soon as the engine thread is free. Each open gets
 its own session or its own error, whatever else shared its job; an open whose
-caller went away before its job took it is dropped, not opened.
+caller went away before its job took it is dropped, not opened, and one whose
+caller went away while its prompt was being computed leaves the job at the
+next pass, its session closed (a cancelled 32k-token prompt held the engine
+for all its passes, for nobody).
 """
 from __future__ import annotations
 
@@ -100,7 +103,10 @@ class OpenBatcher:
             # open sessions' rounds) runs between two passes, and the opens that
             # arrived join the job's next pass.
             while opening is not None and not opening.done:
-                self._answer(taken, await self.worker.run(self._admit_and_step, opening, taken), answered)
+                # Opens whose callers went away meanwhile stop here: their
+                # prompts' remaining passes would hold the engine for nobody.
+                gone = [i for i, (_, future) in enumerate(taken) if future.done() and i not in answered]
+                self._answer(taken, await self.worker.run(self._admit_and_step, opening, taken, gone), answered)
         except BaseException as exc:  # noqa: BLE001 - every open it holds gets an error, none waits forever
             with self._lock:  # (the engine thread takes under the lock too)
                 started = bool(taken)
@@ -173,10 +179,13 @@ class OpenBatcher:
         opening.step()
         return opening, opening.take_ready()
 
-    def _admit_and_step(self, opening, taken: list) -> list:
-        """On the engine thread: the opens that arrived join the job, as many
-        as keep its prompt tokens still to compute within `max_tokens`; then
-        one prefill pass. The opens ready now."""
+    def _admit_and_step(self, opening, taken: list, gone=()) -> list:
+        """On the engine thread: the opens whose callers went away (`gone`)
+        leave the job, their sessions closed; the opens that arrived join it,
+        as many as keep its prompt tokens still to compute within
+        `max_tokens`; then one prefill pass. The opens ready now."""
+        if gone:
+            opening.drop(gone)
         with self._lock:
             requests = self._take(taken, self.max_tokens - opening.pending_tokens, at_least_one=False)
         if requests:
