@@ -462,3 +462,16 @@ def test_a_request_still_running_when_the_drain_grace_ends_gets_a_503_in_openai_
         error = json.loads(text)["error"]
         assert error["code"] == "unavailable" and "shut down" in error["message"]
         assert _wait_until(lambda: s.orchestrator.backends.targets.any().active == 0, timeout=20)
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("prompt", 5, "prompt must be a string, a list of token ids, a list of strings or a list of lists of token ids"),
+    ("prompt", [1.5], "prompt must be a string, a list of token ids, a list of strings or a list of lists of token ids"),
+    ("stop", [1], "stop must be a string or a list of strings"),
+])
+def test_a_field_of_several_forms_that_matches_none_says_which_forms(http_system, field, value, message):
+    """pydantic reports one error per accepted form ("prompt.str: Input should
+    be a valid string (and 3 more errors)"): one message naming them instead."""
+    body = {"model": http_system.model, "prompt": "x", "max_tokens": 2, field: value}
+    status, reply = post(http_system, "/v1/completions", body)
+    assert status == 400 and reply["error"]["message"] == message and reply["error"]["param"] == field, reply

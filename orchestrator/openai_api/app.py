@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -220,6 +221,9 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 def validation_error(errors: list[dict]) -> ApiError:
     """pydantic's errors as one 400 naming the first bad field."""
+    union = _union_error(errors)
+    if union is not None:
+        return union
     first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
     param = ".".join(loc) or None
@@ -241,6 +245,39 @@ def validation_error(errors: list[dict]) -> ApiError:
     if more > 0:
         message += f" (and {more} more error{'s' if more > 1 else ''})"
     return ApiError(400, message, code="invalid_argument", param=param)
+
+
+def _union_error(errors: list[dict]) -> ApiError | None:
+    """A field of several accepted forms (`prompt`: a string, token ids,
+    ...) that matched none: pydantic reports one error per form, each under
+    the form's tag ("prompt.str: Input should be a valid string (and 3 more
+    errors)"). One message naming the field and the forms instead; None for
+    any other errors."""
+    locs = [[str(p) for p in e.get("loc", ()) if p != "body"] for e in errors]
+    if len(errors) < 2 or any(len(loc) < 2 for loc in locs) or len({loc[0] for loc in locs}) != 1:
+        return None
+    field, forms = locs[0][0], list(dict.fromkeys(loc[1] for loc in locs))
+    if len(forms) < 2 or not all(_FORM.fullmatch(tag) for tag in forms):
+        return None
+    named = [_form_words(tag) for tag in forms]
+    return ApiError(400, f"{field} must be {', '.join(named[:-1])} or {named[-1]}", code="invalid_argument",
+                    param=field)
+
+
+_FORM = re.compile(r"(list\[)*(str|int|float|bool|constrained-int|constrained-float|constrained-str)\]*")
+_FORM_NOUNS = {"str": ("a string", "strings"), "int": ("an integer", "integers"),
+               "constrained-int": ("a token id", "token ids"), "float": ("a number", "numbers"),
+               "constrained-float": ("a number", "numbers"), "bool": ("true or false", "booleans"),
+               "constrained-str": ("a string", "strings")}
+
+
+def _form_words(tag: str) -> str:
+    """"list[list[constrained-int]]" -> "a list of lists of token ids"."""
+    depth, base = tag.count("list["), tag.replace("list[", "").rstrip("]")
+    one, many = _FORM_NOUNS[base]
+    if depth == 0:
+        return one
+    return "a list of " + "lists of " * (depth - 1) + many
 
 
 class _HttpMetrics:
