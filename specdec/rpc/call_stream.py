@@ -263,6 +263,12 @@ class CallStream:
         if stream is not None:
             stream.reader.cancel()
             await asyncio.gather(stream.reader, return_exceptions=True)
+            # A reader cancelled before its first step ran none of its ending:
+            # its calls would wait out their deadlines, and the stream stay open.
+            stream.waiting.fail_all(grpc_errors.rpc_error(grpc.StatusCode.CANCELLED, "the call stream was closed"))
+            stream.writer.cancel()
+            stream.call.cancel()
+            await asyncio.gather(stream.writer, return_exceptions=True)
 
 
 async def _write(stream: _OpenStream) -> None:

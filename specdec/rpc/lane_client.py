@@ -105,18 +105,21 @@ class LaneClient:
         """The connection, opened by the first caller (the others wait for it;
         a caller cancelled meanwhile does not stop the opening)."""
         if self._opening is None or self._opening.done():
-            self._opening = asyncio.ensure_future(self._connect(min(timeout, CONNECT_S)))
+            # Its own CONNECT_S, not this caller's timeout: a caller whose
+            # deadline is nearly spent must not mark the lane down for RETRY_S
+            # (nor fail the others waiting on the opening with it).
+            self._opening = asyncio.ensure_future(self._connect(CONNECT_S))
             # Read by whoever awaits it; retrieved here too, for when every caller was cancelled.
             self._opening.add_done_callback(lambda f: f.cancelled() or f.exception())
         opening = self._opening
-        try:
-            return await asyncio.shield(opening)
-        except asyncio.CancelledError:
+        await asyncio.wait([opening], timeout=max(timeout, 0.0))  # never cancels the opening
+        if not opening.done():  # this caller's deadline came first; the opening goes on for the next call
+            raise grpc_errors.deadline_exceeded()
+        if opening.cancelled():
             # The opening itself was cancelled (the client closed meanwhile), not
             # this caller: the call goes another way, as when the lane is down.
-            if opening.cancelled() and not asyncio.current_task().cancelling():
-                raise LaneDown(f"the {self.service} service's lane client closed while opening the lane") from None
-            raise
+            raise LaneDown(f"the {self.service} service's lane client closed while opening the lane")
+        return opening.result()
 
     async def _connect(self, timeout: float) -> "_Connection":
         try:

@@ -64,7 +64,7 @@ class LaneServer:
         self.tls = tls
         self.port = 0
         self._server: asyncio.base_events.Server | None = None
-        self._connections: set[asyncio.Task] = set()
+        self._connections: dict[asyncio.Task, _Accepted] = {}  # each connection's task, and the connection
         self.closed = False
         self.answered = 0  # calls answered, since start
         self._call_gap = busy_poll.Expected()  # from a reply to the next call (--busy-poll-us)
@@ -92,9 +92,15 @@ class LaneServer:
             connection.cancel()
 
     async def wait_closed(self, grace_s: float) -> None:
-        """After `close`: wait up to `grace_s` for the calls read to be answered."""
+        """After `close`: wait up to `grace_s` for the calls read to be answered;
+        the connections still open then are aborted (as grpc cancels its calls
+        past the grace): a caller that never reads its replies would otherwise
+        hold its connection, and the answers waiting to write to it, for good."""
         if self._connections:
             await asyncio.wait(list(self._connections), timeout=max(grace_s, 0.0))
+        for connection in list(self._connections.values()):
+            if connection.transport is not None:
+                connection.transport.abort()  # connection_lost wakes its answers; its task then ends
 
     async def _serve(self, connection: "_Accepted") -> None:
         """One connection's life: the handshake, then its calls, each started
@@ -205,13 +211,13 @@ class _Accepted(FrameConnection):
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
         task = asyncio.ensure_future(self.server._serve(self))
-        self.server._connections.add(task)
+        self.server._connections[task] = self
         task.add_done_callback(self._served)
 
     def _served(self, task: asyncio.Future) -> None:
         """The connection's task ended (or was cancelled before its first
         step, by a drain right after the accept): close it."""
-        self.server._connections.discard(task)
+        self.server._connections.pop(task, None)
         if not self.is_closing():
             self.transport.close()
 
