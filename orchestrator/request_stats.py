@@ -53,8 +53,13 @@ class RequestStats:
     acceptance_histogram: list[int] = field(default_factory=list)
     k_per_round: list[int] = field(default_factory=list)  # drafts verified in each round, in order
 
-    def record_round(self, k: int, accepted: int) -> None:
+    def record_round(self, k: int, accepted: int, counted: int | None = None) -> None:
+        """A round of k drafts, `accepted` of them accepted by the target, of
+        which `counted` (default: all) precede the end of the output: drafts
+        accepted after an accepted EOS are not the request's tokens."""
         self.rejected_rounds += accepted < k
+        if counted is not None:
+            accepted = counted
         self.rounds += 1
         self.proposed += k
         self.accepted += accepted

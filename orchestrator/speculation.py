@@ -154,31 +154,26 @@ class SpeculativeRequest:
                 raise outcome
         while self.stats.completion_tokens < self.spec.max_tokens:
             try:
-                emitted = await self._round()
+                emitted, eos = await self._round()
             except Unavailable as exc:  # only the target's failures reach here: the draft's are absorbed
                 await self._recover_target(exc)
                 continue
-            emitted = self._finish_at_eos(emitted)
+            if eos:
+                self.finish_reason = "eos"
             self.history.extend(emitted)
             self.stats.completion_tokens += len(emitted)
             if emitted:
                 yield emitted
-            if self.finish_reason == "eos":
+            if eos:
                 return
-
-    def _finish_at_eos(self, emitted: list[int]) -> list[int]:
-        for i, token in enumerate(emitted):
-            if token in self.spec.eos_ids:
-                self.finish_reason = "eos"
-                return emitted[:i]
-        return emitted
 
     def _choose_k(self) -> int:
         remaining = self.spec.max_tokens - self.stats.completion_tokens
         room = self.settings.max_context - len(self.history) - 1
         return max(0, min(self.policy.next_k(), remaining - 1, room, self.settings.max_draft_tokens))
 
-    async def _round(self) -> list[int]:
+    async def _round(self) -> tuple[list[int], bool]:
+        """The round's tokens, cut before an EOS, and whether one ended the request."""
         number = self.stats.rounds
         hops.record("round.start", self._hop_kind, number)
         with self.telemetry.span(SPAN_ROUND, {A_ROUND: number}) as span:
@@ -214,16 +209,21 @@ class SpeculativeRequest:
             with self.telemetry.leaf_span(SPAN_ACCEPT) as accept_span:
                 result = self._accept(drafts, reply.result)
                 accept_span.set_attribute(A_ACCEPTED, result.num_accepted)
+            emitted = result.emitted_ids
+            end = _eos_index(emitted, self.spec.eos_ids)  # the tokens after an EOS are not the output
+            # Drafts accepted after an accepted EOS are not counted: the request ended at it.
+            counted = result.num_accepted if end is None else min(result.num_accepted, end + 1)
             self._advance_prefixes(len(drafts), result.num_accepted)
             await self._settle_ahead(len(drafts), result)
-            self._observe(k, len(drafts), result.num_accepted, draft_time, draft_compute, reply)
+            self._observe(k, len(drafts), result.num_accepted, counted, draft_time, draft_compute, reply)
             batcher = self.sessions.batcher  # (a recovery may have moved the request)
-            batcher.gate.record(batcher.active, speculating if self._gated else None, len(result.emitted_ids))
+            batcher.gate.record(batcher.active, speculating if self._gated else None,
+                                len(emitted) if end is None else end + 1)
             span.set_attributes({A_K: k, A_RETURNED: len(drafts), A_ACCEPTED: result.num_accepted,
                                  A_EMITTED: len(result.emitted_ids),
                                  A_FALLBACK: fallback, A_PLAIN: plain})
         hops.record("round.end", self._hop_kind, number)
-        return result.emitted_ids
+        return (emitted, False) if end is None else (emitted[:end], True)
 
     async def _propose(self, k: int) -> tuple[list, float, float, bool]:
         """(drafts, wall seconds, draft compute seconds, whether the draft
@@ -340,11 +340,12 @@ class SpeculativeRequest:
         if k:
             self.sessions.draft_prefix = shared
 
-    def _observe(self, k_chosen: int, k: int, accepted: int, draft_time: float, draft_compute: float,
-                 reply) -> None:
-        self.stats.record_round(k, accepted)
+    def _observe(self, k_chosen: int, k: int, accepted: int, counted: int, draft_time: float,
+                 draft_compute: float, reply) -> None:
+        """`accepted`: the drafts the target accepted; `counted`: those up to an EOS, the statistics'."""
+        self.stats.record_round(k, accepted, counted)
         if self.spec.speculate:
-            self.telemetry.metrics.record_round(k_chosen, k, accepted)
+            self.telemetry.metrics.record_round(k_chosen, k, counted)
         # The whole cycle since the previous round was observed (its tokens
         # streamed to the client included), less the two calls.
         # Less any session open since (a draft opened when the gate turned to
@@ -359,6 +360,13 @@ class SpeculativeRequest:
         self.policy.observe(obs)
         if k:
             self._last_obs = obs
+
+
+def _eos_index(emitted: list[int], eos_ids: frozenset[int]) -> int | None:
+    for i, token in enumerate(emitted):
+        if token in eos_ids:
+            return i
+    return None
 
 
 def _compute_s(drafts: list) -> float:
