@@ -52,6 +52,7 @@ class RequestStats:
     # speculative rounds (k > 0) by drafts accepted: [j] = rounds that accepted exactly j
     acceptance_histogram: list[int] = field(default_factory=list)
     k_per_round: list[int] = field(default_factory=list)  # drafts verified in each round, in order
+    _last_counted: int = field(default=0, repr=False)  # the last round's accepted drafts, as counted
 
     def record_round(self, k: int, accepted: int, counted: int | None = None) -> None:
         """A round of k drafts, `accepted` of them accepted by the target, of
@@ -69,6 +70,28 @@ class RequestStats:
             _bump(self.acceptance_histogram, accepted)
         for i in range(accepted):
             _bump(self.accepted_per_position, i)
+        self._last_counted = accepted
+
+    def cut_last_round(self, dropped: int) -> None:
+        """The last round's final `dropped` tokens are not the output (a stop
+        string ended it earlier): they leave `completion_tokens`, and the
+        accepted drafts among them leave the acceptance counts, as drafts
+        after an EOS do. A round's tokens are its accepted drafts, then one
+        token of the target's own (the bonus or the recovery): that one goes
+        first."""
+        self.completion_tokens -= dropped
+        last = self._last_counted
+        uncounted = min(max(dropped - 1, 0), last)
+        if not uncounted:
+            return
+        kept = last - uncounted
+        self.accepted -= uncounted
+        for i in range(kept, last):
+            self.accepted_per_position[i] -= 1
+        if self.k_per_round and self.k_per_round[-1]:
+            self.acceptance_histogram[last] -= 1
+            _bump(self.acceptance_histogram, kept)
+        self._last_counted = kept
 
 
 def _bump(counts: list[int], index: int) -> None:

@@ -129,7 +129,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
                     first_token_s = time.perf_counter() - start
                 text, stopped, kept = _feed(detok, stop, tokens, bool(stops))
                 if kept < len(tokens):  # a stop completed mid-round: the tokens after it are not the output
-                    loop.stats.completion_tokens -= len(tokens) - kept
+                    loop.stats.cut_last_round(len(tokens) - kept)
                     tokens = tokens[:kept]
                 yield pb.GenerateResponse(chunk=pb.TextChunk(text=text, token_ids=tokens))
                 if stopped:

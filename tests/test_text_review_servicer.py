@@ -128,3 +128,46 @@ def test_a_stop_reached_mid_round_reports_no_tokens_past_it(text_system):  # noq
                                         clean_up_tokenization_spaces=False))
     assert result.token_ids == full.token_ids[:needed]
     assert result.stats.completion_tokens == needed
+    st = result.stats  # the drafts accepted past the stop are not counted either
+    assert st.accepted_tokens <= st.completion_tokens
+    assert sum(st.accepted_per_position) == st.accepted_tokens
+    assert sum(j * n for j, n in enumerate(st.acceptance_histogram)) == st.accepted_tokens
+
+
+def test_drafts_accepted_past_a_stop_are_not_counted(text_system):  # noqa: F811
+    """The draft is the target's copy: every draft is accepted, so a stop
+    completed early in a round drops accepted drafts, which must leave the
+    acceptance counts as they leave completion_tokens."""
+    s = text_system
+    full = s.client.complete("abc", max_tokens=40, temperature=0, num_draft_tokens=4, policy="fixed")
+    cut_drafts = 0
+    for i in range(1, 24):
+        stop = full.text[i:i + 2]
+        if not stop.strip() or "\ufffd" in stop:
+            continue
+        r = s.client.complete("abc", max_tokens=40, temperature=0, stop=[stop], num_draft_tokens=4, policy="fixed")
+        st = r.stats
+        assert len(r.token_ids) == st.completion_tokens
+        assert st.accepted_tokens <= st.completion_tokens, (stop, st.accepted_tokens, st.completion_tokens)
+        assert sum(st.accepted_per_position) == st.accepted_tokens
+        assert sum(j * n for j, n in enumerate(st.acceptance_histogram)) == st.accepted_tokens
+        cut_drafts += st.rounds * 5 > st.completion_tokens + 1
+    assert cut_drafts, "no stop fell early in a round"
+
+
+def test_cutting_a_rounds_tail_uncounts_the_accepted_drafts_in_it():
+    """A round of k=4 that accepted 3 drafts emits 3 drafts and the target's
+    own token; a stop after its first draft drops 3 tokens: the target's
+    token and 2 accepted drafts."""
+    from orchestrator.request_stats import RequestStats
+
+    stats = RequestStats()
+    stats.record_round(4, 4)
+    stats.record_round(4, 3)
+    stats.completion_tokens = 9
+    stats.cut_last_round(3)
+    assert stats.completion_tokens == 6 and stats.accepted == 5
+    assert stats.accepted_per_position == [2, 1, 1, 1]
+    assert stats.acceptance_histogram == [0, 1, 0, 0, 1]
+    stats.cut_last_round(1)  # only the target's own token: nothing accepted leaves
+    assert stats.accepted == 5 and stats.completion_tokens == 5
