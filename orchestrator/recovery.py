@@ -125,12 +125,12 @@ class TargetLease:
                     break
                 tried += 1
                 if replica.failures:  # it failed: it may be back as another model (`_refused`)
-                    why = await _refused(self.pool, replica, min(left, self.settings.attempt_s))
+                    why, is_refusal = await _refused(self.pool, replica, min(left, self.settings.attempt_s))
                     if why is not None:
                         last_error = f"{replica.address}: {why}"
-                        if why.startswith("refused"):
+                        if is_refusal:  # `recheck` refused it: the same answer on every pass
                             refused += 1
-                        else:
+                        else:  # its ModelInfo could not be read: as a failed call
                             self.pool.mark_down(replica, last_error)
                         continue
                 try:
@@ -241,7 +241,7 @@ async def replica_serving(pool: ReplicaPool, replica: Replica, timeout_s: float)
     except Exception as exc:  # noqa: BLE001 - a UsageError (closed channel), whatever else: down
         status, why = None, f"health check: {type(exc).__name__}: {exc}"
     if status == health_pb2.HealthCheckResponse.SERVING and replica.failures:
-        why = await _refused(pool, replica, timeout_s)  # it may have restarted as another model
+        why, _ = await _refused(pool, replica, timeout_s)  # it may have restarted as another model
         if why is not None:
             status = None
     if replica.retired:
@@ -253,17 +253,18 @@ async def replica_serving(pool: ReplicaPool, replica: Replica, timeout_s: float)
     return True
 
 
-async def _refused(pool: ReplicaPool, replica: Replica, timeout_s: float) -> str | None:
-    """Why a replica that failed and answers again may not take requests
-    (`ReplicaPool.recheck`: restarted in place as another model, version
-    or with smaller limits), or None."""
+async def _refused(pool: ReplicaPool, replica: Replica, timeout_s: float) -> tuple[str | None, bool]:
+    """Why a replica that failed and answers again may not take requests,
+    or None; and whether that is `ReplicaPool.recheck`'s refusal (restarted
+    in place as another model, version or with smaller limits) rather than
+    a failure to read its ModelInfo."""
     try:
         refusal = await pool.recheck(replica, timeout_s)
     except grpc.aio.AioRpcError as exc:
-        return f"model info: {exc.code().name}"
+        return f"model info: {exc.code().name}", False
     except Exception as exc:  # noqa: BLE001 - a closed channel (UsageError), whatever else: not back
-        return f"model info: {type(exc).__name__}: {exc}"
-    return None if refusal is None else f"refused: {refusal}"
+        return f"model info: {type(exc).__name__}: {exc}", False
+    return (None, False) if refusal is None else (f"refused: {refusal}", True)
 
 
 async def any_serving(pool: ReplicaPool, timeout_s: float) -> bool:

@@ -54,13 +54,9 @@ class RequestStats:
     k_per_round: list[int] = field(default_factory=list)  # drafts verified in each round, in order
     _last_counted: int = field(default=0, repr=False)  # the last round's accepted drafts, as counted
 
-    def record_round(self, k: int, accepted: int, counted: int | None = None) -> None:
-        """A round of k drafts, `accepted` of them accepted by the target, of
-        which `counted` (default: all) precede the end of the output: drafts
-        accepted after an accepted EOS are not the request's tokens."""
+    def record_round(self, k: int, accepted: int) -> None:
+        """A round of k drafts, `accepted` of them accepted by the target."""
         self.rejected_rounds += accepted < k
-        if counted is not None:
-            accepted = counted
         self.rounds += 1
         self.proposed += k
         self.accepted += accepted
@@ -72,6 +68,27 @@ class RequestStats:
             _bump(self.accepted_per_position, i)
         self._last_counted = accepted
 
+    def uncount_last_round(self, drafts: int) -> None:
+        """The last round's last `drafts` accepted drafts are not the
+        request's tokens (they follow an EOS it accepted, or a stop string):
+        they leave the acceptance counts. `rejected_rounds` keeps the
+        target's own decision."""
+        last = self._last_counted
+        drafts = min(drafts, last)
+        if drafts <= 0:
+            return
+        kept = last - drafts
+        self.accepted -= drafts
+        for i in range(kept, last):
+            self.accepted_per_position[i] -= 1
+        if self.k_per_round and self.k_per_round[-1]:
+            self.acceptance_histogram[last] -= 1
+            _bump(self.acceptance_histogram, kept)
+        for counts in (self.accepted_per_position, self.acceptance_histogram):
+            while counts and not counts[-1]:  # as long as the counts the round would have made
+                counts.pop()
+        self._last_counted = kept
+
     def cut_last_round(self, dropped: int) -> None:
         """The last round's final `dropped` tokens are not the output (a stop
         string ended it earlier): they leave `completion_tokens`, and the
@@ -80,19 +97,7 @@ class RequestStats:
         token of the target's own (the bonus or the recovery): that one goes
         first."""
         self.completion_tokens -= dropped
-        last = self._last_counted
-        uncounted = min(max(dropped - 1, 0), last)
-        if not uncounted:
-            return
-        kept = last - uncounted
-        self.accepted -= uncounted
-        for i in range(kept, last):
-            self.accepted_per_position[i] -= 1
-        if self.k_per_round and self.k_per_round[-1]:
-            self.acceptance_histogram[last] -= 1
-            _bump(self.acceptance_histogram, kept)
-        self._last_counted = kept
-
+        self.uncount_last_round(dropped - 1)
 
 def _bump(counts: list[int], index: int) -> None:
     if len(counts) <= index:

@@ -21,7 +21,7 @@ from orchestrator.replicas import Replica, ReplicaPool, split_address
 from orchestrator.security import Dialer, downstream_dialer
 from orchestrator.servicer import Backends, OrchestratorServicer
 from orchestrator.speculation import LoopSettings
-from orchestrator.tokenizer import load_tokenizer
+from orchestrator.tokenizer import end_ids, load_tokenizer
 from specdec.errors import FailedPrecondition, InvalidArgument, Unavailable
 from specdec.limits import check_min_confidence
 from specdec.rpc.auth import api_key_guard
@@ -158,11 +158,8 @@ def _backends(cfg: OrchestratorConfig, targets: ReplicaPool, drafts: ReplicaPool
     targets.admit = admission(target_info, settings, draft=False, reference_address=reference.address)
     if drafts is not None:
         drafts.admit = admission(target_info, settings, draft=True, reference_address=reference.address)
-    eos = set(target_info.eos_token_ids)
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        eos.add(int(tokenizer.eos_token_id))
     return Backends(targets=targets, drafts=drafts, tokenizer=tokenizer, settings=settings,
-                    eos_ids=frozenset(eos), vocab_size=usable_size_of(target_info),
+                    eos_ids=end_ids(target_info.eos_token_ids, tokenizer), vocab_size=usable_size_of(target_info),
                     recovery=RecoverySettings(window_s=cfg.target_recovery_s))
 
 

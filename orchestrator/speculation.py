@@ -343,7 +343,8 @@ class SpeculativeRequest:
     def _observe(self, k_chosen: int, k: int, accepted: int, counted: int, draft_time: float,
                  draft_compute: float, reply) -> None:
         """`accepted`: the drafts the target accepted; `counted`: those up to an EOS, the statistics'."""
-        self.stats.record_round(k, accepted, counted)
+        self.stats.record_round(k, accepted)
+        self.stats.uncount_last_round(accepted - counted)
         if self.spec.speculate:
             self.telemetry.metrics.record_round(k_chosen, k, counted)
         # The whole cycle since the previous round was observed (its tokens

@@ -154,3 +154,12 @@ def load_tokenizer(name: str):
         log.warning("no tokenizer from %r (%s): only prompt_token_ids requests will work", name, exc)
         return None
 
+
+def end_ids(model_eos_ids, tokenizer) -> frozenset[int]:
+    """The token ids that end a request: the target model's EOS ids and its
+    tokenizer's EOS id (a model's generation config and its tokenizer may
+    each name one the other does not)."""
+    ids = {int(t) for t in model_eos_ids}
+    if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return frozenset(ids)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -67,9 +68,9 @@ def test_the_accept_test_decides_the_same_with_uniforms_made_before():
         assert made_before == accept_sampled(ids, q_of_x, outcome, trial, 100)
 
 
-def test_a_proposal_that_cannot_be_read_fails_the_accept_test_not_the_loop():
-    drafts = _drafts(random.Random(3), 2, packed=True)
-    drafts[1].q.packed = drafts[1].q.packed[:-3]  # no whole number of entries
+def _scheduled_catching_loop_errors(drafts) -> tuple[AcceptPrep, list]:
+    """The prep of `drafts` after its turn of the loop, and what the loop's
+    exception handler caught meanwhile."""
     errors = []
 
     async def main():
@@ -79,7 +80,33 @@ def test_a_proposal_that_cannot_be_read_fails_the_accept_test_not_the_loop():
         await asyncio.sleep(0)
         return prep
 
-    prep = asyncio.run(asyncio.wait_for(main(), DEADLINE_S))
+    return asyncio.run(asyncio.wait_for(main(), DEADLINE_S)), errors
+
+
+def test_a_proposal_that_cannot_be_read_fails_the_accept_test_not_the_loop():
+    drafts = _drafts(random.Random(3), 2, packed=True)
+    drafts[1].q.packed = drafts[1].q.packed[:-3]  # no whole number of entries
+    prep, errors = _scheduled_catching_loop_errors(drafts)
     assert errors == [] and prep.q_of_x is None
     with pytest.raises(ValueError, match="8 per entry"):
+        prep.values()
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_a_proposal_of_no_mass_fails_the_accept_test_not_the_loop(packed):
+    """q(x) of a proposal whose probabilities are all 0 divides by their sum:
+    made ahead on the loop's turn, the ZeroDivisionError went to the loop's
+    error log ("Exception in callback AcceptPrep._make_ahead"), where only a
+    ValueError was kept out of it. The target refuses such a proposal (it
+    sums to 0, not 1) and the request ends with that; the loop logs nothing."""
+    reply = draft_pb2.ProposeAllResponse()
+    msg = reply.drafts.add(index=0, token_id=7)
+    if packed:
+        msg.q.packed = np.array([7, 9], "<i4").tobytes() + np.array([0.0, 0.0], "<f4").tobytes()
+    else:
+        msg.q.token_ids.extend([7, 9])
+        msg.q.probs.extend([0.0, 0.0])
+    prep, errors = _scheduled_catching_loop_errors(list(reply.drafts))
+    assert errors == [] and prep.q_of_x is None
+    with pytest.raises(ZeroDivisionError):
         prep.values()

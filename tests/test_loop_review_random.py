@@ -87,17 +87,7 @@ def cases(seed: int, n: int):
 @pytest.mark.parametrize("seed", [0, 1])
 def test_greedy_random_cases_match_target_only_and_stats_add_up(system, seed):
     todo = cases(seed, 30)
-
-    def run(c):
-        client = system.client.__class__(f"127.0.0.1:{system.orchestrator.port}")
-        try:
-            return client.complete(c["prompt"], max_tokens=c["max_tokens"], temperature=0, policy=c["policy"],
-                                   num_draft_tokens=c["k"], pipeline=c["pipeline"])
-        finally:
-            client.close()
-
-    with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        results = list(pool.map(run, todo))
+    results = run_cases(system, todo)
     for c, r in zip(todo, results):
         ref = greedy_reference(system.target_model, c["prompt"], c["max_tokens"])
         tokens, finish = expected(ref)

@@ -119,13 +119,11 @@ def speculative(target, draft, prompt: list[int], n: int, k: int) -> tuple[list[
 
 
 def eos_ids_of(engine) -> frozenset[int]:
-    """The ids that end a request on this target: its model's EOS ids and its
-    tokenizer's, as the orchestrator takes them (orchestrator/server.py)."""
-    ids = set(engine.info.eos_token_ids)
-    tokenizer = getattr(engine, "tokenizer", None)
-    if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    return frozenset(ids)
+    """The ids that end a request on this target, as the orchestrator takes
+    them (`orchestrator.tokenizer.end_ids`)."""
+    from orchestrator.tokenizer import end_ids
+
+    return end_ids(engine.info.eos_token_ids, getattr(engine, "tokenizer", None))
 
 
 def served(tokens: list[int], eos_ids=frozenset()) -> list[int]:

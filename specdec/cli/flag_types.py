@@ -25,14 +25,14 @@ def _int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
 
 
-def int_in(lowest: int, highest: int, meaning: str = "") -> Callable[[str], int]:
-    """An integer in [lowest, highest]; `meaning` (e.g. "0: the server's
-    default") is added to the message."""
+def int_in(lowest: int, highest: int, meaning: str = "", excluded: tuple[int, ...] = ()) -> Callable[[str], int]:
+    """An integer in [lowest, highest], none of `excluded`; `meaning` (e.g.
+    "0: the server's default") is added to the message."""
     note = f" ({meaning})" if meaning else ""
 
     def parse(text: str) -> int:
         value = _int(text)
-        if not lowest <= value <= highest:
+        if not lowest <= value <= highest or value in excluded:
             raise argparse.ArgumentTypeError(f"must be in [{lowest}, {highest}]{note}, got {value}")
         return value
 
@@ -54,8 +54,6 @@ def at_least(lowest: int) -> Callable[[str], int]:
 
 # A TCP port to listen on (0: any free one).
 port = int_in(0, MAX_PORT, "0: any free port")
-# A port or off (-1), as --http-port takes it.
-port_or_off = int_in(-1, MAX_PORT, "-1: off; 0: any free port")
 
 
 def non_negative(text: str) -> float:

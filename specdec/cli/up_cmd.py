@@ -41,20 +41,9 @@ from specdec.trace_file import TRACE_FILE_ENV, default_trace_file
 # leave it nothing to wait on.
 SERVED_PORT = int_in(1, MAX_PORT, "specd up waits on it: not 0")
 
-
-_HTTP_PORT_NOTE = "-1: off; not 0: specd up prints where it serves"
-_http_port_in_range = int_in(-1, MAX_PORT, _HTTP_PORT_NOTE)
-
-
-def HTTP_PORT(text: str) -> int:
-    """Nor for the HTTP port: 0 printed http://127.0.0.1:0/v1 as where to connect."""
-    value = _http_port_in_range(text)
-    if value == 0:
-        raise argparse.ArgumentTypeError(f"must be in [-1, {MAX_PORT}] ({_HTTP_PORT_NOTE}), got 0")
-    return value
-
-
-HTTP_PORT.__name__ = _http_port_in_range.__name__  # argparse's name for it in other messages
+# The HTTP API's port, or -1 (off); not 0: specd up prints where it serves
+# (0 printed http://127.0.0.1:0/v1 as where to connect).
+HTTP_PORT = int_in(-1, MAX_PORT, "-1: off; not 0: specd up prints where it serves", excluded=(0,))
 # The orchestrator's metrics port; the draft's is one above, the target's two.
 METRICS_PORT = int_in(0, MAX_PORT - 2, "0: off; the draft's is this + 1, the target's + 2")
 

@@ -56,6 +56,7 @@ HEALTH_PORT_MAX_CONCURRENT_RPCS = 64
 # hold at most this share of its concurrent calls, so Watches alone never
 # refuse a Check (the probes) or the port's real calls.
 WATCH_SHARE = 4  # at most 1/4
+HEALTH_PORT_MAX_WATCHES = HEALTH_PORT_MAX_CONCURRENT_RPCS // WATCH_SHARE
 # The health-only port closes each connection after this long (plus this
 # grace for its calls to end), so a call that never completes (a stalled
 # request, a Watch) gives its place back; probes open a connection per probe.
@@ -77,7 +78,7 @@ class ServerConfig:
                                    "one Generate per request. Health/Watch streams may hold a quarter of it. The "
                                    "--health-port has its own bound: "
                                    f"{HEALTH_PORT_MAX_CONCURRENT_RPCS} calls, "
-                                   f"{HEALTH_PORT_MAX_CONCURRENT_RPCS // WATCH_SHARE} of them Watch streams")
+                                   f"{HEALTH_PORT_MAX_WATCHES} of them Watch streams")
     drain_grace_s: float = opt(20.0, "on SIGTERM once serving: seconds in-flight calls get to finish (the "
                                      "orchestrator's HTTP requests still running then get 503); while still "
                                      "starting, SIGTERM exits at once")
@@ -86,7 +87,7 @@ class ServerConfig:
     health_port: int = opt(-1, "a plaintext port on the same host serving grpc.health.v1 only, for probes that "
                                "cannot present a client certificate; at most "
                                f"{HEALTH_PORT_MAX_CONCURRENT_RPCS} calls at once "
-                               f"({HEALTH_PORT_MAX_CONCURRENT_RPCS // WATCH_SHARE} Watch streams), each connection "
+                               f"({HEALTH_PORT_MAX_WATCHES} Watch streams), each connection "
                                f"closed after {HEALTH_PORT_MAX_CONNECTION_AGE_MS // 1000} s "
                                "(-1: off; 0: pick a free one)")
     cpu_wake_latency_us: int = opt(-1, "hold every CPU's wake-up latency at most this many microseconds while "
@@ -381,7 +382,7 @@ async def _start_health_only(cfg: ServerConfig, health_servicer) -> tuple[grpc.a
                  ("grpc.max_connection_age_grace_ms", HEALTH_PORT_MAX_CONNECTION_AGE_GRACE_MS)],
         maximum_concurrent_rpcs=HEALTH_PORT_MAX_CONCURRENT_RPCS)
     health_pb2_grpc.add_HealthServicer_to_server(
-        BoundedHealth(health_servicer, watch_limit(HEALTH_PORT_MAX_CONCURRENT_RPCS)), server)
+        BoundedHealth(health_servicer, HEALTH_PORT_MAX_WATCHES), server)
     port = _bind(lambda: server.add_insecure_port(bind_address(cfg.host, cfg.health_port)),
                  f"the health port {cfg.host}:{cfg.health_port}")
     await server.start()
