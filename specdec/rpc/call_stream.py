@@ -247,13 +247,10 @@ class CallStream:
                                               f"the {self._service} service's call stream broke while a call "
                                               f"was sent: {exc.details()}")
         except asyncio.CancelledError:
-            error = grpc_errors.rpc_error(grpc.StatusCode.CANCELLED, "the call stream was closed")
+            error = _closed()
         if self._stream is stream:
             self._stream = None
-        stream.waiting.fail_all(error)
-        stream.writer.cancel()
-        stream.call.cancel()
-        await asyncio.gather(stream.writer, return_exceptions=True)
+        await _end(stream, error)
 
     async def close(self) -> None:
         """End the open stream and the lane (their calls in flight fail with CANCELLED)."""
@@ -265,10 +262,21 @@ class CallStream:
             await asyncio.gather(stream.reader, return_exceptions=True)
             # A reader cancelled before its first step ran none of its ending:
             # its calls would wait out their deadlines, and the stream stay open.
-            stream.waiting.fail_all(grpc_errors.rpc_error(grpc.StatusCode.CANCELLED, "the call stream was closed"))
-            stream.writer.cancel()
-            stream.call.cancel()
-            await asyncio.gather(stream.writer, return_exceptions=True)
+            await _end(stream, _closed())
+
+
+def _closed() -> grpc.aio.AioRpcError:
+    return grpc_errors.rpc_error(grpc.StatusCode.CANCELLED, "the call stream was closed")
+
+
+async def _end(stream: _OpenStream, error: grpc.aio.AioRpcError) -> None:
+    """A stream's ending, whoever ends it (its reader, or `close` when the
+    reader was cancelled before it ran): its calls fail with `error`, its
+    writer and its gRPC call are cancelled. Harmless twice."""
+    stream.waiting.fail_all(error)
+    stream.writer.cancel()
+    stream.call.cancel()
+    await asyncio.gather(stream.writer, return_exceptions=True)
 
 
 async def _write(stream: _OpenStream) -> None:
